@@ -1,0 +1,80 @@
+"""The expert MLP and the top-k combine, bit-for-bit as transformers computes them.
+
+Losslessness lives here. transformers picks an "experts implementation" per model (`grouped_mm`
+where torch has the kernel, else `eager`); the two differ in how rows reach the matmul and, above
+all, in how the k weighted expert outputs of a token are summed (`eager`: `index_add_` in ascending
+expert order; `grouped_mm`: a `[T, k, H].sum(1)`). Floating-point addition is not associative, so
+main must combine exactly as the reference would, and a worker must run the same kernel on the same
+rows. `split_by_expert` fixes the row order both sides use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.activations import ACT2FN
+from transformers.integrations.moe import _grouped_linear
+
+KERNELS = ("grouped_mm", "eager")
+
+
+@dataclass(frozen=True)
+class ExpertRows:
+    """The token rows one expert computes: `hidden[token_idx]`, with the k-slot each came from."""
+
+    expert: int
+    token_idx: torch.Tensor  # [n] long
+    slot_idx: torch.Tensor  # [n] long, position in top-k
+
+
+def split_by_expert(top_k_index: torch.Tensor, num_experts: int) -> list[ExpertRows]:
+    """Experts hit by this batch, ascending, each with its rows in transformers' eager order."""
+    # [T, k] -> one_hot [T, k, E] -> [E, k, T], as the eager kernel builds its mask.
+    mask = torch.nn.functional.one_hot(top_k_index, num_classes=num_experts).permute(2, 1, 0)
+    hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+    rows = []
+    for expert in hit:
+        slot_idx, token_idx = torch.where(mask[expert])
+        rows.append(ExpertRows(expert=expert, token_idx=token_idx, slot_idx=slot_idx))
+    return rows
+
+
+def expert_forward(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, hidden_act: str, kernel: str
+) -> torch.Tensor:
+    """One expert's gated MLP on rows x [n, H] -> [n, H], unweighted."""
+    act = ACT2FN[hidden_act]
+    if kernel == "eager":
+        gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+        return torch.nn.functional.linear(act(gate) * up, down)
+    if kernel == "grouped_mm":
+        # A one-expert group through transformers' own grouped linear: same kernel, same strides.
+        offs = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
+        gate, up = _grouped_linear(x, gate_up.unsqueeze(0), offs).chunk(2, dim=-1)
+        return _grouped_linear(act(gate) * up, down.unsqueeze(0), offs)
+    raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")
+
+
+def combine(
+    hidden: torch.Tensor,
+    parts: list[tuple[ExpertRows, torch.Tensor]],
+    top_k_weights: torch.Tensor,
+    kernel: str,
+) -> torch.Tensor:
+    """Weighted sum of the experts' outputs per token, [T, H], in the reference's order and dtype."""
+    num_tokens, hidden_dim = hidden.shape
+    top_k = top_k_weights.shape[-1]
+    if kernel == "eager":
+        out = torch.zeros_like(hidden)
+        for rows, y in sorted(parts, key=lambda p: p[0].expert):
+            weighted = y * top_k_weights[rows.token_idx, rows.slot_idx, None]
+            out.index_add_(0, rows.token_idx, weighted.to(out.dtype))
+        return out
+    if kernel == "grouped_mm":
+        flat = torch.zeros(num_tokens * top_k, hidden_dim, dtype=hidden.dtype, device=hidden.device)
+        for rows, y in parts:
+            flat[rows.token_idx * top_k + rows.slot_idx] = y.to(flat.dtype)
+        weighted = flat * top_k_weights.reshape(-1).unsqueeze(-1)
+        return weighted.view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
+    raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")

@@ -1,0 +1,88 @@
+"""The one table of per-family differences.
+
+Everything odmoe needs to know about a Hugging Face MoE family that is not already in the
+family's own modeling code: how its checkpoints name expert tensors on disk, how the other tensors
+are renamed on load, and which config fields hold the expert counts. Routing, attention, shared
+experts and dense layers stay in transformers' own classes (main runs them unchanged), so they need
+no entry here.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class UnsupportedModelError(ValueError):
+    """The checkpoint is not an MoE model of a family odmoe supports."""
+
+
+@dataclass(frozen=True)
+class Family:
+    model_type: str
+    # Disk layout of one expert: "{prefix}.{layer}.{moe}.experts.{expert}.{proj}.weight".
+    moe_module: str  # the MoE block's name on disk ("block_sparse_moe" or "mlp")
+    gate_proj: str
+    up_proj: str
+    down_proj: str
+    num_experts_field: str
+    top_k_field: str = "num_experts_per_tok"
+    # Disk-name -> module-name rewrites for the tensors main loads (transformers' own renames).
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def expert_key(self, layer: int, expert: int, proj: str) -> str:
+        return f"model.layers.{layer}.{self.moe_module}.experts.{expert}.{proj}.weight"
+
+    def fused_key(self, layer: int, name: str) -> str:
+        """Key of a fused [E, ...] expert tensor, for checkpoints saved in the fused layout."""
+        return f"model.layers.{layer}.mlp.experts.{name}"
+
+    def module_key(self, disk_key: str) -> str:
+        for old, new in self.renames:
+            disk_key = disk_key.replace(old, new)
+        return disk_key
+
+
+_MLP_STYLE = dict(moe_module="mlp", gate_proj="gate_proj", up_proj="up_proj", down_proj="down_proj")
+
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family(
+        "mixtral",
+        moe_module="block_sparse_moe",
+        gate_proj="w1",
+        up_proj="w3",
+        down_proj="w2",
+        num_experts_field="num_local_experts",
+        renames=((".block_sparse_moe.", ".mlp."),),
+    ),
+    "qwen2_moe": Family("qwen2_moe", num_experts_field="num_experts", **_MLP_STYLE),
+    "qwen3_moe": Family("qwen3_moe", num_experts_field="num_experts", **_MLP_STYLE),
+    "olmoe": Family("olmoe", num_experts_field="num_experts", **_MLP_STYLE),
+    "deepseek_v3": Family("deepseek_v3", num_experts_field="n_routed_experts", **_MLP_STYLE),
+}
+
+# Matches any routed-expert tensor on disk, per-expert or fused; shared experts
+# ("shared_expert", "shared_experts") do not match and stay on main.
+_EXPERT_KEY = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj|gate_proj|up_proj)")
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+
+
+def family_of(config) -> Family:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not supported; odmoe serves {', '.join(sorted(FAMILIES))}"
+        )
+    family = FAMILIES[model_type]
+    if not getattr(config, family.num_experts_field, 0):
+        raise UnsupportedModelError(f"{model_type} config has no routed experts ({family.num_experts_field}=0)")
+    return family
+
+
+def is_expert_key(key: str) -> bool:
+    return _EXPERT_KEY.search(key) is not None
+
+
+def layer_of_key(key: str) -> int | None:
+    match = _LAYER.match(key)
+    return int(match.group(1)) if match else None
