@@ -1,0 +1,27 @@
+PY ?= python
+.PHONY: help install proto proto-check lint test test-all cluster
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+install:  ## install odmoe for development on a CPU machine
+	$(PY) -m pip install -c constraints-cpu.txt torch==2.13.0
+	$(PY) -m pip install -c constraints-cpu.txt -e ".[dev]"
+
+proto:  ## regenerate odmoe/rpc/*_pb2*.py from protos/ (never edit those by hand)
+	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/odmoe/rpc/odmoe.proto
+
+proto-check:  ## fail if the generated code drifted from protos/
+	$(PY) -m pytest -q tests/test_proto_drift.py
+
+lint:  ## ruff lint + format check
+	ruff check . && ruff format --check .
+
+test:  ## the default test suite (what CI runs)
+	$(PY) -m pytest
+
+test-all:  ## everything, slow soak tests included
+	$(PY) -m pytest -m ""
+
+cluster:  ## a whole local cluster answering one prompt on the default tiny model
+	odmoe-launch role=local

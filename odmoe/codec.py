@@ -1,0 +1,86 @@
+"""Wire format of the data plane: one msgpack header frame, then one raw frame per tensor.
+
+Contract: `encode(header, tensors)` -> list of frames for `send_multipart`; `decode(frames)` ->
+(header, tensors). Tensors of any dtype (bf16 included, which numpy cannot name) travel as their
+raw bytes; the header records dtype and shape under the reserved key "_tensors". Decoding wraps the
+received buffers without copying; the result is read-only memory owned by the frame, so callers
+that write to a tensor must clone it first.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import msgpack
+import torch
+
+_TENSORS = "_tensors"
+_DTYPES = {
+    str(dt).removeprefix("torch."): dt
+    for dt in (
+        torch.float32, torch.float16, torch.bfloat16, torch.float64,
+        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+    )
+}
+
+
+class CodecError(ValueError):
+    """A message that does not follow the wire format."""
+
+
+def _raw(t: torch.Tensor) -> memoryview:
+    t = t.detach().contiguous().cpu()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+def encode(header: dict[str, Any], tensors: list[torch.Tensor] = ()) -> list:
+    meta = []
+    for t in tensors:
+        name = str(t.dtype).removeprefix("torch.")
+        if name not in _DTYPES:
+            raise CodecError(f"dtype {t.dtype} cannot travel")
+        meta.append([name, list(t.shape)])
+    return [msgpack.packb({**header, _TENSORS: meta}), *(_raw(t) for t in tensors)]
+
+
+def _buffer(frame) -> memoryview:
+    return frame.buffer if hasattr(frame, "buffer") else memoryview(frame)
+
+
+def decode(frames: list) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    try:
+        header = msgpack.unpackb(_buffer(frames[0]))
+        meta = header.pop(_TENSORS)
+    except Exception as exc:  # a malformed peer must not kill the node
+        raise CodecError(f"bad header frame: {exc}") from exc
+    if len(meta) != len(frames) - 1:
+        raise CodecError(f"header names {len(meta)} tensors but {len(frames) - 1} frames follow")
+    tensors = []
+    for (name, shape), frame in zip(meta, frames[1:], strict=True):
+        dtype = _DTYPES.get(name)
+        if dtype is None:
+            raise CodecError(f"unknown dtype {name!r}")
+        buf = _buffer(frame)
+        expected = dtype.itemsize * _numel(shape)
+        if buf.nbytes != expected:
+            raise CodecError(f"tensor frame has {buf.nbytes} bytes, {name}{shape} needs {expected}")
+        if expected == 0:
+            tensors.append(torch.empty(shape, dtype=dtype))
+            continue
+        with warnings.catch_warnings():
+            # frombuffer warns that the frame is read-only; read-only is this module's contract.
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.frombuffer(buf, dtype=torch.uint8)
+        tensors.append(flat.view(dtype).view(shape))
+    return header, tensors
+
+
+def _numel(shape: list[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+

@@ -1,0 +1,139 @@
+"""The decode loop of the main node: prompt -> tokens, one request at a time.
+
+Contract: `MainEngine.generate(request)` yields `TokenEvent`s as tokens are chosen and ends with one
+`DoneEvent` carrying the request's stats. It knows nothing about gRPC; experts are computed wherever
+the `RemoteExperts` attached to the model sends them. Greedy decoding, same inputs as
+`transformers`' `generate()` (DynamicCache, attention mask of ones, `logits_to_keep=1`, stop at EOS or
+`max_new_tokens`), so the tokens equal a single-process `generate(do_sample=False)`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerBase
+
+from odmoe.main_model import MainModel
+from odmoe.memory import peak_rss_bytes
+from odmoe.remote_experts import RemoteExperts
+
+
+class InvalidRequest(ValueError):
+    """The request itself is wrong (empty prompt, too many tokens...): the client's to fix."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str = ""
+    token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 32
+    return_logits: bool = False  # send the last position's logits back (fidelity checks)
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str  # the new text this token completes (may be "" mid-way through a UTF-8 character)
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    stats: dict
+    final_logits: torch.Tensor | None = None  # [vocab] fp32, when the request asked for it
+
+
+class MainEngine:
+    def __init__(self, main: MainModel, tokenizer: PreTrainedTokenizerBase, experts: RemoteExperts):
+        self.main, self.tokenizer, self.experts = main, tokenizer, experts
+        main.attach(experts)
+        config = main.model.config
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        eos = main.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.token_ids and request.prompt:
+            raise InvalidRequest("give either a prompt or token_ids, not both")
+        ids = list(request.token_ids) if request.token_ids else self.tokenizer(request.prompt)["input_ids"]
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.main.model.config.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise InvalidRequest(f"token ids must lie in [0, {vocab})")
+        if request.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        if self.max_positions and len(ids) + request.max_new_tokens > self.max_positions:
+            raise InvalidRequest(
+                f"{len(ids)} prompt tokens + max_new_tokens={request.max_new_tokens} exceed the model's "
+                f"context of {self.max_positions} positions"
+            )
+        return ids
+
+    @torch.inference_mode()
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
+        start = time.perf_counter()
+        # 1) tokens in: exactly tokenizer(prompt), no chat template.
+        ids = torch.tensor([self.prompt_ids(request)])
+        prompt_len = ids.shape[1]
+        model, cache = self.main.model, DynamicCache(config=self.main.model.config)
+        self.experts.traffic = type(self.experts.traffic)()
+        new_ids: list[int] = []
+        text = _Detokenizer(self.tokenizer)
+        step_input, first_token_at = ids, 0.0
+        # 2) prefill (iteration 0) then 3) one decode iteration per new token.
+        for iteration in range(request.max_new_tokens):
+            self.experts.begin(request.request_id, iteration)
+            mask = torch.ones(1, prompt_len + len(new_ids), dtype=torch.long)
+            logits = model(input_ids=step_input, attention_mask=mask, past_key_values=cache,
+                           use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+            token = int(logits.argmax(dim=-1))
+            new_ids.append(token)
+            if iteration == 0:
+                first_token_at = time.perf_counter()
+            yield TokenEvent(token, text.add(token))
+            if token in self.eos_ids:
+                break
+            step_input = torch.tensor([[token]])
+        end = time.perf_counter()
+        stats = self._stats(request, prompt_len, new_ids, start, first_token_at, end)
+        yield DoneEvent(stats, logits[0].clone() if request.return_logits else None)
+
+    def _stats(self, request, prompt_len, new_ids, start, first_token_at, end) -> dict:
+        traffic = self.experts.traffic
+        decode_tokens = len(new_ids) - 1
+        decode_s = end - first_token_at
+        return {
+            "request_id": request.request_id,
+            "prompt_tokens": prompt_len,
+            "new_tokens": len(new_ids),
+            "ttft_s": first_token_at - start,
+            "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
+            "total_s": end - start,
+            "experts_loaded": traffic.experts_loaded,
+            "bytes_loaded": traffic.bytes_loaded,
+            "worker_load_s": traffic.load_s,
+            "worker_compute_s": traffic.compute_s,
+            "main_wait_on_workers_s": traffic.wait_s,
+            "peak_rss_bytes": {"main": peak_rss_bytes(),
+                               **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())}},
+        }
+
+
+class _Detokenizer:
+    """Streams text: each token yields the text it completes, holding back half a UTF-8 character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = full[len(self.emitted):], full
+        return piece

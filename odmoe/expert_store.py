@@ -1,0 +1,107 @@
+"""A worker's experts: a host-memory store and a fixed set of device slots.
+
+Contract: `ExpertStore` keeps every expert the worker serves in host memory (never on the
+accelerator). `DeviceSlots` owns `slots` preallocated buffers on the compute device; `load` copies
+one expert into a free slot (the just-in-time load the paper hides behind computation) and
+`evict` frees it. There is deliberately no cache: an expert is evicted right after it computes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from odmoe.checkpoint import Checkpoint, ExpertWeights
+
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+
+class ExpertStore:
+    def __init__(self, experts: dict[ExpertKey, ExpertWeights]):
+        if not experts:
+            raise ValueError("a worker's expert store is empty")
+        self._experts = experts
+        first = next(iter(experts.values()))
+        self.gate_up_shape, self.down_shape, self.dtype = first.gate_up.shape, first.down.shape, first.gate_up.dtype
+
+    @classmethod
+    def from_checkpoint(cls, checkpoint: Checkpoint, layers: list[int], dtype: torch.dtype) -> ExpertStore:
+        experts = {}
+        for layer in layers:
+            for e in range(checkpoint.num_experts):
+                w = checkpoint.expert(layer, e)
+                experts[(layer, e)] = ExpertWeights(w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous())
+        return cls(experts)
+
+    def __contains__(self, key: ExpertKey) -> bool:
+        return key in self._experts
+
+    def __getitem__(self, key: ExpertKey) -> ExpertWeights:
+        return self._experts[key]
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({layer for layer, _ in self._experts})
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self._experts.values())
+
+
+@dataclass
+class Slot:
+    index: int
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    holds: ExpertKey | None = None
+
+
+@dataclass
+class LoadCounters:
+    loads: int = 0
+    bytes_loaded: int = 0
+    load_s: float = 0.0
+    peak_busy: int = 0
+    history: list[ExpertKey] = field(default_factory=list)
+
+
+class DeviceSlots:
+    def __init__(self, store: ExpertStore, device: torch.device, slots: int = 2):
+        if slots < 1:
+            raise ValueError(f"worker.slots must be at least 1, got {slots}")
+        self.store, self.device = store, device
+        self._slots = [
+            Slot(i, torch.empty(store.gate_up_shape, dtype=store.dtype, device=device),
+                 torch.empty(store.down_shape, dtype=store.dtype, device=device))
+            for i in range(slots)
+        ]
+        self.counters = LoadCounters()
+
+    def load(self, key: ExpertKey) -> Slot:
+        if key not in self.store:
+            raise KeyError(f"expert {key} is not in this worker's store (layers {self.store.layers})")
+        slot = next((s for s in self._slots if s.holds is None), None)
+        if slot is None:
+            raise RuntimeError(f"all {len(self._slots)} device slots are busy; cannot load {key}")
+        start = time.perf_counter()
+        weights = self.store[key]
+        slot.gate_up.copy_(weights.gate_up, non_blocking=True)
+        slot.down.copy_(weights.down, non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        slot.holds = key
+        c = self.counters
+        c.loads += 1
+        c.bytes_loaded += weights.nbytes
+        c.load_s += time.perf_counter() - start
+        c.peak_busy = max(c.peak_busy, sum(s.holds is not None for s in self._slots))
+        return slot
+
+    def evict(self, slot: Slot) -> None:
+        slot.holds = None
+
+    @property
+    def busy(self) -> int:
+        return sum(s.holds is not None for s in self._slots)

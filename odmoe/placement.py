@@ -1,0 +1,55 @@
+"""Which worker computes which expert: pure functions of the cluster's shape.
+
+Workers are numbered 0..N-1 and split into G = N / group_size round-robin groups; worker w belongs
+to group w // group_size. MoE layer l belongs to group l mod G (paper §3.1), so while one group
+computes layer l the next groups are already loading layers l+1, l+2, ... Main, the shadow and the
+workers all call these functions, so they agree on placement without exchanging it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+WorkerId = int
+
+
+@dataclass(frozen=True)
+class Topology:
+    workers: int
+    group_size: int
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"cluster.workers must be at least 1, got {self.workers}")
+        if self.group_size < 1:
+            raise ValueError(f"cluster.group_size must be at least 1, got {self.group_size}")
+        if self.workers % self.group_size:
+            raise ValueError(
+                f"cluster.workers={self.workers} is not divisible by cluster.group_size={self.group_size}"
+            )
+
+    @property
+    def groups(self) -> int:
+        return self.workers // self.group_size
+
+    def group_of_layer(self, layer: int) -> int:
+        return layer % self.groups
+
+    def group_of_worker(self, worker: WorkerId) -> int:
+        return worker // self.group_size
+
+    def workers_of_group(self, group: int) -> list[WorkerId]:
+        return list(range(group * self.group_size, (group + 1) * self.group_size))
+
+    def layers_of_worker(self, worker: WorkerId, layers: list[int]) -> list[int]:
+        group = self.group_of_worker(worker)
+        return [layer for layer in layers if self.group_of_layer(layer) == group]
+
+    def decode_placement(self, layer: int, experts: list[int]) -> dict[int, WorkerId]:
+        """The layer's experts, ascending, dealt round-robin over its group (one each when k == g)."""
+        members = self.workers_of_group(self.group_of_layer(layer))
+        return {e: members[i % len(members)] for i, e in enumerate(sorted(experts))}
+
+    def prefill_placement(self, experts: list[int]) -> dict[int, WorkerId]:
+        """Prefill hits nearly every expert: spread them over all workers, expert e on worker e mod N."""
+        return {e: e % self.workers for e in experts}

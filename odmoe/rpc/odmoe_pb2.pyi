@@ -1,0 +1,63 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GenerateRequest(_message.Message):
+    __slots__ = ("prompt", "token_ids", "max_new_tokens", "request_id", "return_logits")
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    prompt: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    max_new_tokens: int
+    request_id: str
+    return_logits: bool
+    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+
+class GenerateReply(_message.Message):
+    __slots__ = ("token", "done")
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    token: TokenPiece
+    done: Done
+    def __init__(self, token: _Optional[_Union[TokenPiece, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+
+class TokenPiece(_message.Message):
+    __slots__ = ("token_id", "text")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    text: str
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+
+class Done(_message.Message):
+    __slots__ = ("stats_json", "final_logits")
+    STATS_JSON_FIELD_NUMBER: _ClassVar[int]
+    FINAL_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    stats_json: str
+    final_logits: bytes
+    def __init__(self, stats_json: _Optional[str] = ..., final_logits: _Optional[bytes] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoReply(_message.Message):
+    __slots__ = ("model_path", "family", "workers", "group_size", "info_json")
+    MODEL_PATH_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_SIZE_FIELD_NUMBER: _ClassVar[int]
+    INFO_JSON_FIELD_NUMBER: _ClassVar[int]
+    model_path: str
+    family: str
+    workers: int
+    group_size: int
+    info_json: str
+    def __init__(self, model_path: _Optional[str] = ..., family: _Optional[str] = ..., workers: _Optional[int] = ..., group_size: _Optional[int] = ..., info_json: _Optional[str] = ...) -> None: ...
