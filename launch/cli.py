@@ -1,0 +1,41 @@
+"""`odmoe-launch`: the Hydra entry point for every role.
+
+    odmoe-launch role=local prompt="def f(x):" max_new_tokens=32   # whole cluster on this machine
+    odmoe-launch role=worker worker.index=0 model.path=DIR cluster=lan_example
+    odmoe-launch role=main model.path=DIR cluster=lan_example
+
+Exit codes: 0 success, 2 bad configuration or input, 1 anything else (the message says which node).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig
+
+from odmoe.launch.settings import to_config
+
+log = logging.getLogger("odmoe.launch")
+
+
+@hydra.main(config_path="pkg://odmoe.conf", config_name="config", version_base="1.3")
+def main(raw: DictConfig) -> None:
+    try:
+        cfg = to_config(raw)
+    except ValueError as exc:
+        print(f"odmoe-launch: {exc}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
+                        stream=sys.stderr)
+    from odmoe.launch.roles import run_local, run_main, run_worker
+
+    roles = {"local": run_local, "main": run_main, "worker": run_worker}
+    overrides = list(HydraConfig.get().overrides.task)
+    sys.exit(roles[cfg.role.name](cfg, overrides))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,163 @@
+"""A whole odmoe cluster on this machine: main + workers as separate OS processes on 127.0.0.1.
+
+    with odmoe.LocalCluster(model_path, workers=2, group_size=2, overrides=["model.dtype=bfloat16"]) as c:
+        print(c.client.generate("def f(x):", max_new_tokens=16).text)
+
+Each node is `python -m odmoe.launch.cli role=... <overrides>`, the same program a LAN node runs.
+Nodes bind port 0 and report their address through a ready file. Why the cleanup is layered:
+`stop()` terminates then kills every child (also after a child fails or the wait times out); an
+atexit hook covers an interpreter that exits without `stop()`; and each child is started with
+PR_SET_PDEATHSIG so that even a SIGKILLed launcher leaves no orphan behind.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import json
+import logging
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from odmoe.client import Client
+from odmoe.config import OdmoeConfig
+from odmoe.launch.settings import compose
+
+log = logging.getLogger("odmoe.local")
+_PR_SET_PDEATHSIG = 1
+
+
+class ClusterStartError(RuntimeError):
+    """A node failed to start or did not come up in time; the message names it."""
+
+
+def _die_with_parent() -> None:
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+@dataclass
+class NodeProcess:
+    name: str
+    process: subprocess.Popen
+    ready_file: Path
+    log_file: Path
+
+    def log_tail(self, lines: int = 25) -> str:
+        try:
+            return "\n".join(self.log_file.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+
+def resolve_model_path(cfg: OdmoeConfig) -> str:
+    if cfg.model.path:
+        return str(Path(cfg.model.path).expanduser().resolve())
+    from odmoe.model_factory import ensure_default_model
+
+    cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else None
+    return str(ensure_default_model(cache))
+
+
+class LocalCluster:
+    def __init__(self, model_path: str | None = None, workers: int | None = None, group_size: int | None = None,
+                 overrides: list[str] | tuple[str, ...] = (), ready_timeout_s: float | None = None):
+        words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
+        if model_path is not None:
+            words.append(f"model.path={model_path}")
+        if workers is not None:
+            words.append(f"cluster.workers={workers}")
+        if group_size is not None:
+            words.append(f"cluster.group_size={group_size}")
+        self.cfg: OdmoeConfig = compose(["role=local", *words])  # validates before anything starts
+        self.overrides = words
+        self.model_path = resolve_model_path(self.cfg)
+        self.ready_timeout_s = ready_timeout_s or self.cfg.worker.ready_timeout_s
+        self.nodes: list[NodeProcess] = []
+        self.address = ""
+        self._client: Client | None = None
+        self._dir = Path(tempfile.mkdtemp(prefix="odmoe-cluster-"))
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def start(self) -> LocalCluster:
+        atexit.register(self.stop)
+        try:
+            n = self.cfg.cluster.workers
+            workers = [self._spawn(f"worker{i}", ["role=worker", f"worker.index={i}"]) for i in range(n)]
+            addresses = [info["address"] for info in self._wait_ready(workers)]
+            main_args = ["role=main", f"cluster.worker_addresses=[{','.join(addresses)}]"]
+            (info,) = self._wait_ready([self._spawn("main", main_args)])
+            self.address = info["address"]
+        except BaseException:
+            self.stop()
+            raise
+        log.info("local cluster up: main %s, %d workers", self.address, self.cfg.cluster.workers)
+        return self
+
+    def _spawn(self, name: str, role_args: list[str]) -> NodeProcess:
+        ready, log_file = self._dir / f"{name}.ready.json", self._dir / f"{name}.log"
+        args = [*self.overrides, f"model.path={self.model_path}", *role_args, f"ready_file={ready}"]
+        with open(log_file, "wb") as out:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "odmoe.launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+            )
+        node = NodeProcess(name, process, ready, log_file)
+        self.nodes.append(node)
+        return node
+
+    def _wait_ready(self, nodes: list[NodeProcess]) -> list[dict]:
+        deadline = time.monotonic() + self.ready_timeout_s
+        pending = list(nodes)
+        while pending:
+            for node in list(pending):
+                if node.ready_file.exists():
+                    pending.remove(node)
+                elif node.process.poll() is not None:
+                    raise ClusterStartError(
+                        f"{node.name} exited with code {node.process.returncode} while starting:\n{node.log_tail()}"
+                    )
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(n.name for n in pending)
+                raise ClusterStartError(f"{names} did not come up within {self.ready_timeout_s:.0f}s")
+            time.sleep(0.05)
+        return [json.loads(node.ready_file.read_text()) for node in nodes]
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        for node in self.nodes:
+            if node.process.poll() is None:
+                node.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for node in self.nodes:
+            try:
+                node.process.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                node.process.kill()
+                node.process.wait()
+        self.nodes = []
+        atexit.unregister(self.stop)
+
+    @property
+    def client(self) -> Client:
+        if not self.address:
+            raise RuntimeError("the cluster is not running; use it as a context manager or call start()")
+        if self._client is None:
+            self._client = Client(self.address)
+        return self._client
+
+    @property
+    def pids(self) -> list[int]:
+        return [n.process.pid for n in self.nodes]
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,33 @@
+"""Hydra -> typed config: the only place odmoe turns YAML and `key=value` overrides into OdmoeConfig.
+
+`compose(overrides)` gives the same config `odmoe-launch` would build from the same command-line
+words, so `LocalCluster(overrides=[...])` and the CLI share one config surface.
+"""
+
+from __future__ import annotations
+
+from hydra import compose as hydra_compose
+from hydra import initialize_config_module
+from hydra.core.config_store import ConfigStore
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig, OmegaConf
+
+from odmoe.config import OdmoeConfig, validate
+
+CONFIG_MODULE = "odmoe.conf"
+ConfigStore.instance().store(name="odmoe_schema", node=OdmoeConfig)
+
+
+def to_config(cfg: DictConfig) -> OdmoeConfig:
+    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    typed: OdmoeConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OdmoeConfig), plain))
+    validate(typed)
+    return typed
+
+
+def compose(overrides: list[str]) -> OdmoeConfig:
+    if GlobalHydra.instance().is_initialized():
+        # Inside a running Hydra app: compose with its already-initialised search path.
+        return to_config(GlobalHydra.instance().hydra.compose_config("config", overrides, run_mode=None))
+    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+        return to_config(hydra_compose("config", overrides=overrides))

@@ -1,0 +1,44 @@
+import msgpack
+import pytest
+import torch
+
+from odmoe.codec import CodecError, decode, encode
+from odmoe.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
+@pytest.mark.parametrize("shape", [(1, 7), (3, 5, 2), (0, 4), (1,), ()])
+def test_round_trip_is_bit_exact(dtype, shape):
+    t = (torch.randn(shape) * 100).to(dtype)
+    header, (back,) = decode(encode({"x": 1}, [t]))
+    assert header == {"x": 1}
+    assert back.dtype == dtype and back.shape == t.shape
+    # compare bytes, not values: -0.0 vs 0.0 or NaN payloads must survive too
+    assert torch.equal(back.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8))
+
+
+def test_non_contiguous_input_travels_as_its_values():
+    t = torch.arange(12, dtype=torch.float32).view(3, 4).t()
+    _, (back,) = decode(encode({}, [t]))
+    assert torch.equal(back, t)
+
+
+def test_messages_round_trip():
+    msg = ComputeExpert(step=Step("r1", 3, 5), expert=6, kernel="eager")
+    back, (x,) = from_frames(to_frames(msg, [torch.ones(2, 3)]))
+    assert back == msg and torch.equal(x, torch.ones(2, 3))
+    res = ExpertResult(step=Step("r1", 3, 5), expert=6, worker=1, load_s=0.1, compute_s=0.2, bytes_loaded=9,
+                       peak_rss=10)
+    assert from_frames(to_frames(res))[0] == res
+
+
+def test_malformed_messages_are_rejected():
+    frames = encode({}, [torch.ones(4)])
+    with pytest.raises(CodecError, match="bytes"):
+        decode([frames[0], b"\x00" * 3])
+    with pytest.raises(CodecError, match="frames follow"):
+        decode([frames[0]])
+    with pytest.raises(CodecError, match="header"):
+        decode([b"\xc1garbage"])
+    with pytest.raises(CodecError, match="unknown message kind"):
+        from_frames([msgpack.packb({"kind": "nope", "_tensors": []})])
