@@ -19,7 +19,8 @@ ConfigStore.instance().store(name="odmoe_schema", node=OdmoeConfig)
 
 
 def to_config(cfg: DictConfig) -> OdmoeConfig:
-    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=True).items() if k != "hydra"}
+    # Drop Hydra's own node before resolving: its sweep interpolations only resolve inside a job.
+    plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
     typed: OdmoeConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OdmoeConfig), plain))
     validate(typed)
     return typed
