@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
 from odmoe.config import OdmoeConfig
 from odmoe.launch.settings import compose
@@ -76,6 +77,7 @@ class LocalCluster:
         self.cfg: OdmoeConfig = compose(["role=local", *words])  # validates before anything starts
         self.overrides = words
         self.model_path = resolve_model_path(self.cfg)
+        Checkpoint(self.model_path)  # a missing or non-MoE model fails here, before any process starts
         self.ready_timeout_s = ready_timeout_s or self.cfg.worker.ready_timeout_s
         self.nodes: list[NodeProcess] = []
         self.address = ""

@@ -69,6 +69,9 @@ def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
     except grpc.RpcError as exc:
         print(f"odmoe-launch: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return BAD_INPUT if exc.code() == grpc.StatusCode.INVALID_ARGUMENT else 1
+    except KeyboardInterrupt:  # the cluster was already stopped by LocalCluster.__exit__
+        print("\nodmoe-launch: interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -27,7 +27,7 @@ from odmoe.config import OdmoeConfig
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine
 from odmoe.main_model import build_main_model, resolve_dtype
 from odmoe.nodes.ready import announce_ready
-from odmoe.remote_experts import RemoteExperts, WorkerUnavailable
+from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 
 log = logging.getLogger("odmoe.main")
@@ -87,6 +87,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         while (event := replies.get()) is not _END:
             if isinstance(event, WorkerUnavailable):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(event))
+            if isinstance(event, WorkerFailed):
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(event))
             if isinstance(event, InvalidRequest):
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(event))
             if isinstance(event, Exception):

@@ -24,7 +24,11 @@ from odmoe.placement import Topology
 
 
 class WorkerUnavailable(RuntimeError):
-    """A worker did not answer, or could not compute what it was asked."""
+    """A worker did not answer in time (dead, unreachable or overloaded)."""
+
+
+class WorkerFailed(RuntimeError):
+    """A worker answered but could not compute what it was asked (e.g. it lacks that expert)."""
 
 
 @dataclass
@@ -107,7 +111,7 @@ class RemoteExperts:
                 if not isinstance(result, ExpertResult) or result.step != step:
                     continue  # a late answer to an earlier, abandoned step
                 if result.error:
-                    raise WorkerUnavailable(f"worker {result.worker} failed on layer {step.layer}: {result.error}")
+                    raise WorkerFailed(f"worker {result.worker} failed on layer {step.layer}: {result.error}")
                 self.traffic.add(result)
                 outputs[result.expert] = tensors[0]
         return outputs

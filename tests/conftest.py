@@ -1,0 +1,41 @@
+"""Shared fixtures: small checkpoints of every family, made once per session, and a reaper that
+fails a test (and cleans up) if it leaves node processes behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import psutil
+import pytest
+
+from odmoe.model_factory import FAMILIES, ModelSpec, make_model
+
+FAMILY_NAMES = [f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe") if f in FAMILIES]
+
+
+def _spec(family: str) -> ModelSpec:
+    return ModelSpec(family=family, layers=4, hidden=64, intermediate=128, experts=8, top_k=2, vocab=1024,
+                     max_positions=256, seed=0)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("models")
+    return {f: str(make_model(_spec(f), root / f)) for f in FAMILY_NAMES}
+
+
+@pytest.fixture
+def reap_children():
+    """Yields; afterwards asserts no child process of this test run is still alive, killing any."""
+    me = psutil.Process(os.getpid())
+    before = {p.pid for p in me.children(recursive=True)}
+    yield
+    leftovers = [p for p in me.children(recursive=True) if p.pid not in before]
+    _, alive = psutil.wait_procs(leftovers, timeout=5)
+    for p in alive:
+        try:
+            os.kill(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert not alive, f"orphan node processes left running: {[p.pid for p in alive]}"

@@ -1,0 +1,88 @@
+"""Real local clusters (processes, gRPC, ZeroMQ) must produce exactly the single-process tokens."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from odmoe import LocalCluster
+from tests.conftest import FAMILY_NAMES
+
+PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    ", "    return sorted(items, key="]
+NEW_TOKENS = 32
+
+pytestmark = pytest.mark.integration
+
+
+def reference(path: str, prompt: str | list[int], dtype=None, new_tokens: int = NEW_TOKENS):
+    """Token ids and final-position logits of transformers' own greedy generate()."""
+    model = AutoModelForCausalLM.from_pretrained(path, **({"dtype": dtype} if dtype else {}))
+    if isinstance(prompt, str):
+        ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt")["input_ids"]
+    else:
+        ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
+                         output_logits=True, return_dict_in_generate=True)
+    return out.sequences[0, ids.shape[1]:].tolist(), out.logits[-1][0].float()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("workers,group_size", [(2, 2), (4, 2)])
+def test_cluster_tokens_equal_reference(family, workers, group_size, model_dirs, reap_children):
+    path = model_dirs[family]
+    with LocalCluster(path, workers=workers, group_size=group_size) as cluster:
+        for prompt in PROMPTS:
+            want_ids, want_logits = reference(path, prompt)
+            got = cluster.client.generate(prompt, max_new_tokens=NEW_TOKENS, return_logits=True)
+            assert got.token_ids == want_ids, f"{family} {workers}w diverged on {prompt!r}"
+            assert len(got.token_ids) >= min(NEW_TOKENS, len(want_ids))
+            assert torch.allclose(got.final_logits, want_logits, rtol=0, atol=1e-5)
+            assert got.stats["experts_loaded"] > 0 and got.stats["bytes_loaded"] > 0
+
+
+def test_bf16_and_token_id_prompts(model_dirs, reap_children):
+    path = model_dirs["mixtral"]
+    prompt_ids = [5, 17, 300, 42, 9]
+    with LocalCluster(path, workers=2, group_size=1, overrides=["model.dtype=bfloat16"]) as cluster:
+        want_ids, want_logits = reference(path, prompt_ids, dtype=torch.bfloat16)
+        got = cluster.client.generate(prompt_ids, max_new_tokens=NEW_TOKENS, return_logits=True)
+        assert got.token_ids == want_ids
+        assert torch.allclose(got.final_logits, want_logits, rtol=0, atol=1e-5)
+
+
+def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap_children):
+    path = model_dirs["qwen2_moe"]
+    wanted = {p: reference(path, p, new_tokens=16)[0] for p in PROMPTS}
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+    with LocalCluster(path, workers=2, group_size=2) as cluster:
+        def ask(prompt: str) -> None:
+            try:
+                with __import__("odmoe").Client(cluster.address) as client:
+                    results[prompt] = client.generate(prompt, max_new_tokens=16).token_ids
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS * 2]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not errors
+    assert results == wanted
+
+
+def test_stream_yields_pieces_that_add_up_to_generate(model_dirs, reap_children):
+    path = model_dirs["olmoe"]
+    with LocalCluster(path, workers=2, group_size=2) as cluster:
+        pieces = list(cluster.client.stream(PROMPTS[0], max_new_tokens=12))
+        whole = cluster.client.generate(PROMPTS[0], max_new_tokens=12)
+    assert [p.token_id for p in pieces] == whole.token_ids
+    assert "".join(p.text for p in pieces) == whole.text
+    for key in ("ttft_s", "decode_tokens_per_s", "experts_loaded", "bytes_loaded", "worker_load_s",
+                "worker_compute_s", "peak_rss_bytes"):
+        assert key in whole.stats
+    assert set(whole.stats["peak_rss_bytes"]) == {"main", "worker0", "worker1"}
