@@ -14,9 +14,8 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-
 from odmoe.launch.settings import to_config
+from omegaconf import DictConfig
 
 log = logging.getLogger("odmoe.launch")
 
@@ -28,8 +27,9 @@ def main(raw: DictConfig) -> None:
     except ValueError as exc:
         print(f"odmoe-launch: {exc}", file=sys.stderr)
         sys.exit(2)
-    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
+    )
     from odmoe.launch.roles import run_local, run_main, run_worker
 
     roles = {"local": run_local, "main": run_main, "worker": run_worker}

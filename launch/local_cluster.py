@@ -24,10 +24,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from odmoe.launch.settings import compose
+
 from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
 from odmoe.config import OdmoeConfig
-from odmoe.launch.settings import compose
 
 log = logging.getLogger("odmoe.local")
 _PR_SET_PDEATHSIG = 1
@@ -65,8 +66,14 @@ def resolve_model_path(cfg: OdmoeConfig) -> str:
 
 
 class LocalCluster:
-    def __init__(self, model_path: str | None = None, workers: int | None = None, group_size: int | None = None,
-                 overrides: list[str] | tuple[str, ...] = (), ready_timeout_s: float | None = None):
+    def __init__(
+        self,
+        model_path: str | None = None,
+        workers: int | None = None,
+        group_size: int | None = None,
+        overrides: list[str] | tuple[str, ...] = (),
+        ready_timeout_s: float | None = None,
+    ):
         words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
         if model_path is not None:
             words.append(f"model.path={model_path}")
@@ -105,8 +112,11 @@ class LocalCluster:
         args = [*self.overrides, f"model.path={self.model_path}", *role_args, f"ready_file={ready}"]
         with open(log_file, "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "odmoe.launch.cli", *args], stdout=out, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent,
+                [sys.executable, "-m", "odmoe.launch.cli", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                preexec_fn=_die_with_parent,
             )
         node = NodeProcess(name, process, ready, log_file)
         self.nodes.append(node)
@@ -120,8 +130,9 @@ class LocalCluster:
                 if node.ready_file.exists():
                     pending.remove(node)
                 elif node.process.poll() is not None:
+                    code = node.process.returncode
                     raise ClusterStartError(
-                        f"{node.name} exited with code {node.process.returncode} while starting:\n{node.log_tail()}"
+                        f"{node.name} exited with code {code} while starting:\n{node.log_tail()}"
                     )
             if pending and time.monotonic() > deadline:
                 names = ", ".join(n.name for n in pending)

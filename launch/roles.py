@@ -7,11 +7,11 @@ import logging
 import sys
 
 import grpc
+from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
 
 from odmoe.checkpoint import CheckpointError
 from odmoe.config import OdmoeConfig
 from odmoe.families import UnsupportedModelError
-from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
 
 log = logging.getLogger("odmoe.launch")
 BAD_INPUT = 2
@@ -31,6 +31,7 @@ def run_worker(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
     from odmoe.nodes.main import MainNode, PortInUse
+
     from odmoe.remote_experts import WorkerUnavailable
 
     try:
@@ -49,8 +50,11 @@ def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
     passthrough = [w for w in overrides if not w.startswith(("role=", "prompt=", "max_new_tokens="))]
     try:
         with LocalCluster(overrides=passthrough) as cluster:
-            print(f"odmoe: {cfg.cluster.workers} workers (group size {cfg.cluster.group_size}), "
-                  f"model {cluster.model_path}", file=sys.stderr)
+            print(
+                f"odmoe: {cfg.cluster.workers} workers (group size {cfg.cluster.group_size}), "
+                f"model {cluster.model_path}",
+                file=sys.stderr,
+            )
             print(cfg.prompt, end="", flush=True)
             result = None
             for reply in cluster.client._replies(cfg.prompt, cfg.max_new_tokens):
@@ -77,12 +81,25 @@ def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 def format_stats(stats: dict) -> str:
     mib = 2**20
-    rss = ", ".join(f"{k} {v / mib:.0f} MiB" for k, v in stats.get("peak_rss_bytes", {}).items())
-    return "\n".join([
-        f"-- {stats.get('new_tokens', 0)} new tokens after {stats.get('prompt_tokens', 0)} prompt tokens",
-        f"   TTFT {stats.get('ttft_s', 0) * 1e3:.1f} ms, decode {stats.get('decode_tokens_per_s', 0):.2f} tokens/s",
-        f"   experts loaded {stats.get('experts_loaded', 0)} ({stats.get('bytes_loaded', 0) / mib:.1f} MiB), "
-        f"worker load {stats.get('worker_load_s', 0) * 1e3:.1f} ms vs compute "
-        f"{stats.get('worker_compute_s', 0) * 1e3:.1f} ms",
-        f"   peak RSS: {rss}",
-    ])
+    s = {
+        "new_tokens": 0,
+        "prompt_tokens": 0,
+        "ttft_s": 0.0,
+        "decode_tokens_per_s": 0.0,
+        "experts_loaded": 0,
+        "bytes_loaded": 0,
+        "worker_load_s": 0.0,
+        "worker_compute_s": 0.0,
+        "peak_rss_bytes": {},
+        **stats,
+    }
+    rss = ", ".join(f"{k} {v / mib:.0f} MiB" for k, v in s["peak_rss_bytes"].items())
+    return "\n".join(
+        [
+            f"-- {s['new_tokens']} new tokens after {s['prompt_tokens']} prompt tokens",
+            f"   TTFT {s['ttft_s'] * 1e3:.1f} ms, decode {s['decode_tokens_per_s']:.2f} tokens/s",
+            f"   experts loaded {s['experts_loaded']} ({s['bytes_loaded'] / mib:.1f} MiB), "
+            f"worker load {s['worker_load_s'] * 1e3:.1f} ms vs compute {s['worker_compute_s'] * 1e3:.1f} ms",
+            f"   peak RSS: {rss}",
+        ]
+    )

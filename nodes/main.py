@@ -20,13 +20,13 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from odmoe.nodes.ready import announce_ready
 from transformers import AutoTokenizer
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine
 from odmoe.main_model import build_main_model, resolve_dtype
-from odmoe.nodes.ready import announce_ready
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 
@@ -45,8 +45,12 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         main = build_main_model(self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         self.experts = RemoteExperts(
-            cfg.cluster.worker_addresses, cfg.topology, self.checkpoint.num_experts, main.kernel,
-            reply_timeout_s=cfg.worker.reply_timeout_s, spread_prefill=not cfg.worker.only_own_layers,
+            cfg.cluster.worker_addresses,
+            cfg.topology,
+            self.checkpoint.num_experts,
+            main.kernel,
+            reply_timeout_s=cfg.worker.reply_timeout_s,
+            spread_prefill=not cfg.worker.only_own_layers,
         )
         self.pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, self.checkpoint.moe_layers)
         self.engine = MainEngine(main, tokenizer, self.experts)
@@ -73,8 +77,11 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
     # -- gRPC handlers -----------------------------------------------------------------------
     def Generate(self, request, context):
         req = GenerateRequest(
-            prompt=request.prompt, token_ids=tuple(request.token_ids), max_new_tokens=request.max_new_tokens,
-            return_logits=request.return_logits, **({"request_id": request.request_id} if request.request_id else {}),
+            prompt=request.prompt,
+            token_ids=tuple(request.token_ids),
+            max_new_tokens=request.max_new_tokens,
+            return_logits=request.return_logits,
+            **({"request_id": request.request_id} if request.request_id else {}),
         )
         try:
             self.engine.prompt_ids(req)
@@ -98,15 +105,24 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 done = odmoe_pb2.Done(stats_json=json.dumps(event.stats), final_logits=logits)
                 yield odmoe_pb2.GenerateReply(done=done)
             else:
-                yield odmoe_pb2.GenerateReply(token=odmoe_pb2.TokenPiece(token_id=event.token_id, text=event.text))
+                yield odmoe_pb2.GenerateReply(
+                    token=odmoe_pb2.TokenPiece(token_id=event.token_id, text=event.text)
+                )
 
     def Info(self, request, context):
-        info = {"moe_layers": self.checkpoint.moe_layers, "kernel": self.engine.main.kernel,
-                "workers": [{"index": p.worker, "layers": p.layers, "store_bytes": p.store_bytes}
-                            for p in self.pongs]}
+        info = {
+            "moe_layers": self.checkpoint.moe_layers,
+            "kernel": self.engine.main.kernel,
+            "workers": [
+                {"index": p.worker, "layers": p.layers, "store_bytes": p.store_bytes} for p in self.pongs
+            ],
+        }
         return odmoe_pb2.InfoReply(
-            model_path=self.model_path, family=self.checkpoint.family.model_type,
-            workers=self.cfg.cluster.workers, group_size=self.cfg.cluster.group_size, info_json=json.dumps(info),
+            model_path=self.model_path,
+            family=self.checkpoint.family.model_type,
+            workers=self.cfg.cluster.workers,
+            group_size=self.cfg.cluster.group_size,
+            info_json=json.dumps(info),
         )
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -128,8 +144,12 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         address = f"{host}:{bound}"
         announce_ready(ready_file, role="main", address=address)
-        log.info("main serving on %s (%d workers, group size %d)", address,
-                 self.cfg.cluster.workers, self.cfg.cluster.group_size)
+        log.info(
+            "main serving on %s (%d workers, group size %d)",
+            address,
+            self.cfg.cluster.workers,
+            self.cfg.cluster.group_size,
+        )
         done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())

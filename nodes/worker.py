@@ -16,6 +16,7 @@ import time
 
 import torch
 import zmq
+from odmoe.nodes.ready import announce_ready
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
@@ -25,7 +26,6 @@ from odmoe.expert_store import DeviceSlots, ExpertStore
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import peak_rss_bytes
 from odmoe.messages import ComputeExpert, ExpertResult, Ping, Pong, Shutdown, from_frames, to_frames
-from odmoe.nodes.ready import announce_ready
 
 log = logging.getLogger("odmoe.worker")
 
@@ -49,7 +49,10 @@ class WorkerNode:
         self.store = ExpertStore.from_checkpoint(checkpoint, layers, dtype)
         log.info(
             "worker %d: %d layers, %.1f MiB of experts in host memory (%.1fs)",
-            self.index, len(layers), self.store.nbytes / 2**20, time.perf_counter() - start,
+            self.index,
+            len(layers),
+            self.store.nbytes / 2**20,
+            time.perf_counter() - start,
         )
         self.slots = DeviceSlots(self.store, compute_device(cfg.worker.device), cfg.worker.slots)
         self.ctx = zmq.Context.instance()
@@ -108,6 +111,12 @@ class WorkerNode:
 
     def _result(self, request: ComputeExpert, load_s: float, compute_s: float, nbytes: int, error: str = ""):
         return ExpertResult(
-            step=request.step, expert=request.expert, worker=self.index, load_s=load_s,
-            compute_s=compute_s, bytes_loaded=nbytes, peak_rss=peak_rss_bytes(), error=error,
+            step=request.step,
+            expert=request.expert,
+            worker=self.index,
+            load_s=load_s,
+            compute_s=compute_s,
+            bytes_loaded=nbytes,
+            peak_rss=peak_rss_bytes(),
+            error=error,
         )

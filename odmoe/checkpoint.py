@@ -35,7 +35,9 @@ class ExpertWeights:
 
     @property
     def nbytes(self) -> int:
-        return self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        return (
+            self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        )
 
 
 class Checkpoint:

@@ -45,10 +45,18 @@ class Client:
 
     def _request(self, prompt: str | list[int], max_new_tokens: int, return_logits: bool, request_id: str):
         if isinstance(prompt, str):
-            return odmoe_pb2.GenerateRequest(prompt=prompt, max_new_tokens=max_new_tokens,
-                                             return_logits=return_logits, request_id=request_id)
-        return odmoe_pb2.GenerateRequest(token_ids=list(prompt), max_new_tokens=max_new_tokens,
-                                         return_logits=return_logits, request_id=request_id)
+            return odmoe_pb2.GenerateRequest(
+                prompt=prompt,
+                max_new_tokens=max_new_tokens,
+                return_logits=return_logits,
+                request_id=request_id,
+            )
+        return odmoe_pb2.GenerateRequest(
+            token_ids=list(prompt),
+            max_new_tokens=max_new_tokens,
+            return_logits=return_logits,
+            request_id=request_id,
+        )
 
     def _replies(self, prompt, max_new_tokens, return_logits=False, request_id=""):
         request = self._request(prompt, max_new_tokens, return_logits, request_id)
@@ -59,8 +67,13 @@ class Client:
             if reply.WhichOneof("kind") == "token":
                 yield Piece(reply.token.token_id, reply.token.text)
 
-    def generate(self, prompt: str | list[int], max_new_tokens: int = 32, return_logits: bool = False,
-                 request_id: str = "") -> GenerateResult:
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 32,
+        return_logits: bool = False,
+        request_id: str = "",
+    ) -> GenerateResult:
         result = GenerateResult()
         for reply in self._replies(prompt, max_new_tokens, return_logits, request_id):
             if reply.WhichOneof("kind") == "token":
@@ -69,13 +82,20 @@ class Client:
             else:
                 result.stats = json.loads(reply.done.stats_json)
                 if reply.done.final_logits:
-                    result.final_logits = torch.frombuffer(bytearray(reply.done.final_logits), dtype=torch.float32)
+                    result.final_logits = torch.frombuffer(
+                        bytearray(reply.done.final_logits), dtype=torch.float32
+                    )
         return result
 
     def info(self) -> dict:
         reply = self._stub.Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s)
-        return {"model_path": reply.model_path, "family": reply.family, "workers": reply.workers,
-                "group_size": reply.group_size, **json.loads(reply.info_json)}
+        return {
+            "model_path": reply.model_path,
+            "family": reply.family,
+            "workers": reply.workers,
+            "group_size": reply.group_size,
+            **json.loads(reply.info_json),
+        }
 
     def close(self) -> None:
         self._channel.close()

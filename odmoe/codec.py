@@ -19,8 +19,16 @@ _TENSORS = "_tensors"
 _DTYPES = {
     str(dt).removeprefix("torch."): dt
     for dt in (
-        torch.float32, torch.float16, torch.bfloat16, torch.float64,
-        torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
     )
 }
 
@@ -83,4 +91,3 @@ def _numel(shape: list[int]) -> int:
     for s in shape:
         n *= s
     return n
-

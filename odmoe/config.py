@@ -67,7 +67,7 @@ class OdmoeConfig:
 def validate(cfg: OdmoeConfig) -> None:
     if cfg.role.name not in ROLES:
         raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
-    cfg.topology  # raises on workers/group_size mismatch
+    Topology(cfg.cluster.workers, cfg.cluster.group_size)  # raises on a workers/group_size mismatch
     if cfg.worker.slots < 1:
         raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
     if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:

@@ -89,8 +89,17 @@ class MainEngine:
         for iteration in range(request.max_new_tokens):
             self.experts.begin(request.request_id, iteration)
             mask = torch.ones(1, prompt_len + len(new_ids), dtype=torch.long)
-            logits = model(input_ids=step_input, attention_mask=mask, past_key_values=cache,
-                           use_cache=True, logits_to_keep=1).logits[:, -1, :].float()
+            logits = (
+                model(
+                    input_ids=step_input,
+                    attention_mask=mask,
+                    past_key_values=cache,
+                    use_cache=True,
+                    logits_to_keep=1,
+                )
+                .logits[:, -1, :]
+                .float()
+            )
             token = int(logits.argmax(dim=-1))
             new_ids.append(token)
             if iteration == 0:
@@ -119,8 +128,10 @@ class MainEngine:
             "worker_load_s": traffic.load_s,
             "worker_compute_s": traffic.compute_s,
             "main_wait_on_workers_s": traffic.wait_s,
-            "peak_rss_bytes": {"main": peak_rss_bytes(),
-                               **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())}},
+            "peak_rss_bytes": {
+                "main": peak_rss_bytes(),
+                **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
+            },
         }
 
 
@@ -135,5 +146,5 @@ class _Detokenizer:
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if full.endswith("\ufffd"):
             return ""
-        piece, self.emitted = full[len(self.emitted):], full
+        piece, self.emitted = full[len(self.emitted) :], full
         return piece

@@ -24,7 +24,11 @@ class ExpertStore:
             raise ValueError("a worker's expert store is empty")
         self._experts = experts
         first = next(iter(experts.values()))
-        self.gate_up_shape, self.down_shape, self.dtype = first.gate_up.shape, first.down.shape, first.gate_up.dtype
+        self.gate_up_shape, self.down_shape, self.dtype = (
+            first.gate_up.shape,
+            first.down.shape,
+            first.gate_up.dtype,
+        )
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, layers: list[int], dtype: torch.dtype) -> ExpertStore:
@@ -32,7 +36,9 @@ class ExpertStore:
         for layer in layers:
             for e in range(checkpoint.num_experts):
                 w = checkpoint.expert(layer, e)
-                experts[(layer, e)] = ExpertWeights(w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous())
+                experts[(layer, e)] = ExpertWeights(
+                    w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous()
+                )
         return cls(experts)
 
     def __contains__(self, key: ExpertKey) -> bool:
@@ -73,8 +79,11 @@ class DeviceSlots:
             raise ValueError(f"worker.slots must be at least 1, got {slots}")
         self.store, self.device = store, device
         self._slots = [
-            Slot(i, torch.empty(store.gate_up_shape, dtype=store.dtype, device=device),
-                 torch.empty(store.down_shape, dtype=store.dtype, device=device))
+            Slot(
+                i,
+                torch.empty(store.gate_up_shape, dtype=store.dtype, device=device),
+                torch.empty(store.down_shape, dtype=store.dtype, device=device),
+            )
             for i in range(slots)
         ]
         self.counters = LoadCounters()

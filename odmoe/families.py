@@ -75,7 +75,9 @@ def family_of(config) -> Family:
         )
     family = FAMILIES[model_type]
     if not getattr(config, family.num_experts_field, 0):
-        raise UnsupportedModelError(f"{model_type} config has no routed experts ({family.num_experts_field}=0)")
+        raise UnsupportedModelError(
+            f"{model_type} config has no routed experts ({family.num_experts_field}=0)"
+        )
     return family
 
 

@@ -47,7 +47,7 @@ class MainModel:
 
 
 def resolve_dtype(name: str, checkpoint: Checkpoint) -> torch.dtype:
-    """"auto" is what `from_pretrained` uses by default: the dtype the checkpoint was saved in."""
+    """ "auto" is what `from_pretrained` uses by default: the dtype the checkpoint was saved in."""
     if name == "auto":
         saved = getattr(checkpoint.config, "dtype", None) or getattr(checkpoint.config, "torch_dtype", None)
         if isinstance(saved, torch.dtype):
@@ -76,7 +76,9 @@ def build_main_model(checkpoint: Checkpoint, dtype: torch.dtype) -> MainModel:
     kernel = model.config._experts_implementation
     state = checkpoint.non_expert_state_dict()
     expert_params = {
-        f"{name}.{p}" for name, module in model.named_modules() for p in ("gate_up_proj", "down_proj")
+        f"{name}.{p}"
+        for name, module in model.named_modules()
+        for p in ("gate_up_proj", "down_proj")
         if name.endswith(".experts") and hasattr(module, p)
     }
     needed = {n for n, _ in model.named_parameters()} - expert_params

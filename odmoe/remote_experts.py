@@ -51,8 +51,15 @@ class ExpertTraffic:
 
 
 class RemoteExperts:
-    def __init__(self, addresses: list[str], topology: Topology, num_experts: int, kernel: str,
-                 reply_timeout_s: float = 60.0, spread_prefill: bool = True):
+    def __init__(
+        self,
+        addresses: list[str],
+        topology: Topology,
+        num_experts: int,
+        kernel: str,
+        reply_timeout_s: float = 60.0,
+        spread_prefill: bool = True,
+    ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
         self.topology, self.num_experts, self.kernel = topology, num_experts, kernel
@@ -77,19 +84,24 @@ class RemoteExperts:
     def begin(self, request: str, iteration: int) -> None:
         self.request, self.iteration = request, iteration
 
-    def __call__(self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                 top_k_weights: torch.Tensor) -> torch.Tensor:
+    def __call__(
+        self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         step = Step(self.request, self.iteration, layer)
         groups = split_by_expert(top_k_index, self.num_experts)
         experts = [rows.expert for rows in groups]
         prefill = hidden.shape[0] > 1 and self.spread_prefill
-        placement = (self.topology.prefill_placement(experts) if prefill
-                     else self.topology.decode_placement(layer, experts))
+        placement = (
+            self.topology.prefill_placement(experts)
+            if prefill
+            else self.topology.decode_placement(layer, experts)
+        )
         start = time.perf_counter()
         for rows in groups:
             message = ComputeExpert(step=step, expert=rows.expert, kernel=self.kernel)
             self.sockets[placement[rows.expert]].send_multipart(
-                to_frames(message, [hidden[rows.token_idx]]), copy=False)
+                to_frames(message, [hidden[rows.token_idx]]), copy=False
+            )
         outputs = self._gather(step, placement)
         self.traffic.wait_s += time.perf_counter() - start
         return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
@@ -137,7 +149,9 @@ class RemoteExperts:
                     pongs[self.sockets.index(sock)] = message
         for i, pong in sorted(pongs.items()):
             if pong.worker != i:
-                raise WorkerUnavailable(f"{self.addresses[i]} answers as worker {pong.worker}, expected worker {i}")
+                raise WorkerUnavailable(
+                    f"{self.addresses[i]} answers as worker {pong.worker}, expected worker {i}"
+                )
             needed = layers if self.spread_prefill else self.topology.layers_of_worker(i, layers)
             if missing := sorted(set(needed) - set(pong.layers)):
                 raise WorkerUnavailable(f"worker {i} does not hold layers {missing}")

@@ -15,8 +15,17 @@ FAMILY_NAMES = [f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe") if f i
 
 
 def _spec(family: str) -> ModelSpec:
-    return ModelSpec(family=family, layers=4, hidden=64, intermediate=128, experts=8, top_k=2, vocab=1024,
-                     max_positions=256, seed=0)
+    return ModelSpec(
+        family=family,
+        layers=4,
+        hidden=64,
+        intermediate=128,
+        experts=8,
+        top_k=2,
+        vocab=1024,
+        max_positions=256,
+        seed=0,
+    )
 
 
 @pytest.fixture(scope="session")

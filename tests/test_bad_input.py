@@ -12,12 +12,12 @@ import time
 import grpc
 import psutil
 import pytest
+from odmoe.launch.local_cluster import ClusterStartError
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from odmoe import LocalCluster
 from odmoe.checkpoint import CheckpointError
 from odmoe.families import UnsupportedModelError
-from odmoe.launch.local_cluster import ClusterStartError
 
 pytestmark = pytest.mark.integration
 LAUNCH = [sys.executable, "-m", "odmoe.launch.cli"]
@@ -29,8 +29,14 @@ def test_missing_model_dir(tmp_path, reap_children):
 
 
 def test_dense_checkpoint_is_not_moe(tmp_path, reap_children):
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     LlamaForCausalLM(cfg).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="not supported"):
         LocalCluster(str(tmp_path))
@@ -53,8 +59,9 @@ def test_bad_requests_get_invalid_argument(model_dirs, reap_children):
 
 
 def test_dead_worker_gives_unavailable_naming_it(model_dirs, reap_children):
-    with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2,
-                      overrides=["worker.reply_timeout_s=3"]) as cluster:
+    with LocalCluster(
+        model_dirs["mixtral"], workers=2, group_size=2, overrides=["worker.reply_timeout_s=3"]
+    ) as cluster:
         worker1 = next(n for n in cluster.nodes if n.name == "worker1")
         worker1.process.kill()
         worker1.process.wait()
@@ -70,8 +77,9 @@ def test_port_in_use_is_reported(model_dirs, reap_children):
         taken.listen()
         port = taken.getsockname()[1]
         with pytest.raises(ClusterStartError, match="cannot bind"):
-            with LocalCluster(model_dirs["mixtral"], workers=1, group_size=1,
-                              overrides=[f"cluster.main_port={port}"]):
+            with LocalCluster(
+                model_dirs["mixtral"], workers=1, group_size=1, overrides=[f"cluster.main_port={port}"]
+            ):
                 pass
 
 
@@ -80,17 +88,30 @@ def test_main_names_a_worker_that_never_comes_up(model_dirs, reap_children):
         s.bind(("127.0.0.1", 0))
         free = s.getsockname()[1]
     proc = subprocess.run(
-        [*LAUNCH, "role=main", f"model.path={model_dirs['mixtral']}", "cluster.workers=1", "cluster.group_size=1",
-         f"cluster.worker_addresses=[tcp://127.0.0.1:{free}]", "worker.ready_timeout_s=2"],
-        capture_output=True, text=True, timeout=120,
+        [
+            *LAUNCH,
+            "role=main",
+            f"model.path={model_dirs['mixtral']}",
+            "cluster.workers=1",
+            "cluster.group_size=1",
+            f"cluster.worker_addresses=[tcp://127.0.0.1:{free}]",
+            "worker.ready_timeout_s=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 1
     assert "worker(s) [0]" in proc.stderr
 
 
 def test_cli_rejects_bad_config_with_exit_code_2(reap_children):
-    proc = subprocess.run([*LAUNCH, "role=local", "cluster.workers=3", "cluster.group_size=2"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [*LAUNCH, "role=local", "cluster.workers=3", "cluster.group_size=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "not divisible" in proc.stderr
 
 
@@ -99,8 +120,9 @@ def _children_after_cluster_up(proc: subprocess.Popen, timeout: float = 180) -> 
     launcher = psutil.Process(proc.pid)
     while time.monotonic() < deadline:
         kids = launcher.children(recursive=True)
-        if len(kids) == 3 and all("role=main" in " ".join(k.cmdline()) or "role=worker" in " ".join(k.cmdline())
-                                  for k in kids):
+        if len(kids) == 3 and all(
+            "role=main" in " ".join(k.cmdline()) or "role=worker" in " ".join(k.cmdline()) for k in kids
+        ):
             return kids
         time.sleep(0.2)
     raise AssertionError("cluster processes never appeared")
@@ -108,8 +130,11 @@ def _children_after_cluster_up(proc: subprocess.Popen, timeout: float = 180) -> 
 
 @pytest.mark.parametrize("how", ["sigint", "sigkill"])
 def test_no_orphans_after_ctrl_c_or_launcher_death(model_dirs, how, reap_children):
-    proc = subprocess.Popen([*LAUNCH, "role=local", f"model.path={model_dirs['mixtral']}", "max_new_tokens=200"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [*LAUNCH, "role=local", f"model.path={model_dirs['mixtral']}", "max_new_tokens=200"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     kids = _children_after_cluster_up(proc)
     time.sleep(1)
     os.kill(proc.pid, signal.SIGINT if how == "sigint" else signal.SIGKILL)

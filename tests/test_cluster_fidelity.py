@@ -24,9 +24,15 @@ def reference(path: str, prompt: str | list[int], dtype=None, new_tokens: int = 
         ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt")["input_ids"]
     else:
         ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens,
-                         output_logits=True, return_dict_in_generate=True)
-    return out.sequences[0, ids.shape[1]:].tolist(), out.logits[-1][0].float()
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    return out.sequences[0, ids.shape[1] :].tolist(), out.logits[-1][0].float()
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -59,6 +65,7 @@ def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap
     results: dict[str, list[int]] = {}
     errors: list[BaseException] = []
     with LocalCluster(path, workers=2, group_size=2) as cluster:
+
         def ask(prompt: str) -> None:
             try:
                 with __import__("odmoe").Client(cluster.address) as client:
@@ -82,7 +89,14 @@ def test_stream_yields_pieces_that_add_up_to_generate(model_dirs, reap_children)
         whole = cluster.client.generate(PROMPTS[0], max_new_tokens=12)
     assert [p.token_id for p in pieces] == whole.token_ids
     assert "".join(p.text for p in pieces) == whole.text
-    for key in ("ttft_s", "decode_tokens_per_s", "experts_loaded", "bytes_loaded", "worker_load_s",
-                "worker_compute_s", "peak_rss_bytes"):
+    for key in (
+        "ttft_s",
+        "decode_tokens_per_s",
+        "experts_loaded",
+        "bytes_loaded",
+        "worker_load_s",
+        "worker_compute_s",
+        "peak_rss_bytes",
+    ):
         assert key in whole.stats
     assert set(whole.stats["peak_rss_bytes"]) == {"main", "worker0", "worker1"}

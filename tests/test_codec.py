@@ -27,8 +27,9 @@ def test_messages_round_trip():
     msg = ComputeExpert(step=Step("r1", 3, 5), expert=6, kernel="eager")
     back, (x,) = from_frames(to_frames(msg, [torch.ones(2, 3)]))
     assert back == msg and torch.equal(x, torch.ones(2, 3))
-    res = ExpertResult(step=Step("r1", 3, 5), expert=6, worker=1, load_s=0.1, compute_s=0.2, bytes_loaded=9,
-                       peak_rss=10)
+    res = ExpertResult(
+        step=Step("r1", 3, 5), expert=6, worker=1, load_s=0.1, compute_s=0.2, bytes_loaded=9, peak_rss=10
+    )
     assert from_frames(to_frames(res))[0] == res
 
 

@@ -11,8 +11,13 @@ from tests.tiny_configs import TINY
 def remote_equivalent(experts, hidden, top_k_index, top_k_weights, kernel):
     parts = []
     for rows in split_by_expert(top_k_index, experts.num_experts):
-        y = expert_forward(hidden[rows.token_idx], experts.gate_up_proj[rows.expert],
-                           experts.down_proj[rows.expert], experts.config.hidden_act, kernel)
+        y = expert_forward(
+            hidden[rows.token_idx],
+            experts.gate_up_proj[rows.expert],
+            experts.down_proj[rows.expert],
+            experts.config.hidden_act,
+            kernel,
+        )
         parts.append((rows, y))
     return combine(hidden, parts, top_k_weights, kernel)
 

@@ -19,10 +19,18 @@ def test_decode_placement_one_expert_per_group_member():
 
 
 def test_prefill_spreads_over_all_workers():
-    assert Topology(workers=3, group_size=1).prefill_placement([0, 1, 2, 3, 4]) == {0: 0, 1: 1, 2: 2, 3: 0, 4: 1}
+    assert Topology(workers=3, group_size=1).prefill_placement([0, 1, 2, 3, 4]) == {
+        0: 0,
+        1: 1,
+        2: 2,
+        3: 0,
+        4: 1,
+    }
 
 
-@pytest.mark.parametrize("workers,group_size,msg", [(3, 2, "divisible"), (0, 1, "at least 1"), (2, 0, "at least 1")])
+@pytest.mark.parametrize(
+    "workers,group_size,msg", [(3, 2, "divisible"), (0, 1, "at least 1"), (2, 0, "at least 1")]
+)
 def test_bad_topologies(workers, group_size, msg):
     with pytest.raises(ValueError, match=msg):
         Topology(workers, group_size)

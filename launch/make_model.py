@@ -1,0 +1,51 @@
+"""`odmoe-make-model`: write a small random-init MoE checkpoint + tokenizer to a directory.
+
+odmoe-make-model --family qwen2_moe --out /tmp/qwen-tiny --layers 4 --experts 8 --top-k 2 --seed 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from dataclasses import fields
+
+from odmoe.model_factory import FAMILIES, ModelSpec, make_model
+
+# TODO(issue 5): --train, a briefly trained benchmark model with per-layer load-balancing loss.
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="odmoe-make-model", description=__doc__.splitlines()[0])
+    parser.add_argument("--family", choices=FAMILIES, default="mixtral")
+    parser.add_argument("--out", required=True, help="directory to write (replaced if it exists)")
+    for f in fields(ModelSpec):
+        if f.name != "family":
+            parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
+    parser.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write a sharded checkpoint')
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level="INFO", format="%(message)s")
+    args = parse_args(argv)
+    try:
+        spec = ModelSpec(**{f.name: getattr(args, f.name) for f in fields(ModelSpec)})
+    except ValueError as exc:
+        print(f"odmoe-make-model: {exc}", file=sys.stderr)
+        return 2
+    out = make_model(spec, args.out, max_shard_size=args.max_shard_size)
+    from odmoe.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(out)
+    expert = ckpt.expert(ckpt.moe_layers[0], 0)
+    total = sum(ckpt.tensor(k).numel() for k in ckpt.weight_map)
+    print(
+        f"{out}: {spec.family}, {total / 1e6:.2f} M parameters, {len(ckpt.moe_layers)} MoE layers x "
+        f"{ckpt.num_experts} experts of {expert.nbytes / 1024:.0f} KiB"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,218 @@
+"""Small MoE checkpoints that odmoe makes itself: no model hub is reachable at run time.
+
+Contract: `make_model(spec, out_dir)` writes a random-init checkpoint of one family with
+`save_pretrained` (safetensors, optionally sharded with an index) and a byte-level BPE tokenizer
+beside it, so `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)`
+work offline through the same local-path code a real checkpoint takes. Same spec, same bytes.
+`ensure_default_model` creates the demo model once per cache directory, safely under concurrency.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import json
+import logging
+import os
+import shutil
+import sysconfig
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    OlmoeConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+    Qwen2MoeConfig,
+    Qwen3MoeConfig,
+)
+
+log = logging.getLogger("odmoe.model_factory")
+
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+DTYPES = ("float32", "float16", "bfloat16")
+# Random routers give nearly uniform probabilities, so top-k would hinge on noise; scaling the
+# router weights makes the choices decisive, closer to a trained model's routing.
+ROUTER_SCALE = 8.0
+# Left out of the corpus: tests, vendored or generated tables that would dominate the merges.
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "site-packages",
+    "encodings",
+    "idlelib",
+    "lib2to3",
+    "pydoc_data",
+    "__pycache__",
+}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    family: str = "mixtral"
+    layers: int = 4
+    hidden: int = 64
+    intermediate: int = 128
+    experts: int = 8
+    top_k: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 1024
+    max_positions: int = 512
+    seed: int = 0
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"family {self.family!r} is not one of {', '.join(FAMILIES)}")
+        for name in (
+            "layers",
+            "hidden",
+            "intermediate",
+            "experts",
+            "top_k",
+            "heads",
+            "kv_heads",
+            "max_positions",
+        ):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.top_k > self.experts:
+            raise ValueError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.heads % self.kv_heads:
+            raise ValueError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+        if self.vocab < 256 + len(SPECIAL_TOKENS):
+            raise ValueError(f"vocab={self.vocab} is too small for a byte-level tokenizer (>= 260)")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+
+    @property
+    def name(self) -> str:
+        return (
+            f"{self.family}-l{self.layers}-h{self.hidden}-e{self.experts}-k{self.top_k}"
+            f"-v{self.vocab}-s{self.seed}-{self.dtype}"
+        )
+
+
+def hf_config(spec: ModelSpec) -> PretrainedConfig:
+    common = dict(
+        vocab_size=spec.vocab,
+        hidden_size=spec.hidden,
+        num_hidden_layers=spec.layers,
+        num_attention_heads=spec.heads,
+        num_key_value_heads=spec.kv_heads,
+        num_experts_per_tok=spec.top_k,
+        max_position_embeddings=spec.max_positions,
+        tie_word_embeddings=False,
+        pad_token_id=PAD_ID,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+    )
+    if spec.family == "mixtral":
+        return MixtralConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
+    if spec.family == "qwen2_moe":
+        return Qwen2MoeConfig(
+            intermediate_size=spec.intermediate,
+            moe_intermediate_size=spec.intermediate,
+            shared_expert_intermediate_size=spec.intermediate,
+            num_experts=spec.experts,
+            **common,
+        )
+    if spec.family == "qwen3_moe":
+        return Qwen3MoeConfig(
+            intermediate_size=spec.intermediate,
+            moe_intermediate_size=spec.intermediate,
+            num_experts=spec.experts,
+            head_dim=spec.hidden // spec.heads,
+            **common,
+        )
+    return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
+
+
+def corpus_files(max_bytes: int = 2_000_000) -> list[str]:
+    """Standard-library sources every Python install has, in a fixed order, up to max_bytes."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        if _SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
+            continue
+        files.append(str(path))
+        total += path.stat().st_size
+        if total >= max_bytes:
+            break
+    return files
+
+
+@functools.lru_cache(maxsize=4)  # making several families in one process trains once
+def build_tokenizer(vocab_size: int, max_positions: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train(corpus_files(), trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        model_max_length=max_positions,
+    )
+
+
+def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None = None) -> Path:
+    """Write checkpoint + tokenizer into out_dir atomically (a crash never leaves half a model)."""
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        torch.manual_seed(spec.seed)
+        model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.mul_(ROUTER_SCALE)
+        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+        model.save_pretrained(tmp, **kwargs)
+        build_tokenizer(spec.vocab, spec.max_positions).save_pretrained(tmp)
+        (tmp / "odmoe_model.json").write_text(json.dumps(asdict(spec), indent=2))
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("wrote %s model to %s", spec.family, out_dir)
+    return out_dir
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "odmoe" / "models"
+
+
+def ensure_default_model(cache_dir: Path | None = None, spec: ModelSpec = ModelSpec()) -> Path:
+    """The model at cache_dir/spec.name, made on first use; concurrent callers wait for one maker."""
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    target = cache_dir / spec.name
+    with open(cache_dir / f".{spec.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "odmoe_model.json").is_file():
+            log.info("creating the default model under %s (first use only)", target)
+            make_model(spec, target)
+    return target
