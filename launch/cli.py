@@ -30,6 +30,10 @@ def main(raw: DictConfig) -> None:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )
+    if cfg.cluster.torch_threads > 0:
+        import torch
+
+        torch.set_num_threads(cfg.cluster.torch_threads)
     from odmoe.launch.roles import run_local, run_main, run_worker
 
     roles = {"local": run_local, "main": run_main, "worker": run_worker}

@@ -36,6 +36,9 @@ class ClusterConfig:
     # local launcher with the ports its workers bound.
     worker_addresses: list[str] = field(default_factory=list)
     main_address: str = ""  # clients: "host:port" of main's gRPC server
+    # Intra-op threads per node process (0: torch's default). Nodes sharing one machine's cores must
+    # not each spin a full thread pool: on 2 cores that made decoding 4-5x slower.
+    torch_threads: int = 0
 
 
 @dataclass
