@@ -34,9 +34,9 @@ def main(raw: DictConfig) -> None:
         import torch
 
         torch.set_num_threads(cfg.cluster.torch_threads)
-    from odmoe.launch.roles import run_local, run_main, run_worker
+    from odmoe.launch.roles import run_local, run_main, run_shadow, run_worker
 
-    roles = {"local": run_local, "main": run_main, "worker": run_worker}
+    roles = {"local": run_local, "main": run_main, "worker": run_worker, "shadow": run_shadow}
     overrides = list(HydraConfig.get().overrides.task)
     sys.exit(roles[cfg.role.name](cfg, overrides))
 

@@ -88,6 +88,7 @@ class LocalCluster:
         self.ready_timeout_s = ready_timeout_s or self.cfg.worker.ready_timeout_s
         self.nodes: list[NodeProcess] = []
         self.address = ""
+        self.shadow_info: dict = {}
         self._client: Client | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="odmoe-cluster-"))
 
@@ -96,9 +97,15 @@ class LocalCluster:
         atexit.register(self.stop)
         try:
             n = self.cfg.cluster.workers
+            shadow = [self._spawn("shadow", ["role=shadow"])] if self.cfg.shadow.enabled else []
             workers = [self._spawn(f"worker{i}", ["role=worker", f"worker.index={i}"]) for i in range(n)]
-            addresses = [info["address"] for info in self._wait_ready(workers)]
+            ready = self._wait_ready(shadow + workers)
+            addresses = [info["address"] for info in ready[len(shadow):]]
             main_args = ["role=main", f"cluster.worker_addresses=[{','.join(addresses)}]"]
+            if shadow:
+                self.shadow_info = ready[0]
+                main_args += [f"cluster.shadow_address={ready[0]['address']}",
+                              f"cluster.shadow_pub_address={ready[0]['pub_address']}"]
             (info,) = self._wait_ready([self._spawn("main", main_args)])
             self.address = info["address"]
         except BaseException:

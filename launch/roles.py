@@ -29,6 +29,18 @@ def run_worker(cfg: OdmoeConfig, overrides: list[str]) -> int:
     return 0
 
 
+def run_shadow(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    from odmoe.nodes.shadow import ShadowNode
+
+    try:
+        node = ShadowNode(cfg, resolve_model_path(cfg))
+    except (CheckpointError, UnsupportedModelError) as exc:
+        log.error("shadow: %s", exc)
+        return BAD_INPUT
+    node.serve(cfg.ready_file)
+    return 0
+
+
 def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
     from odmoe.nodes.main import MainNode, PortInUse
 

@@ -23,12 +23,14 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from odmoe.nodes.ready import announce_ready
 from transformers import AutoTokenizer
 
+from odmoe.alignment import AlignmentSchedule
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine
 from odmoe.main_model import build_main_model, resolve_dtype
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.shadow_link import ShadowLink
 
 log = logging.getLogger("odmoe.main")
 _END = object()
@@ -44,6 +46,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.checkpoint = Checkpoint(model_path)
         main = build_main_model(self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        shadow = None
+        if cfg.shadow.enabled and cfg.cluster.shadow_address:
+            shadow = ShadowLink(cfg.cluster.shadow_address, cfg.cluster.shadow_pub_address, self.checkpoint.moe_layers)
         self.experts = RemoteExperts(
             cfg.cluster.worker_addresses,
             cfg.topology,
@@ -51,9 +56,11 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             main.kernel,
             reply_timeout_s=cfg.worker.reply_timeout_s,
             spread_prefill=not cfg.worker.only_own_layers,
+            shadow=shadow,
         )
         self.pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, self.checkpoint.moe_layers)
-        self.engine = MainEngine(main, tokenizer, self.experts)
+        schedule = AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)
+        self.engine = MainEngine(main, tokenizer, self.experts, schedule, pace_shadow=cfg.shadow.mode == "random")
         self.jobs: queue.Queue = queue.Queue()
         self.stopped = threading.Event()
 
@@ -160,3 +167,5 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.jobs.put(_END)
         server.stop(grace=2).wait()
         self.experts.close()
+        if self.experts.shadow is not None:
+            self.experts.shadow.close()

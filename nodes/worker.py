@@ -1,9 +1,15 @@
-"""The worker node: serves expert computations over ZeroMQ.
+"""The worker node: loads experts just in time and computes them over ZeroMQ.
 
-Lifecycle: read this worker's experts from the checkpoint into host memory, bind a ROUTER socket,
-announce readiness, then answer messages one at a time until told to shut down. For each compute
-request it loads the expert into a device slot, runs the family's expert MLP on the rows main sent,
-replies, and evicts: no expert stays on the device between requests (paper §3.1, no cache).
+Lifecycle: read this worker's experts from the checkpoint into host memory, bind a ROUTER socket
+(main's requests), announce readiness, then serve until told to shut down. Main's first ping names
+the shadow's prediction address; the worker then also subscribes to its own group's predictions.
+
+Per decode layer (paper §3.1): a prediction for a layer of this worker's group is dealt to the
+group's workers by the shared round-robin rule; this worker preloads its share into a free device
+slot, earliest (iteration, layer) first. A compute request then finds the expert already loaded (a
+hit) or loads it on demand (a miss: the stall the shadow exists to avoid). After computing, the
+expert is evicted: no cache. Preloads the request did not use are dropped when main releases the
+layer (it does after every decode layer, to every worker of the group). The result is the same either way; only time differs.
 
 A failure inside one request (an expert it does not hold, a bad message) is answered with an error
 result instead of killing the process, so main can report it with the worker named.
@@ -11,12 +17,12 @@ result instead of killing the process, so main can report it with the worker nam
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 
 import torch
 import zmq
-from odmoe.nodes.ready import announce_ready
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
@@ -25,9 +31,13 @@ from odmoe.expert_math import expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import peak_rss_bytes
-from odmoe.messages import ComputeExpert, ExpertResult, Ping, Pong, Shutdown, from_frames, to_frames
+from odmoe.messages import (
+    ComputeExpert, ExpertResult, Ping, Pong, Prediction, Release, Shutdown, from_frames, to_frames,
+)
+from odmoe.nodes.ready import announce_ready
 
 log = logging.getLogger("odmoe.worker")
+Position = tuple[int, int]  # (iteration, layer): the order main visits layers in
 
 
 def compute_device(name: str) -> torch.device:
@@ -39,21 +49,17 @@ def compute_device(name: str) -> torch.device:
 class WorkerNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.index = cfg.worker.index
+        self.topology = cfg.topology
         checkpoint = Checkpoint(model_path)
         self.hidden_act = checkpoint.config.hidden_act
         dtype = resolve_dtype(cfg.model.dtype, checkpoint)
         layers = checkpoint.moe_layers
         if cfg.worker.only_own_layers:
-            layers = cfg.topology.layers_of_worker(self.index, layers)
+            layers = self.topology.layers_of_worker(self.index, layers)
         start = time.perf_counter()
         self.store = ExpertStore.from_checkpoint(checkpoint, layers, dtype)
-        log.info(
-            "worker %d: %d layers, %.1f MiB of experts in host memory (%.1fs)",
-            self.index,
-            len(layers),
-            self.store.nbytes / 2**20,
-            time.perf_counter() - start,
-        )
+        log.info("worker %d: %d layers, %.1f MiB of experts in host memory (%.1fs)", self.index, len(layers),
+                 self.store.nbytes / 2**20, time.perf_counter() - start)
         self.slots = DeviceSlots(self.store, compute_device(cfg.worker.device), cfg.worker.slots)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -64,59 +70,138 @@ class WorkerNode:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{cfg.cluster.host}")
         self.address = f"tcp://{cfg.cluster.host}:{port}"
+        self.predictions: zmq.Socket | None = None
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.request = ""  # the request predictions and preloads belong to
+        self.done: Position = (-1, -1)  # the last (iteration, layer) main has finished with us
+        self.preloads: list[tuple[int, int, int]] = []  # heap of (iteration, layer, expert)
+
+    def _subscribe(self, address: str) -> None:
+        if self.predictions is not None or not address:
+            return
+        self.predictions = self.ctx.socket(zmq.SUB)
+        self.predictions.setsockopt(zmq.LINGER, 0)
+        self.predictions.setsockopt(zmq.SUBSCRIBE, f"g{self.topology.group_of_worker(self.index)}".encode())
+        self.predictions.connect(address)
+        self.poller.register(self.predictions, zmq.POLLIN)
 
     def serve(self, ready_file: str | None = None) -> None:
         announce_ready(ready_file, role="worker", index=self.index, address=self.address)
         log.info("worker %d serving on %s", self.index, self.address)
         try:
             while True:
-                peer, *frames = self.sock.recv_multipart(copy=False)
-                try:
-                    message, tensors = from_frames(frames)
-                except CodecError as exc:
-                    log.warning("worker %d dropped a malformed message: %s", self.index, exc)
-                    continue
-                if isinstance(message, Shutdown):
-                    log.info("worker %d shutting down", self.index)
-                    return
-                self.sock.send_multipart([peer, *self.handle(message, tensors)], copy=False)
+                can_preload = bool(self.preloads) and self.slots.free > 0
+                ready = dict(self.poller.poll(0 if can_preload else 1000))
+                if self.sock in ready:  # main's requests first: they are on the critical path
+                    if not self._serve_request():
+                        return
+                elif self.predictions is not None and self.predictions in ready:
+                    self._take_prediction()
+                elif can_preload:
+                    self._preload_next()
         finally:
             self.sock.close(0)
+            if self.predictions is not None:
+                self.predictions.close(0)
+
+    def _serve_request(self) -> bool:
+        peer, *frames = self.sock.recv_multipart(copy=False)
+        try:
+            message, tensors = from_frames(frames)
+        except CodecError as exc:
+            log.warning("worker %d dropped a malformed message: %s", self.index, exc)
+            return True
+        if isinstance(message, Shutdown):
+            log.info("worker %d shutting down", self.index)
+            return False
+        if isinstance(message, Release):
+            self._finish(message.step.request, (message.step.iteration, message.step.layer))
+            return True
+        self.sock.send_multipart([peer, *self.handle(message, tensors)], copy=False)
+        return True
 
     def handle(self, message, tensors: list[torch.Tensor]) -> list:
         if isinstance(message, Ping):
+            self._subscribe(message.shadow_pub)
             return to_frames(Pong(self.index, self.store.layers, self.store.nbytes, peak_rss_bytes()))
         if isinstance(message, ComputeExpert):
             return self.compute(message, tensors[0])
         raise CodecError(f"worker cannot handle {message.kind}")
 
+    # -- predictions and preloading ----------------------------------------------------------
+    def _take_prediction(self) -> None:
+        _topic, *frames = self.predictions.recv_multipart(copy=False)
+        prediction, _ = from_frames(frames)
+        if not isinstance(prediction, Prediction):
+            return
+        step = prediction.step
+        self._switch_request(step.request)
+        if (step.iteration, step.layer) <= self.done:
+            return  # main is already past this layer: too late to help
+        placement = self.topology.decode_placement(step.layer, prediction.experts)
+        for expert, worker in placement.items():
+            if worker == self.index and (step.layer, expert) in self.store:
+                heapq.heappush(self.preloads, (step.iteration, step.layer, expert))
+
+    def _preload_next(self) -> None:
+        iteration, layer, expert = heapq.heappop(self.preloads)
+        if (iteration, layer) > self.done:
+            self.slots.load((layer, expert), tag=(self.request, iteration))
+
+    def _switch_request(self, request: str) -> None:
+        if request != self.request:
+            self.request, self.done, self.preloads = request, (-1, -1), []
+            for slot in self.slots.held():
+                self.slots.evict(slot)
+
+    def _finish(self, request: str, position: Position) -> None:
+        """main is done with this layer: drop preloads for it and anything earlier."""
+        self._switch_request(request)
+        self.done = max(self.done, position)
+        for slot in self.slots.held():
+            if slot.tag is None or (slot.tag[1], slot.holds[0]) <= self.done:
+                self.slots.evict(slot)
+        self.preloads = [p for p in self.preloads if (p[0], p[1]) > self.done]
+        heapq.heapify(self.preloads)
+
+    def _make_room(self) -> None:
+        """A compute must load and every slot is busy: give back the latest-needed preload."""
+        if self.slots.free:
+            return
+        latest = max(self.slots.held(), key=lambda s: (s.tag[1] if s.tag else -1, s.holds[0]))
+        if latest.tag is not None:
+            heapq.heappush(self.preloads, (latest.tag[1], latest.holds[0], latest.holds[1]))
+        self.slots.evict(latest)
+
+    # -- computing ---------------------------------------------------------------------------
     def compute(self, request: ComputeExpert, hidden: torch.Tensor) -> list:
-        key = (request.step.layer, request.expert)
-        bytes_before, load_before = self.slots.counters.bytes_loaded, self.slots.counters.load_s
-        try:
-            slot = self.slots.load(key)
-        except (KeyError, RuntimeError) as exc:
-            return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
+        step = request.step
+        key = (step.layer, request.expert)
+        self._switch_request(step.request)
+        slot = self.slots.find(key, (step.request, step.iteration))
+        preloaded = slot is not None
+        if slot is None:
+            try:
+                self._make_room()
+                slot = self.slots.load(key, tag=(step.request, step.iteration))
+            except (KeyError, RuntimeError) as exc:
+                return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
         try:
             start = time.perf_counter()
             x = hidden.to(self.slots.device)
             with torch.inference_mode():
                 y = expert_forward(x, slot.gate_up, slot.down, self.hidden_act, request.kernel).cpu()
             compute_s = time.perf_counter() - start
+            load_s, nbytes = slot.load_s, slot.nbytes
         finally:
             self.slots.evict(slot)
-        c = self.slots.counters
-        result = self._result(request, c.load_s - load_before, compute_s, c.bytes_loaded - bytes_before)
+        result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded)
         return to_frames(result, [y])
 
-    def _result(self, request: ComputeExpert, load_s: float, compute_s: float, nbytes: int, error: str = ""):
+    def _result(self, request: ComputeExpert, load_s: float, compute_s: float, nbytes: int, error: str = "",
+                preloaded: bool = False):
         return ExpertResult(
-            step=request.step,
-            expert=request.expert,
-            worker=self.index,
-            load_s=load_s,
-            compute_s=compute_s,
-            bytes_loaded=nbytes,
-            peak_rss=peak_rss_bytes(),
-            error=error,
+            step=request.step, expert=request.expert, worker=self.index, load_s=load_s, compute_s=compute_s,
+            bytes_loaded=nbytes, peak_rss=peak_rss_bytes(), error=error, preloaded=preloaded,
         )

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from odmoe.alignment import AlignmentSchedule
 from odmoe.placement import Topology
 
-ROLES = ("local", "main", "worker")
+ROLES = ("local", "main", "worker", "shadow")
 
 
 @dataclass
@@ -36,6 +37,9 @@ class ClusterConfig:
     # local launcher with the ports its workers bound.
     worker_addresses: list[str] = field(default_factory=list)
     main_address: str = ""  # clients: "host:port" of main's gRPC server
+    shadow_port: int = 0  # role=shadow: control port (main -> shadow); the prediction port is +1 if set
+    shadow_address: str = ""  # main connects here to align the shadow ("tcp://host:port")
+    shadow_pub_address: str = ""  # predictions are published here; main and workers subscribe
     # Intra-op threads per node process (0: torch's default). Nodes sharing one machine's cores must
     # not each spin a full thread pool: on 2 cores that made decoding 4-5x slower.
     torch_threads: int = 0
@@ -51,12 +55,34 @@ class WorkerConfig:
     reply_timeout_s: float = 60.0  # how long main waits for one expert result
 
 
+SHADOW_MODES = ("emulate", "random")
+
+
+@dataclass
+class ShadowConfig:
+    enabled: bool = True
+    mode: str = "emulate"  # emulate: a copy of the model predicts; random: random experts (case 5)
+    precision: str = "fp32"  # fp32 / bf16 / fp16 / int8 / nf4 (bitsandbytes) / int8_dynamic (fast CPU int8)
+    device: str = "cpu"
+    inject_wrong: float = 0.0  # fault injection: this fraction of predicted experts is made wrong
+    seed: int = 0
+
+
+@dataclass
+class AlignmentConfig:
+    token_period: int = 1  # every P-th decode iteration the shadow takes main's token (0: never)
+    kv_period: int = 1  # every Q-th iteration it overwrites its newest K/V rows with main's (0: never)
+
+
 @dataclass
 class OdmoeConfig:
     role: RoleConfig = field(default_factory=RoleConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
+    shadow: ShadowConfig = field(default_factory=ShadowConfig)
+    alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
+    results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32
     ready_file: str | None = None  # a node writes {"address": ...} here once it serves
@@ -80,6 +106,15 @@ def validate(cfg: OdmoeConfig) -> None:
             f"role=main needs cluster.worker_addresses with {cfg.cluster.workers} entries, "
             f"got {len(cfg.cluster.worker_addresses)}"
         )
+    if cfg.shadow.mode not in SHADOW_MODES:
+        raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
+    if not 0.0 <= cfg.shadow.inject_wrong <= 1.0:
+        raise ValueError(f"shadow.inject_wrong must lie in [0, 1], got {cfg.shadow.inject_wrong}")
+    from odmoe.shadow_model import PRECISIONS
+
+    if cfg.shadow.precision not in PRECISIONS:
+        raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
+    AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)  # raises on negative periods
     if cfg.role.name == "local":
         if not cfg.prompt:
             raise ValueError("prompt is empty")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
+from odmoe.alignment import AlignmentSchedule
 from odmoe.main_model import MainModel
 from odmoe.memory import peak_rss_bytes
 from odmoe.remote_experts import RemoteExperts
@@ -48,8 +49,12 @@ class DoneEvent:
 
 
 class MainEngine:
-    def __init__(self, main: MainModel, tokenizer: PreTrainedTokenizerBase, experts: RemoteExperts):
+    def __init__(self, main: MainModel, tokenizer: PreTrainedTokenizerBase, experts: RemoteExperts,
+                 schedule: AlignmentSchedule | None = None, pace_shadow: bool = False):
         self.main, self.tokenizer, self.experts = main, tokenizer, experts
+        self.shadow = experts.shadow
+        self.schedule = schedule or AlignmentSchedule()
+        self.pace_shadow = pace_shadow  # send an Align every iteration even when nothing is aligned
         main.attach(experts)
         config = main.model.config
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -85,6 +90,8 @@ class MainEngine:
         new_ids: list[int] = []
         text = _Detokenizer(self.tokenizer)
         step_input, first_token_at = ids, 0.0
+        if self.shadow is not None:
+            self.shadow.begin(request.request_id, ids[0].tolist(), request.max_new_tokens)
         # 2) prefill (iteration 0) then 3) one decode iteration per new token.
         for iteration in range(request.max_new_tokens):
             self.experts.begin(request.request_id, iteration)
@@ -104,13 +111,28 @@ class MainEngine:
             new_ids.append(token)
             if iteration == 0:
                 first_token_at = time.perf_counter()
+            finished = token in self.eos_ids or iteration + 1 == request.max_new_tokens
+            if not finished:
+                self._align_shadow(iteration + 1, token, cache, rows=step_input.shape[1])
             yield TokenEvent(token, text.add(token))
-            if token in self.eos_ids:
+            if finished:
                 break
             step_input = torch.tensor([[token]])
+        if self.shadow is not None:
+            self.shadow.end()
         end = time.perf_counter()
         stats = self._stats(request, prompt_len, new_ids, start, first_token_at, end)
         yield DoneEvent(stats, logits[0].clone() if request.return_logits else None)
+
+    def _align_shadow(self, iteration: int, token: int, cache: DynamicCache, rows: int) -> None:
+        """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1."""
+        if self.shadow is None or not (self.schedule.waits(iteration) or self.pace_shadow):
+            return
+        keys = values = None
+        if self.schedule.align_kv(iteration):
+            keys = torch.stack([layer.keys[0, :, -rows:] for layer in cache.layers])  # [L, heads, rows, D]
+            values = torch.stack([layer.values[0, :, -rows:] for layer in cache.layers])
+        self.shadow.align(iteration, token if self.schedule.align_token(iteration) else -1, keys, values)
 
     def _stats(self, request, prompt_len, new_ids, start, first_token_at, end) -> dict:
         traffic = self.experts.traffic
@@ -132,6 +154,25 @@ class MainEngine:
                 "main": peak_rss_bytes(),
                 **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
             },
+            "recall": self.experts.recall().report(),
+            "timely_recall": traffic.timely_recall.report(),
+            "preloaded": traffic.preloaded,
+            "reloads": traffic.reloads,
+            "stall_s": sum(traffic.stall_s_per_layer.values()),
+            "stall_s_per_layer": dict(sorted(traffic.stall_s_per_layer.items())),
+            **self._shadow_stats(),
+        }
+
+    def _shadow_stats(self) -> dict:
+        if self.shadow is None:
+            return {"shadow": False}
+        seen = self.shadow.seen
+        ahead, late = seen.lookahead_layers, seen.late_departure_s
+        return {
+            "shadow": True,
+            "lookahead_layers_mean": sum(ahead) / len(ahead) if ahead else None,
+            "late_departure_s": sum(late.values()),
+            "late_departure_s_mean": sum(late.values()) / len(late) if late else None,
         }
 
 

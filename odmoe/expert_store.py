@@ -9,7 +9,7 @@ one expert into a free slot (the just-in-time load the paper hides behind comput
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -56,12 +56,18 @@ class ExpertStore:
         return sum(w.nbytes for w in self._experts.values())
 
 
+Tag = tuple[str, int]  # (request, iteration) a preloaded expert was predicted for
+
+
 @dataclass
 class Slot:
     index: int
     gate_up: torch.Tensor
     down: torch.Tensor
     holds: ExpertKey | None = None
+    tag: Tag | None = None
+    load_s: float = 0.0  # how long filling it took
+    nbytes: int = 0
 
 
 @dataclass
@@ -70,7 +76,6 @@ class LoadCounters:
     bytes_loaded: int = 0
     load_s: float = 0.0
     peak_busy: int = 0
-    history: list[ExpertKey] = field(default_factory=list)
 
 
 class DeviceSlots:
@@ -88,7 +93,7 @@ class DeviceSlots:
         ]
         self.counters = LoadCounters()
 
-    def load(self, key: ExpertKey) -> Slot:
+    def load(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
         if key not in self.store:
             raise KeyError(f"expert {key} is not in this worker's store (layers {self.store.layers})")
         slot = next((s for s in self._slots if s.holds is None), None)
@@ -100,16 +105,27 @@ class DeviceSlots:
         slot.down.copy_(weights.down, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        slot.holds = key
+        slot.holds, slot.tag = key, tag
+        slot.load_s, slot.nbytes = time.perf_counter() - start, weights.nbytes
         c = self.counters
         c.loads += 1
         c.bytes_loaded += weights.nbytes
-        c.load_s += time.perf_counter() - start
+        c.load_s += slot.load_s
         c.peak_busy = max(c.peak_busy, sum(s.holds is not None for s in self._slots))
         return slot
 
     def evict(self, slot: Slot) -> None:
-        slot.holds = None
+        slot.holds, slot.tag = None, None
+
+    def find(self, key: ExpertKey, tag: Tag) -> Slot | None:
+        return next((s for s in self._slots if s.holds == key and s.tag == tag), None)
+
+    def held(self) -> list[Slot]:
+        return [s for s in self._slots if s.holds is not None]
+
+    @property
+    def free(self) -> int:
+        return len(self._slots) - self.busy
 
     @property
     def busy(self) -> int:

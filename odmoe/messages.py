@@ -43,12 +43,75 @@ class ExpertResult:
     bytes_loaded: int
     peak_rss: int
     error: str = ""
+    preloaded: bool = False  # the shadow's prediction had loaded it before main asked
     kind: str = "result"
 
 
 @dataclass(frozen=True)
 class Ping:
+    shadow_pub: str = ""  # where the shadow publishes predictions; a worker subscribes on first ping
     kind: str = "ping"
+
+
+@dataclass(frozen=True)
+class Release:
+    """main -> worker: layer `step.layer` needs nothing from you; drop what you preloaded for it."""
+
+    step: Step
+    kind: str = "release"
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """shadow -> workers of the layer's group and main: the experts the shadow's router chose.
+
+    `candidates`/`probs` are the top-(k+1) router probabilities, kept so a later policy can hedge
+    slots whose k-th and (k+1)-th are nearly tied.
+    """
+
+    step: Step
+    experts: list[int]
+    candidates: list[int]
+    probs: list[float]
+    kind: str = "prediction"
+
+
+@dataclass(frozen=True)
+class ShadowIteration:
+    """shadow -> main: the shadow started decode iteration `iteration` after waiting this long."""
+
+    request: str
+    iteration: int
+    late_departure_s: float
+    kind: str = "shadow_iteration"
+
+
+@dataclass(frozen=True)
+class BeginRequest:
+    """main -> shadow: a new request; the shadow prefills its own copy from these tokens."""
+
+    request: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    kind: str = "begin"
+
+
+@dataclass(frozen=True)
+class Align:
+    """main -> shadow, before decode iteration `iteration`: main's input token for it (or -1), and
+    when `kv` is set, tensors 0/1 = main's K and V rows computed in iteration-1, [layers, heads, rows, D]."""
+
+    request: str
+    iteration: int
+    token: int = -1
+    kv: bool = False
+    kind: str = "align"
+
+
+@dataclass(frozen=True)
+class EndRequest:
+    request: str
+    kind: str = "end"
 
 
 @dataclass(frozen=True)
@@ -65,8 +128,11 @@ class Shutdown:
     kind: str = "shutdown"
 
 
-_KINDS = {cls.kind: cls for cls in (ComputeExpert, ExpertResult, Ping, Pong, Shutdown)}
-Message = ComputeExpert | ExpertResult | Ping | Pong | Shutdown
+_ALL = (ComputeExpert, ExpertResult, Ping, Pong, Shutdown, Release, Prediction, ShadowIteration, BeginRequest,
+        Align, EndRequest)
+_KINDS = {cls.kind: cls for cls in _ALL}
+Message = (ComputeExpert | ExpertResult | Ping | Pong | Shutdown | Release | Prediction | ShadowIteration
+           | BeginRequest | Align | EndRequest)
 
 
 def to_frames(message: Message, tensors: list[torch.Tensor] = ()) -> list:

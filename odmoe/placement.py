@@ -53,3 +53,18 @@ class Topology:
     def prefill_placement(self, experts: list[int]) -> dict[int, WorkerId]:
         """Prefill hits nearly every expert: spread them over all workers, expert e on worker e mod N."""
         return {e: e % self.workers for e in experts}
+
+    def repair_placement(self, layer: int, predicted: list[int], activated: list[int]) -> dict[int, WorkerId]:
+        """Where main sends the activated experts when the shadow predicted `predicted`.
+
+        A correctly predicted expert goes to the worker that preloaded it. A missed one goes to a
+        worker whose preloaded expert turned out unused (it must evict and reload anyway), else to
+        its own round-robin place: the output is the same either way, only the load is late.
+        """
+        preloaded = self.decode_placement(layer, predicted)
+        placement = {e: preloaded[e] for e in activated if e in preloaded}
+        idle = [preloaded[e] for e in sorted(preloaded) if e not in placement]
+        fallback = self.decode_placement(layer, activated)
+        for e in sorted(set(activated) - set(placement)):
+            placement[e] = idle.pop(0) if idle else fallback[e]
+        return placement

@@ -19,8 +19,12 @@ import torch
 import zmq
 
 from odmoe.expert_math import combine, split_by_expert
-from odmoe.messages import ComputeExpert, ExpertResult, Ping, Pong, Shutdown, Step, from_frames, to_frames
+from odmoe.messages import (
+    ComputeExpert, ExpertResult, Ping, Pong, Release, Shutdown, Step, from_frames, to_frames,
+)
 from odmoe.placement import Topology
+from odmoe.recall import RecallCounter
+from odmoe.shadow_link import ShadowLink
 
 
 class WorkerUnavailable(RuntimeError):
@@ -41,6 +45,12 @@ class ExpertTraffic:
     compute_s: float = 0.0
     wait_s: float = 0.0  # main blocked on workers (transfer + load + compute as seen by main)
     worker_peak_rss: dict[int, int] = field(default_factory=dict)
+    preloaded: int = 0  # decode experts the shadow's prediction had already loaded
+    reloads: int = 0  # decode experts loaded only after main asked (misses)
+    stall_s_per_layer: dict[int, float] = field(default_factory=dict)  # decode: on-demand load time on the path
+    # Predictions as they stood when main needed them (late = missing): what the workers could use.
+    timely_recall: RecallCounter = field(default_factory=RecallCounter)
+    activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
 
     def add(self, result: ExpertResult) -> None:
         self.experts_loaded += 1
@@ -59,12 +69,14 @@ class RemoteExperts:
         kernel: str,
         reply_timeout_s: float = 60.0,
         spread_prefill: bool = True,
+        shadow: ShadowLink | None = None,
     ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
         self.topology, self.num_experts, self.kernel = topology, num_experts, kernel
         # Spreading prefill over every worker needs every worker to hold every layer.
         self.spread_prefill = spread_prefill
+        self.shadow = shadow
         self.timeout_ms = int(reply_timeout_s * 1000)
         self.ctx = zmq.Context.instance()
         self.addresses = addresses
@@ -90,12 +102,17 @@ class RemoteExperts:
         step = Step(self.request, self.iteration, layer)
         groups = split_by_expert(top_k_index, self.num_experts)
         experts = [rows.expert for rows in groups]
-        prefill = hidden.shape[0] > 1 and self.spread_prefill
-        placement = (
-            self.topology.prefill_placement(experts)
-            if prefill
-            else self.topology.decode_placement(layer, experts)
-        )
+        decode = self.iteration >= 1
+        if decode:
+            prediction = self.shadow.prediction(step) if self.shadow is not None else None
+            predicted = prediction.experts if prediction is not None else None
+            self.traffic.timely_recall.add(self.iteration, layer, predicted, experts)
+            self.traffic.activated[(self.iteration, layer)] = experts
+            placement = self.topology.repair_placement(layer, predicted or [], experts)
+        elif hidden.shape[0] > 1 and self.spread_prefill:
+            placement = self.topology.prefill_placement(experts)
+        else:
+            placement = self.topology.decode_placement(layer, experts)
         start = time.perf_counter()
         for rows in groups:
             message = ComputeExpert(step=step, expert=rows.expert, kernel=self.kernel)
@@ -104,6 +121,9 @@ class RemoteExperts:
             )
         outputs = self._gather(step, placement)
         self.traffic.wait_s += time.perf_counter() - start
+        if decode:  # whatever the group preloaded for this layer and did not use is now stale
+            for worker in self.topology.workers_of_group(self.topology.group_of_layer(layer)):
+                self.sockets[worker].send_multipart(to_frames(Release(step)))
         return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
 
     def _gather(self, step: Step, placement: dict[int, int]) -> dict[int, torch.Tensor]:
@@ -125,16 +145,32 @@ class RemoteExperts:
                 if result.error:
                     raise WorkerFailed(f"worker {result.worker} failed on layer {step.layer}: {result.error}")
                 self.traffic.add(result)
+                if step.iteration >= 1:
+                    self.traffic.preloaded += result.preloaded
+                    self.traffic.reloads += not result.preloaded
+                    stall = self.traffic.stall_s_per_layer
+                    stall[step.layer] = stall.get(step.layer, 0.0) + (0.0 if result.preloaded else result.load_s)
                 outputs[result.expert] = tensors[0]
         return outputs
+
+    def recall(self, wait_s: float = 1.0) -> RecallCounter:
+        """Recall as the paper defines it (accuracy of every prediction, whenever it arrived): waits up to
+        wait_s for predictions of this request still in flight."""
+        counter = RecallCounter()
+        predictions = self.shadow.collect(list(self.traffic.activated), wait_s) if self.shadow is not None else {}
+        for (iteration, layer), experts in sorted(self.traffic.activated.items()):
+            prediction = predictions.get((iteration, layer))
+            counter.add(iteration, layer, prediction.experts if prediction else None, experts)
+        return counter
 
     def ping_all(self, timeout_s: float, layers: list[int]) -> list[Pong]:
         """Check every worker is up, is the worker its address says, and holds what it will be asked.
 
         Raises WorkerUnavailable naming the workers that stay silent or are misconfigured.
         """
+        shadow_pub = self.shadow.pub_address if self.shadow is not None else ""
         for sock in self.sockets:
-            sock.send_multipart(to_frames(Ping()))
+            sock.send_multipart(to_frames(Ping(shadow_pub=shadow_pub)))
         pongs: dict[int, Pong] = {}
         deadline = time.monotonic() + timeout_s
         while len(pongs) < len(self.sockets):

@@ -1,0 +1,222 @@
+"""The shadow node: a local copy of the model that runs ahead of main and publishes its routers'
+choices as predictions (OD-MoE "scaled emulative prediction", paper §3.2).
+
+Lifecycle: load the model at `shadow.precision`, bind a PULL socket (main's Begin/Align/End) and a
+PUB socket (predictions), announce readiness, then serve requests one after another:
+  1) Begin: prefill its own cache from the prompt (no predictions: prefill spreads every expert);
+  2) each decode iteration n: wait for main's alignment when the schedule says so (the wait is the
+     late departure), take main's token and/or overwrite its newest K/V rows with main's, run the
+     forward pass; a hook on each MoE layer's router publishes (request, n, layer, experts) the moment
+     the router has run, so later layers' predictions reach workers while main is still earlier;
+  3) End (or a new Begin) stops it. A shadow that is wrong or late never changes main's output.
+
+`shadow.mode=random` publishes uniformly random experts instead (ablation case 5) and loads no model.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+
+import torch
+import zmq
+from accelerate import init_empty_weights
+from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+
+from odmoe.alignment import AlignmentSchedule
+from odmoe.config import OdmoeConfig
+from odmoe.families import family_of
+from odmoe.main_model import experts_modules
+from odmoe.memory import peak_rss_bytes
+from odmoe.messages import Align, BeginRequest, EndRequest, Prediction, ShadowIteration, Step, from_frames, to_frames
+from odmoe.nodes.ready import announce_ready
+from odmoe.placement import Topology
+from odmoe.shadow_model import load_shadow_model, model_bytes
+
+log = logging.getLogger("odmoe.shadow")
+
+
+def topic(group: int) -> bytes:
+    return f"g{group}".encode()
+
+
+class Interrupted(Exception):
+    """main ended this request, or began another, while the shadow was still on it."""
+
+
+class ShadowNode:
+    def __init__(self, cfg: OdmoeConfig, model_path: str):
+        self.cfg, self.scfg = cfg, cfg.shadow
+        self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size)
+        self.schedule = AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)
+        config = AutoConfig.from_pretrained(model_path)
+        self.family = family_of(config)
+        self.num_experts = int(getattr(config, self.family.num_experts_field))
+        self.top_k = int(getattr(config, self.family.top_k_field))
+        self.model = None
+        if self.scfg.mode == "emulate":
+            start = time.perf_counter()
+            self.model = load_shadow_model(model_path, self.scfg.precision, self.scfg.device)
+            self.weight_bytes = model_bytes(self.model)
+            log.info("shadow: %s copy, %.2f MiB of weights (%.1fs)", self.scfg.precision,
+                     self.weight_bytes / 2**20, time.perf_counter() - start)
+            self._hook_routers()
+        else:
+            self.weight_bytes = 0
+        self.moe_layers = sorted(self._router_layers(config))
+        self.ctx = zmq.Context.instance()
+        self.control = self.ctx.socket(zmq.PULL)
+        self.pub = self.ctx.socket(zmq.PUB)
+        for sock in (self.control, self.pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        host, port = cfg.cluster.host, cfg.cluster.shadow_port
+        if port:
+            self.control.bind(f"tcp://{host}:{port}")
+            self.pub.bind(f"tcp://{host}:{port + 1}")
+            pub_port = port + 1
+        else:
+            port = self.control.bind_to_random_port(f"tcp://{host}")
+            pub_port = self.pub.bind_to_random_port(f"tcp://{host}")
+        self.address, self.pub_address = f"tcp://{host}:{port}", f"tcp://{host}:{pub_port}"
+        self.rng = random.Random(self.scfg.seed)
+        self.step = ("", 0)  # (request, iteration) the router hooks label predictions with
+        self.pending: list = []  # control messages read ahead while waiting
+
+    def _router_layers(self, config) -> list[int]:
+        if self.model is not None:
+            return [int(n.split(".layers.")[1].split(".")[0]) for n, _ in self._routers()]
+        with init_empty_weights():
+            skeleton = AutoModelForCausalLM.from_config(config)
+        return [layer for layer, _ in experts_modules(skeleton)]
+
+    def _routers(self):
+        return [(n, m) for n, m in self.model.named_modules() if n.endswith(".mlp.gate") and hasattr(m, "weight")
+                and m.weight.dim() == 2 and m.weight.shape[0] == self.num_experts]
+
+    # -- predictions -------------------------------------------------------------------------
+    def _hook_routers(self) -> None:
+        for name, router in self._routers():
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            router.register_forward_hook(self._make_hook(layer))
+
+    def _make_hook(self, layer: int):
+        def hook(_module, _inputs, output):
+            request, iteration = self.step
+            if iteration < 1:
+                return  # prefill: nothing to predict
+            logits = output[0][-1].float()  # the newest token's router logits [E]
+            probs, candidates = torch.softmax(logits, dim=-1).topk(min(self.top_k + 1, self.num_experts))
+            experts = output[2][-1].tolist()
+            self.publish(layer, iteration, request, experts, candidates.tolist(), probs.tolist())
+
+        return hook
+
+    def publish(self, layer: int, iteration: int, request: str, experts: list[int], candidates: list[int],
+                probs: list[float]) -> None:
+        experts = self._inject(experts)
+        message = Prediction(Step(request, iteration, layer), experts, candidates, probs)
+        frames = to_frames(message)
+        self.pub.send_multipart([topic(self.topology.group_of_layer(layer)), *frames])
+
+    def _inject(self, experts: list[int]) -> list[int]:
+        """Fault injection: replace each predicted expert, with probability inject_wrong, by a wrong one."""
+        if self.scfg.inject_wrong <= 0:
+            return experts
+        out = list(experts)
+        for i in range(len(out)):
+            if self.rng.random() < self.scfg.inject_wrong:
+                wrong = [e for e in range(self.num_experts) if e not in experts and e not in out]
+                if wrong:
+                    out[i] = self.rng.choice(wrong)
+        return out
+
+    # -- control -----------------------------------------------------------------------------
+    def _next_control(self, block: bool):
+        if self.pending:
+            return self.pending.pop(0)
+        if not block and not self.control.poll(0):
+            return None
+        message, tensors = from_frames(self.control.recv_multipart(copy=False))
+        return message, tensors
+
+    def _await_align(self, request: str, iteration: int) -> tuple[Align, list[torch.Tensor]]:
+        while True:
+            message, tensors = self._next_control(block=True)
+            if isinstance(message, Align) and message.request == request:
+                if message.iteration == iteration:
+                    return message, tensors
+                if message.iteration > iteration:  # main is ahead of us: keep it for later
+                    self.pending.insert(0, (message, tensors))
+                    raise Interrupted
+                continue
+            if isinstance(message, BeginRequest | EndRequest):
+                self.pending.insert(0, (message, tensors))
+                raise Interrupted
+
+    def _check_interrupt(self, request: str) -> None:
+        item = self._next_control(block=False)
+        if item is None:
+            return
+        if isinstance(item[0], BeginRequest | EndRequest):
+            self.pending.insert(0, item)
+            raise Interrupted
+        self.pending.append(item)  # an Align for a later iteration
+
+    # -- the loop ----------------------------------------------------------------------------
+    def serve(self, ready_file: str | None = None) -> None:
+        announce_ready(ready_file, role="shadow", address=self.address, pub_address=self.pub_address,
+                       weight_bytes=self.weight_bytes)
+        log.info("shadow (%s) serving: control %s, predictions %s", self.scfg.mode, self.address, self.pub_address)
+        while True:
+            message, _ = self._next_control(block=True)
+            if isinstance(message, BeginRequest):
+                try:
+                    self.run_request(message)
+                except Interrupted:
+                    pass
+                self.step = ("", 0)
+
+    @torch.inference_mode()
+    def run_request(self, begin: BeginRequest) -> None:
+        request = begin.request
+        if self.model is None:
+            return self.run_random(begin)
+        cache = DynamicCache(config=self.model.config)
+        self.step = (request, 0)
+        ids = torch.tensor([begin.prompt_ids], device=self.scfg.device)
+        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
+        own_token = int(logits[0, -1].argmax())
+        for iteration in range(1, begin.max_new_tokens):
+            waited = time.perf_counter()
+            token = own_token
+            if self.schedule.waits(iteration):
+                align, tensors = self._await_align(request, iteration)
+                if self.schedule.align_token(iteration) and align.token >= 0:
+                    token = align.token
+                if self.schedule.align_kv(iteration) and align.kv:
+                    overwrite_newest_rows(cache, tensors[0], tensors[1])
+            else:
+                self._check_interrupt(request)
+            late = time.perf_counter() - waited
+            self.step = (request, iteration)
+            self.pub.send_multipart([b"main", *to_frames(ShadowIteration(request, iteration, late))])
+            logits = self.model(input_ids=torch.tensor([[token]], device=self.scfg.device), past_key_values=cache,
+                                use_cache=True, logits_to_keep=1).logits
+            own_token = int(logits[0, -1].argmax())
+
+    def run_random(self, begin: BeginRequest) -> None:
+        """Ablation case 5: no model, a random guess per layer, paced by main's iterations."""
+        for iteration in range(1, begin.max_new_tokens):
+            self._await_align(begin.request, iteration)
+            for layer in self.moe_layers:
+                experts = self.rng.sample(range(self.num_experts), self.top_k)
+                self.publish(layer, iteration, begin.request, experts, experts, [0.0] * len(experts))
+
+
+def overwrite_newest_rows(cache: DynamicCache, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Replace the cache's last `rows` positions in every layer with main's K/V [layers, heads, rows, D]."""
+    rows = keys.shape[2]
+    for i, layer in enumerate(cache.layers):
+        layer.keys[0, :, -rows:] = keys[i].to(layer.keys.dtype)
+        layer.values[0, :, -rows:] = values[i].to(layer.values.dtype)

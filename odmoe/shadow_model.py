@@ -1,0 +1,121 @@
+"""The shadow's copy of the whole model at a chosen precision (paper §3.2).
+
+Contract: `load_shadow_model(path, precision)` returns transformers' own model, experts included,
+ready to run locally. Precisions:
+- fp32 / bf16 / fp16: the checkpoint cast to that dtype (fp32 on main's device is an exact emulator);
+- int8 / nf4: bitsandbytes linears (the GPU path; they also run on CPU, 4-5x slower than fp32 there,
+  fine for recall studies, too slow to stay ahead of main);
+- int8_dynamic: torch's dynamic int8 quantization, the fast CPU int8.
+transformers keeps experts as fused [E, 2I, H] parameters that no quantizer touches, so for the
+quantized precisions each experts module is first unfused into per-expert `nn.Linear`s. Routers are
+bare parameters, not linears, so they stay in full precision; so does Qwen2-MoE's shared-expert gate.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers.activations import ACT2FN
+
+from odmoe.main_model import experts_modules
+
+PRECISIONS = ("fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic")
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_KEEP_FULL = ("shared_expert_gate", "lm_head")  # tiny gates and the vocabulary head stay exact
+
+
+class UnfusedExperts(nn.Module):
+    """A fused experts module as per-expert linears, computing what transformers' eager kernel does."""
+
+    def __init__(self, fused: nn.Module, hidden_act: str):
+        super().__init__()
+        self.num_experts = fused.gate_up_proj.shape[0]
+        self.gate_up = nn.ModuleList()
+        self.down = nn.ModuleList()
+        for e in range(self.num_experts):
+            gate_up = nn.Linear(fused.gate_up_proj.shape[2], fused.gate_up_proj.shape[1], bias=False)
+            gate_up.weight = nn.Parameter(fused.gate_up_proj[e].detach().clone(), requires_grad=False)
+            down = nn.Linear(fused.down_proj.shape[2], fused.down_proj.shape[1], bias=False)
+            down.weight = nn.Parameter(fused.down_proj[e].detach().clone(), requires_grad=False)
+            self.gate_up.append(gate_up)
+            self.down.append(down)
+        self.act_fn = ACT2FN[hidden_act]
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
+        out = torch.zeros_like(hidden)
+        for e in top_k_index.unique().tolist():
+            token_idx, slot_idx = torch.where(top_k_index == e)
+            gate, up = self.gate_up[e](hidden[token_idx]).chunk(2, dim=-1)
+            y = self.down[e](self.act_fn(gate) * up).to(hidden.dtype)
+            out.index_add_(0, token_idx, (y * top_k_weights[token_idx, slot_idx, None]).to(out.dtype))
+        return out
+
+
+def _unfuse(model: PreTrainedModel) -> None:
+    for layer, module in experts_modules(model):
+        parent = model.get_submodule(f"model.layers.{layer}.mlp")
+        parent.experts = UnfusedExperts(module, model.config.hidden_act)
+
+
+def _linears(model: nn.Module):
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            if type(child) is nn.Linear and child_name not in _KEEP_FULL:
+                yield module, child_name, child
+
+
+def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
+    import bitsandbytes as bnb
+
+    for parent, name, lin in list(_linears(model)):
+        weight = lin.weight.data.float()
+        if precision == "int8":
+            q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                    has_fp16_weights=False, threshold=0.0)
+            q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+        else:
+            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
+                                  compute_dtype=torch.float32, quant_type="nf4")
+            q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+        if lin.bias is not None:
+            q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
+        setattr(parent, name, q.to(lin.weight.device))
+
+
+def _to_dynamic_int8(model: PreTrainedModel) -> None:
+    from torch.ao.quantization import quantize_dynamic
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch marks its quantized tensors deprecated; they still work
+        for parent, name, lin in list(_linears(model)):
+            setattr(parent, name, quantize_dynamic(nn.Sequential(lin), {nn.Linear}, dtype=torch.qint8)[0])
+
+
+def load_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrainedModel:
+    if precision not in PRECISIONS:
+        raise ValueError(f"shadow.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    dtype = _DTYPES.get(precision, torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    if precision in ("int8", "nf4", "int8_dynamic"):
+        _unfuse(model)
+        if precision == "int8_dynamic":
+            _to_dynamic_int8(model)
+        else:
+            _to_bitsandbytes(model, precision)
+    model.eval()
+    return model
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as stored (quantized tensors at their packed size)."""
+    total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
+
+    for module in model.modules():
+        if isinstance(module, DynamicInt8Linear):  # packed params are not in state_dict
+            bias = module.bias()
+            total += module.weight().numel() + (bias.numel() * bias.element_size() if bias is not None else 0)
+    return total
