@@ -37,8 +37,11 @@ def reference_run(path: str, prompt: str, tokens: int) -> dict:
     total = time.perf_counter() - start
     new = out.shape[1] - ids.shape[1]
     del first
-    return {"ttft_s": ttft, "decode_tokens_per_s": (new - 1) / max(total - ttft, 1e-9),
-            "token_ids": out[0, ids.shape[1]:].tolist()}
+    return {
+        "ttft_s": ttft,
+        "decode_tokens_per_s": (new - 1) / max(total - ttft, 1e-9),
+        "token_ids": out[0, ids.shape[1] :].tolist(),
+    }
 
 
 def main() -> None:
@@ -56,17 +59,26 @@ def main() -> None:
         runs = [cluster.client.generate(p, max_new_tokens=args.tokens) for p in PROMPTS]
     identical = all(r.token_ids == f["token_ids"] for r, f in zip(runs, ref, strict=True))
     report = {
-        "model": path, "workers": args.workers, "group_size": args.group_size, "new_tokens": args.tokens,
+        "model": path,
+        "workers": args.workers,
+        "group_size": args.group_size,
+        "new_tokens": args.tokens,
         "machine": f"{platform.machine()}, {torch.get_num_threads()} torch thread(s) for the reference",
         "tokens_identical": identical,
-        "reference": {"decode_tokens_per_s": statistics.mean(r["decode_tokens_per_s"] for r in ref),
-                      "ttft_s": statistics.mean(r["ttft_s"] for r in ref)},
-        "odmoe": {"decode_tokens_per_s": statistics.mean(r.stats["decode_tokens_per_s"] for r in runs),
-                  "ttft_s": statistics.mean(r.stats["ttft_s"] for r in runs),
-                  "worker_load_s_per_token": statistics.mean(r.stats["worker_load_s"] / r.stats["new_tokens"]
-                                                             for r in runs),
-                  "worker_compute_s_per_token": statistics.mean(r.stats["worker_compute_s"] / r.stats["new_tokens"]
-                                                                for r in runs)},
+        "reference": {
+            "decode_tokens_per_s": statistics.mean(r["decode_tokens_per_s"] for r in ref),
+            "ttft_s": statistics.mean(r["ttft_s"] for r in ref),
+        },
+        "odmoe": {
+            "decode_tokens_per_s": statistics.mean(r.stats["decode_tokens_per_s"] for r in runs),
+            "ttft_s": statistics.mean(r.stats["ttft_s"] for r in runs),
+            "worker_load_s_per_token": statistics.mean(
+                r.stats["worker_load_s"] / r.stats["new_tokens"] for r in runs
+            ),
+            "worker_compute_s_per_token": statistics.mean(
+                r.stats["worker_compute_s"] / r.stats["new_tokens"] for r in runs
+            ),
+        },
     }
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "decode_vs_reference.json").write_text(json.dumps(report, indent=2))

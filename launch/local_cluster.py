@@ -100,12 +100,14 @@ class LocalCluster:
             shadow = [self._spawn("shadow", ["role=shadow"])] if self.cfg.shadow.enabled else []
             workers = [self._spawn(f"worker{i}", ["role=worker", f"worker.index={i}"]) for i in range(n)]
             ready = self._wait_ready(shadow + workers)
-            addresses = [info["address"] for info in ready[len(shadow):]]
+            addresses = [info["address"] for info in ready[len(shadow) :]]
             main_args = ["role=main", f"cluster.worker_addresses=[{','.join(addresses)}]"]
             if shadow:
                 self.shadow_info = ready[0]
-                main_args += [f"cluster.shadow_address={ready[0]['address']}",
-                              f"cluster.shadow_pub_address={ready[0]['pub_address']}"]
+                main_args += [
+                    f"cluster.shadow_address={ready[0]['address']}",
+                    f"cluster.shadow_pub_address={ready[0]['pub_address']}",
+                ]
             (info,) = self._wait_ready([self._spawn("main", main_args)])
             self.address = info["address"]
         except BaseException:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import csv
 import json
 import logging
 import sys
+from pathlib import Path
 
 import grpc
 from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
@@ -76,6 +78,8 @@ def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
                     result = json.loads(reply.done.stats_json)
             print()
             print(format_stats(result or {}), file=sys.stderr)
+            if result is not None:
+                record_result(cfg, overrides, result)
     except (CheckpointError, UnsupportedModelError, ValueError) as exc:
         print(f"odmoe-launch: {exc}", file=sys.stderr)
         return BAD_INPUT
@@ -113,5 +117,66 @@ def format_stats(stats: dict) -> str:
             f"   experts loaded {s['experts_loaded']} ({s['bytes_loaded'] / mib:.1f} MiB), "
             f"worker load {s['worker_load_s'] * 1e3:.1f} ms vs compute {s['worker_compute_s'] * 1e3:.1f} ms",
             f"   peak RSS: {rss}",
+            f"   recall {_pct((s.get('recall') or {}).get('overall'))} (in time: "
+            f"{_pct((s.get('timely_recall') or {}).get('overall'))}), "
+            f"stall {s.get('stall_s', 0) * 1e3:.1f} ms, "
+            f"reloads {s.get('reloads', 0)}",
         ]
     )
+
+
+def results_path(cfg: OdmoeConfig) -> Path | None:
+    """Where this run's row goes: results_file, else the sweep folder of a `-m` multirun."""
+    if cfg.results_file:
+        return Path(cfg.results_file)
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get() if HydraConfig.initialized() else None
+    if hydra_cfg is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+        return Path(hydra_cfg.sweep.dir) / "results.jsonl"
+    return None
+
+
+SUMMARY = (
+    "decode_tokens_per_s",
+    "ttft_s",
+    "stall_s",
+    "reloads",
+    "preloaded",
+    "late_departure_s_mean",
+    "lookahead_layers_mean",
+)
+
+
+def record_result(cfg: OdmoeConfig, overrides: list[str], stats: dict) -> None:
+    """Append one row (config + headline figures) to results.jsonl and rewrite results.csv beside it."""
+    path = results_path(cfg)
+    if path is None:
+        return
+    row = {
+        "overrides": " ".join(overrides),
+        "token_period": cfg.alignment.token_period,
+        "kv_period": cfg.alignment.kv_period,
+        "shadow": cfg.shadow.enabled and cfg.shadow.mode,
+        "precision": cfg.shadow.precision,
+        "workers": cfg.cluster.workers,
+        "group_size": cfg.cluster.group_size,
+        "new_tokens": stats.get("new_tokens"),
+        **{k: stats.get(k) for k in SUMMARY},
+        "recall": (stats.get("recall") or {}).get("overall"),
+        "timely_recall": (stats.get("timely_recall") or {}).get("overall"),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    with path.with_suffix(".csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"odmoe: results appended to {path} (table: {path.with_suffix('.csv')})", file=sys.stderr)
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 100:.2f} %"

@@ -48,7 +48,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         shadow = None
         if cfg.shadow.enabled and cfg.cluster.shadow_address:
-            shadow = ShadowLink(cfg.cluster.shadow_address, cfg.cluster.shadow_pub_address, self.checkpoint.moe_layers)
+            shadow = ShadowLink(
+                cfg.cluster.shadow_address, cfg.cluster.shadow_pub_address, self.checkpoint.moe_layers
+            )
         self.experts = RemoteExperts(
             cfg.cluster.worker_addresses,
             cfg.topology,
@@ -60,7 +62,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         )
         self.pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, self.checkpoint.moe_layers)
         schedule = AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)
-        self.engine = MainEngine(main, tokenizer, self.experts, schedule, pace_shadow=cfg.shadow.mode == "random")
+        self.engine = MainEngine(
+            main, tokenizer, self.experts, schedule, pace_shadow=cfg.shadow.mode == "random"
+        )
         self.jobs: queue.Queue = queue.Queue()
         self.stopped = threading.Event()
 

@@ -22,15 +22,23 @@ import time
 import torch
 import zmq
 from accelerate import init_empty_weights
+from odmoe.nodes.ready import announce_ready
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from odmoe.alignment import AlignmentSchedule
 from odmoe.config import OdmoeConfig
 from odmoe.families import family_of
 from odmoe.main_model import experts_modules
-from odmoe.memory import peak_rss_bytes
-from odmoe.messages import Align, BeginRequest, EndRequest, Prediction, ShadowIteration, Step, from_frames, to_frames
-from odmoe.nodes.ready import announce_ready
+from odmoe.messages import (
+    Align,
+    BeginRequest,
+    EndRequest,
+    Prediction,
+    ShadowIteration,
+    Step,
+    from_frames,
+    to_frames,
+)
 from odmoe.placement import Topology
 from odmoe.shadow_model import load_shadow_model, model_bytes
 
@@ -59,8 +67,12 @@ class ShadowNode:
             start = time.perf_counter()
             self.model = load_shadow_model(model_path, self.scfg.precision, self.scfg.device)
             self.weight_bytes = model_bytes(self.model)
-            log.info("shadow: %s copy, %.2f MiB of weights (%.1fs)", self.scfg.precision,
-                     self.weight_bytes / 2**20, time.perf_counter() - start)
+            log.info(
+                "shadow: %s copy, %.2f MiB of weights (%.1fs)",
+                self.scfg.precision,
+                self.weight_bytes / 2**20,
+                time.perf_counter() - start,
+            )
             self._hook_routers()
         else:
             self.weight_bytes = 0
@@ -91,8 +103,14 @@ class ShadowNode:
         return [layer for layer, _ in experts_modules(skeleton)]
 
     def _routers(self):
-        return [(n, m) for n, m in self.model.named_modules() if n.endswith(".mlp.gate") and hasattr(m, "weight")
-                and m.weight.dim() == 2 and m.weight.shape[0] == self.num_experts]
+        return [
+            (n, m)
+            for n, m in self.model.named_modules()
+            if n.endswith(".mlp.gate")
+            and hasattr(m, "weight")
+            and m.weight.dim() == 2
+            and m.weight.shape[0] == self.num_experts
+        ]
 
     # -- predictions -------------------------------------------------------------------------
     def _hook_routers(self) -> None:
@@ -112,8 +130,15 @@ class ShadowNode:
 
         return hook
 
-    def publish(self, layer: int, iteration: int, request: str, experts: list[int], candidates: list[int],
-                probs: list[float]) -> None:
+    def publish(
+        self,
+        layer: int,
+        iteration: int,
+        request: str,
+        experts: list[int],
+        candidates: list[int],
+        probs: list[float],
+    ) -> None:
         experts = self._inject(experts)
         message = Prediction(Step(request, iteration, layer), experts, candidates, probs)
         frames = to_frames(message)
@@ -165,9 +190,16 @@ class ShadowNode:
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, ready_file: str | None = None) -> None:
-        announce_ready(ready_file, role="shadow", address=self.address, pub_address=self.pub_address,
-                       weight_bytes=self.weight_bytes)
-        log.info("shadow (%s) serving: control %s, predictions %s", self.scfg.mode, self.address, self.pub_address)
+        announce_ready(
+            ready_file,
+            role="shadow",
+            address=self.address,
+            pub_address=self.pub_address,
+            weight_bytes=self.weight_bytes,
+        )
+        log.info(
+            "shadow (%s) serving: control %s, predictions %s", self.scfg.mode, self.address, self.pub_address
+        )
         while True:
             message, _ = self._next_control(block=True)
             if isinstance(message, BeginRequest):
@@ -201,8 +233,12 @@ class ShadowNode:
             late = time.perf_counter() - waited
             self.step = (request, iteration)
             self.pub.send_multipart([b"main", *to_frames(ShadowIteration(request, iteration, late))])
-            logits = self.model(input_ids=torch.tensor([[token]], device=self.scfg.device), past_key_values=cache,
-                                use_cache=True, logits_to_keep=1).logits
+            logits = self.model(
+                input_ids=torch.tensor([[token]], device=self.scfg.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits
             own_token = int(logits[0, -1].argmax())
 
     def run_random(self, begin: BeginRequest) -> None:

@@ -9,7 +9,8 @@ group's workers by the shared round-robin rule; this worker preloads its share i
 slot, earliest (iteration, layer) first. A compute request then finds the expert already loaded (a
 hit) or loads it on demand (a miss: the stall the shadow exists to avoid). After computing, the
 expert is evicted: no cache. Preloads the request did not use are dropped when main releases the
-layer (it does after every decode layer, to every worker of the group). The result is the same either way; only time differs.
+layer (it does after every decode layer, to every worker of the group). The result is the same
+either way; only time differs.
 
 A failure inside one request (an expert it does not hold, a bad message) is answered with an error
 result instead of killing the process, so main can report it with the worker named.
@@ -23,6 +24,7 @@ import time
 
 import torch
 import zmq
+from odmoe.nodes.ready import announce_ready
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
@@ -32,9 +34,16 @@ from odmoe.expert_store import DeviceSlots, ExpertStore
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import peak_rss_bytes
 from odmoe.messages import (
-    ComputeExpert, ExpertResult, Ping, Pong, Prediction, Release, Shutdown, from_frames, to_frames,
+    ComputeExpert,
+    ExpertResult,
+    Ping,
+    Pong,
+    Prediction,
+    Release,
+    Shutdown,
+    from_frames,
+    to_frames,
 )
-from odmoe.nodes.ready import announce_ready
 
 log = logging.getLogger("odmoe.worker")
 Position = tuple[int, int]  # (iteration, layer): the order main visits layers in
@@ -58,8 +67,13 @@ class WorkerNode:
             layers = self.topology.layers_of_worker(self.index, layers)
         start = time.perf_counter()
         self.store = ExpertStore.from_checkpoint(checkpoint, layers, dtype)
-        log.info("worker %d: %d layers, %.1f MiB of experts in host memory (%.1fs)", self.index, len(layers),
-                 self.store.nbytes / 2**20, time.perf_counter() - start)
+        log.info(
+            "worker %d: %d layers, %.1f MiB of experts in host memory (%.1fs)",
+            self.index,
+            len(layers),
+            self.store.nbytes / 2**20,
+            time.perf_counter() - start,
+        )
         self.slots = DeviceSlots(self.store, compute_device(cfg.worker.device), cfg.worker.slots)
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
@@ -199,9 +213,23 @@ class WorkerNode:
         result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded)
         return to_frames(result, [y])
 
-    def _result(self, request: ComputeExpert, load_s: float, compute_s: float, nbytes: int, error: str = "",
-                preloaded: bool = False):
+    def _result(
+        self,
+        request: ComputeExpert,
+        load_s: float,
+        compute_s: float,
+        nbytes: int,
+        error: str = "",
+        preloaded: bool = False,
+    ):
         return ExpertResult(
-            step=request.step, expert=request.expert, worker=self.index, load_s=load_s, compute_s=compute_s,
-            bytes_loaded=nbytes, peak_rss=peak_rss_bytes(), error=error, preloaded=preloaded,
+            step=request.step,
+            expert=request.expert,
+            worker=self.index,
+            load_s=load_s,
+            compute_s=compute_s,
+            bytes_loaded=nbytes,
+            peak_rss=peak_rss_bytes(),
+            error=error,
+            preloaded=preloaded,
         )

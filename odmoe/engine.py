@@ -49,8 +49,14 @@ class DoneEvent:
 
 
 class MainEngine:
-    def __init__(self, main: MainModel, tokenizer: PreTrainedTokenizerBase, experts: RemoteExperts,
-                 schedule: AlignmentSchedule | None = None, pace_shadow: bool = False):
+    def __init__(
+        self,
+        main: MainModel,
+        tokenizer: PreTrainedTokenizerBase,
+        experts: RemoteExperts,
+        schedule: AlignmentSchedule | None = None,
+        pace_shadow: bool = False,
+    ):
         self.main, self.tokenizer, self.experts = main, tokenizer, experts
         self.shadow = experts.shadow
         self.schedule = schedule or AlignmentSchedule()

@@ -128,11 +128,33 @@ class Shutdown:
     kind: str = "shutdown"
 
 
-_ALL = (ComputeExpert, ExpertResult, Ping, Pong, Shutdown, Release, Prediction, ShadowIteration, BeginRequest,
-        Align, EndRequest)
+_ALL = (
+    ComputeExpert,
+    ExpertResult,
+    Ping,
+    Pong,
+    Shutdown,
+    Release,
+    Prediction,
+    ShadowIteration,
+    BeginRequest,
+    Align,
+    EndRequest,
+)
 _KINDS = {cls.kind: cls for cls in _ALL}
-Message = (ComputeExpert | ExpertResult | Ping | Pong | Shutdown | Release | Prediction | ShadowIteration
-           | BeginRequest | Align | EndRequest)
+Message = (
+    ComputeExpert
+    | ExpertResult
+    | Ping
+    | Pong
+    | Shutdown
+    | Release
+    | Prediction
+    | ShadowIteration
+    | BeginRequest
+    | Align
+    | EndRequest
+)
 
 
 def to_frames(message: Message, tensors: list[torch.Tensor] = ()) -> list:

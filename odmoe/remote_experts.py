@@ -20,7 +20,15 @@ import zmq
 
 from odmoe.expert_math import combine, split_by_expert
 from odmoe.messages import (
-    ComputeExpert, ExpertResult, Ping, Pong, Release, Shutdown, Step, from_frames, to_frames,
+    ComputeExpert,
+    ExpertResult,
+    Ping,
+    Pong,
+    Release,
+    Shutdown,
+    Step,
+    from_frames,
+    to_frames,
 )
 from odmoe.placement import Topology
 from odmoe.recall import RecallCounter
@@ -47,7 +55,9 @@ class ExpertTraffic:
     worker_peak_rss: dict[int, int] = field(default_factory=dict)
     preloaded: int = 0  # decode experts the shadow's prediction had already loaded
     reloads: int = 0  # decode experts loaded only after main asked (misses)
-    stall_s_per_layer: dict[int, float] = field(default_factory=dict)  # decode: on-demand load time on the path
+    stall_s_per_layer: dict[int, float] = field(
+        default_factory=dict
+    )  # decode: on-demand load time on the path
     # Predictions as they stood when main needed them (late = missing): what the workers could use.
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
@@ -149,7 +159,9 @@ class RemoteExperts:
                     self.traffic.preloaded += result.preloaded
                     self.traffic.reloads += not result.preloaded
                     stall = self.traffic.stall_s_per_layer
-                    stall[step.layer] = stall.get(step.layer, 0.0) + (0.0 if result.preloaded else result.load_s)
+                    stall[step.layer] = stall.get(step.layer, 0.0) + (
+                        0.0 if result.preloaded else result.load_s
+                    )
                 outputs[result.expert] = tensors[0]
         return outputs
 
@@ -157,7 +169,9 @@ class RemoteExperts:
         """Recall as the paper defines it (accuracy of every prediction, whenever it arrived): waits up to
         wait_s for predictions of this request still in flight."""
         counter = RecallCounter()
-        predictions = self.shadow.collect(list(self.traffic.activated), wait_s) if self.shadow is not None else {}
+        predictions = (
+            self.shadow.collect(list(self.traffic.activated), wait_s) if self.shadow is not None else {}
+        )
         for (iteration, layer), experts in sorted(self.traffic.activated.items()):
             prediction = predictions.get((iteration, layer))
             counter.add(iteration, layer, prediction.experts if prediction else None, experts)

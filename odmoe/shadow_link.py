@@ -9,14 +9,22 @@ the shadow's late departure per iteration.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import time
+from dataclasses import dataclass, field
 
 import torch
 import zmq
 
-from odmoe.messages import Align, BeginRequest, EndRequest, Prediction, ShadowIteration, Step, from_frames, to_frames
+from odmoe.messages import (
+    Align,
+    BeginRequest,
+    EndRequest,
+    Prediction,
+    ShadowIteration,
+    Step,
+    from_frames,
+    to_frames,
+)
 
 
 @dataclass
@@ -46,7 +54,9 @@ class ShadowLink:
         self.request, self.predictions, self.seen = request, {}, ShadowObservations()
         self.control.send_multipart(to_frames(BeginRequest(request, prompt_ids, max_new_tokens)))
 
-    def align(self, iteration: int, token: int, keys: torch.Tensor | None, values: torch.Tensor | None) -> None:
+    def align(
+        self, iteration: int, token: int, keys: torch.Tensor | None, values: torch.Tensor | None
+    ) -> None:
         tensors = [keys, values] if keys is not None else []
         message = Align(self.request, iteration, token=token, kv=keys is not None)
         self.control.send_multipart(to_frames(message, tensors), copy=False)
@@ -74,7 +84,11 @@ class ShadowLink:
                 s = message.step
                 self.predictions[(s.iteration, s.layer)] = message
                 if now is not None:
-                    ahead = (s.iteration - now.iteration) * len(self.order) + self.order[s.layer] - self.order[now.layer]
+                    ahead = (
+                        (s.iteration - now.iteration) * len(self.order)
+                        + self.order[s.layer]
+                        - self.order[now.layer]
+                    )
                     self.seen.lookahead_layers.append(ahead)
             elif isinstance(message, ShadowIteration) and message.request == self.request:
                 self.seen.late_departure_s[message.iteration] = message.late_departure_s

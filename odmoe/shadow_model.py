@@ -61,7 +61,7 @@ def _unfuse(model: PreTrainedModel) -> None:
 
 
 def _linears(model: nn.Module):
-    for name, module in list(model.named_modules()):
+    for module in list(model.modules()):
         for child_name, child in list(module.named_children()):
             if type(child) is nn.Linear and child_name not in _KEEP_FULL:
                 yield module, child_name, child
@@ -73,12 +73,22 @@ def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
     for parent, name, lin in list(_linears(model)):
         weight = lin.weight.data.float()
         if precision == "int8":
-            q = bnb.nn.Linear8bitLt(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                    has_fp16_weights=False, threshold=0.0)
+            q = bnb.nn.Linear8bitLt(
+                lin.in_features,
+                lin.out_features,
+                bias=lin.bias is not None,
+                has_fp16_weights=False,
+                threshold=0.0,
+            )
             q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
         else:
-            q = bnb.nn.Linear4bit(lin.in_features, lin.out_features, bias=lin.bias is not None,
-                                  compute_dtype=torch.float32, quant_type="nf4")
+            q = bnb.nn.Linear4bit(
+                lin.in_features,
+                lin.out_features,
+                bias=lin.bias is not None,
+                compute_dtype=torch.float32,
+                quant_type="nf4",
+            )
             q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
@@ -111,7 +121,9 @@ def load_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrai
 
 def model_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored (quantized tensors at their packed size)."""
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor))
+    total = sum(
+        t.numel() * t.element_size() for t in model.state_dict().values() if isinstance(t, torch.Tensor)
+    )
     from torch.ao.nn.quantized.dynamic import Linear as DynamicInt8Linear
 
     for module in model.modules():

@@ -34,3 +34,11 @@ def test_prefill_spreads_over_all_workers():
 def test_bad_topologies(workers, group_size, msg):
     with pytest.raises(ValueError, match=msg):
         Topology(workers, group_size)
+
+
+def test_repair_placement_keeps_hits_and_reuses_wrongly_loaded_workers():
+    topo = Topology(workers=4, group_size=2)
+    # layer 1 -> group 1 (workers 2, 3); predicted [3, 5] -> 3 on w2, 5 on w3
+    assert topo.repair_placement(1, predicted=[3, 5], activated=[3, 5]) == {3: 2, 5: 3}
+    assert topo.repair_placement(1, predicted=[3, 5], activated=[5, 6]) == {5: 3, 6: 2}
+    assert topo.repair_placement(1, predicted=[], activated=[0, 6]) == {0: 2, 6: 3}

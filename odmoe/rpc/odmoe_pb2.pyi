@@ -1,10 +1,8 @@
-from collections.abc import Iterable as _Iterable
-from collections.abc import Mapping as _Mapping
-from typing import ClassVar as _ClassVar
-
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from google.protobuf.internal import containers as _containers
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -20,14 +18,7 @@ class GenerateRequest(_message.Message):
     max_new_tokens: int
     request_id: str
     return_logits: bool
-    def __init__(
-        self,
-        prompt: str | None = ...,
-        token_ids: _Iterable[int] | None = ...,
-        max_new_tokens: int | None = ...,
-        request_id: str | None = ...,
-        return_logits: bool | None = ...,
-    ) -> None: ...
+    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token", "done")
@@ -35,9 +26,7 @@ class GenerateReply(_message.Message):
     DONE_FIELD_NUMBER: _ClassVar[int]
     token: TokenPiece
     done: Done
-    def __init__(
-        self, token: TokenPiece | _Mapping | None = ..., done: Done | _Mapping | None = ...
-    ) -> None: ...
+    def __init__(self, token: _Optional[_Union[TokenPiece, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
 
 class TokenPiece(_message.Message):
     __slots__ = ("token_id", "text")
@@ -45,7 +34,7 @@ class TokenPiece(_message.Message):
     TEXT_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
-    def __init__(self, token_id: int | None = ..., text: str | None = ...) -> None: ...
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("stats_json", "final_logits")
@@ -53,7 +42,7 @@ class Done(_message.Message):
     FINAL_LOGITS_FIELD_NUMBER: _ClassVar[int]
     stats_json: str
     final_logits: bytes
-    def __init__(self, stats_json: str | None = ..., final_logits: bytes | None = ...) -> None: ...
+    def __init__(self, stats_json: _Optional[str] = ..., final_logits: _Optional[bytes] = ...) -> None: ...
 
 class InfoRequest(_message.Message):
     __slots__ = ()
@@ -71,11 +60,4 @@ class InfoReply(_message.Message):
     workers: int
     group_size: int
     info_json: str
-    def __init__(
-        self,
-        model_path: str | None = ...,
-        family: str | None = ...,
-        workers: int | None = ...,
-        group_size: int | None = ...,
-        info_json: str | None = ...,
-    ) -> None: ...
+    def __init__(self, model_path: _Optional[str] = ..., family: _Optional[str] = ..., workers: _Optional[int] = ..., group_size: _Optional[int] = ..., info_json: _Optional[str] = ...) -> None: ...

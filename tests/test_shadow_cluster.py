@@ -1,0 +1,120 @@
+"""The shadow may predict anything: the cluster's tokens never change. And it predicts well."""
+
+from __future__ import annotations
+
+import pytest
+
+from odmoe import LocalCluster
+from tests.test_cluster_fidelity import PROMPTS, reference
+
+pytestmark = pytest.mark.integration
+
+# One cluster per family, each exercising a different precision and alignment, with faults injected.
+CASES = [
+    ("mixtral", ["shadow.precision=int8_dynamic", "shadow.inject_wrong=0.5"]),
+    ("qwen2_moe", ["shadow.precision=nf4", "alignment.token_period=2", "alignment.kv_period=4"]),
+    ("qwen3_moe", ["shadow.precision=int8", "alignment.token_period=0", "alignment.kv_period=0"]),
+    (
+        "olmoe",
+        [
+            "shadow.precision=bf16",
+            "alignment.token_period=1",
+            "alignment.kv_period=0",
+            "shadow.inject_wrong=0.3",
+        ],
+    ),
+    ("mixtral", ["ablation=case5"]),
+    ("qwen2_moe", ["shadow.precision=fp16", "ablation=case3"]),
+]
+
+
+@pytest.mark.parametrize("family,overrides", CASES, ids=[f"{f}-{'-'.join(o)}" for f, o in CASES])
+def test_tokens_equal_reference_whatever_the_shadow_predicts(family, overrides, model_dirs, reap_children):
+    path = model_dirs[family]
+    with LocalCluster(path, workers=2, group_size=2, overrides=overrides) as cluster:
+        for prompt in PROMPTS[:2]:
+            want, _ = reference(path, prompt)
+            got = cluster.client.generate(prompt, max_new_tokens=32)
+            assert got.token_ids == want
+            assert got.stats["shadow"] is True
+
+
+def test_fp32_shadow_aligned_every_iteration_is_an_exact_emulator(model_dirs, reap_children):
+    with LocalCluster(
+        model_dirs["mixtral"],
+        workers=2,
+        group_size=2,
+        overrides=["shadow.precision=fp32", "alignment.token_period=1", "alignment.kv_period=1"],
+    ) as c:
+        stats = c.client.generate(PROMPTS[0], max_new_tokens=32).stats
+    recall = stats["recall"]
+    assert recall["overall"] == 1.0
+    assert set(recall["per_token"].values()) == {1.0} and len(recall["per_token"]) == 31
+    assert set(recall["per_layer"].values()) == {1.0}
+
+
+def test_injected_wrong_predictions_lower_recall_by_that_fraction(model_dirs, reap_children):
+    with LocalCluster(
+        model_dirs["mixtral"],
+        workers=2,
+        group_size=2,
+        overrides=["shadow.precision=fp32", "shadow.inject_wrong=0.5"],
+    ) as c:
+        runs = [c.client.generate(p, max_new_tokens=32).stats["recall"] for p in PROMPTS]
+    hits = sum(r["overall"] * r["activated"] for r in runs)
+    total = sum(r["activated"] for r in runs)
+    assert 0.4 <= hits / total <= 0.6  # 3 x 31 x 4 layers x 2 experts = 744 draws of p = 0.5
+
+
+def test_no_shadow_means_no_predictions_and_same_tokens(model_dirs, reap_children):
+    path = model_dirs["olmoe"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=["ablation=case6"]) as cluster:
+        assert not any(n.name == "shadow" for n in cluster.nodes)
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=32)
+    assert got.token_ids == reference(path, PROMPTS[0])[0]
+    assert got.stats["shadow"] is False and got.stats["preloaded"] == 0
+    assert got.stats["recall"]["overall"] == 0.0
+
+
+def test_predictions_arrive_ahead_of_main_with_alignment_every_iteration(tmp_path, reap_children):
+    from odmoe.model_factory import ModelSpec, make_model
+
+    path = str(
+        make_model(ModelSpec(family="mixtral", layers=8, hidden=64, intermediate=128, vocab=1024), tmp_path)
+    )
+    with LocalCluster(
+        path, workers=2, group_size=2, overrides=["alignment.token_period=1", "alignment.kv_period=1"]
+    ) as cluster:
+        cluster.client.generate(PROMPTS[0], max_new_tokens=4)
+        runs = [cluster.client.generate(p, max_new_tokens=32).stats for p in PROMPTS]
+    ahead = sum(r["lookahead_layers_mean"] for r in runs) / len(runs)
+    assert ahead >= 1.0, f"predictions arrived only {ahead:.2f} layers ahead on average"
+    assert all(r["recall"]["overall"] == 1.0 for r in runs)
+
+
+def test_multirun_sweep_leaves_one_table(model_dirs, tmp_path, reap_children):
+    import csv
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "odmoe.launch.cli",
+            "-m",
+            "role=local",
+            f"model.path={model_dirs['mixtral']}",
+            "alignment.token_period=1,0",
+            "alignment.kv_period=1",
+            "max_new_tokens=8",
+            f"hydra.sweep.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [(r["token_period"], r["kv_period"]) for r in rows] == [("1", "1"), ("0", "1")]
+    assert all(float(r["decode_tokens_per_s"]) > 0 and r["recall"] for r in rows)
