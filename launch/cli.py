@@ -38,7 +38,9 @@ def main(raw: DictConfig) -> None:
 
     roles = {"local": run_local, "main": run_main, "worker": run_worker, "shadow": run_shadow}
     overrides = list(HydraConfig.get().overrides.task)
-    sys.exit(roles[cfg.role.name](cfg, overrides))
+    code = roles[cfg.role.name](cfg, overrides)
+    if code:  # returning (not exiting) on success lets a -m multirun go on to its next job
+        sys.exit(code)
 
 
 if __name__ == "__main__":
