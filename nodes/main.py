@@ -59,9 +59,12 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             reply_timeout_s=cfg.worker.reply_timeout_s,
             spread_prefill=not cfg.worker.only_own_layers,
             shadow=shadow,
+            prefill=cfg.prefill,
         )
         self.pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, self.checkpoint.moe_layers)
-        schedule = AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)
+        schedule = AlignmentSchedule(
+            cfg.alignment.token_period, cfg.alignment.kv_period, cfg.alignment.prefill_kv
+        )
         self.engine = MainEngine(
             main, tokenizer, self.experts, schedule, pace_shadow=cfg.shadow.mode == "random"
         )

@@ -57,7 +57,9 @@ class ShadowNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.cfg, self.scfg = cfg, cfg.shadow
         self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size)
-        self.schedule = AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)
+        self.schedule = AlignmentSchedule(
+            cfg.alignment.token_period, cfg.alignment.kv_period, cfg.alignment.prefill_kv
+        )
         config = AutoConfig.from_pretrained(model_path)
         self.family = family_of(config)
         self.num_experts = int(getattr(config, self.family.num_experts_field))

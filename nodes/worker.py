@@ -90,6 +90,7 @@ class WorkerNode:
         self.request = ""  # the request predictions and preloads belong to
         self.done: Position = (-1, -1)  # the last (iteration, layer) main has finished with us
         self.preloads: list[tuple[int, int, int]] = []  # heap of (iteration, layer, expert)
+        self.batch: list[torch.Tensor] = []  # prefill mini-batches of the expert now being assembled
 
     def _subscribe(self, address: str) -> None:
         if self.predictions is not None or not address:
@@ -132,10 +133,12 @@ class WorkerNode:
         if isinstance(message, Release):
             self._finish(message.step.request, (message.step.iteration, message.step.layer))
             return True
-        self.sock.send_multipart([peer, *self.handle(message, tensors)], copy=False)
+        reply = self.handle(message, tensors)
+        if reply is not None:  # a mini-batch that only completes a batch gets no answer of its own
+            self.sock.send_multipart([peer, *reply], copy=False)
         return True
 
-    def handle(self, message, tensors: list[torch.Tensor]) -> list:
+    def handle(self, message, tensors: list[torch.Tensor]) -> list | None:
         if isinstance(message, Ping):
             self._subscribe(message.shadow_pub)
             return to_frames(Pong(self.index, self.store.layers, self.store.nbytes, peak_rss_bytes()))
@@ -189,27 +192,38 @@ class WorkerNode:
         self.slots.evict(latest)
 
     # -- computing ---------------------------------------------------------------------------
-    def compute(self, request: ComputeExpert, hidden: torch.Tensor) -> list:
+    def compute(self, request: ComputeExpert, hidden: torch.Tensor) -> list | None:
+        """Rows in one message, or prefill mini-batches: the expert loads when the first part arrives
+        (overlapping the rest of the transfer) and, bit-exact by default, computes once all are in."""
         step = request.step
-        key = (step.layer, request.expert)
+        key, tag = (step.layer, request.expert), (step.request, step.iteration)
         self._switch_request(step.request)
-        slot = self.slots.find(key, (step.request, step.iteration))
-        preloaded = slot is not None
+        slot = self.slots.find(key, tag)
+        preloaded = slot is not None and request.part == 0
         if slot is None:
             try:
                 self._make_room()
-                slot = self.slots.load(key, tag=(step.request, step.iteration))
+                slot = self.slots.load(key, tag=tag)
             except (KeyError, RuntimeError) as exc:
                 return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
+        last = request.part == request.parts - 1
+        if not request.per_part:
+            self.batch.append(hidden)
+            if not last:
+                return None
+            hidden, self.batch = (torch.cat(self.batch) if len(self.batch) > 1 else self.batch[0]), []
         try:
             start = time.perf_counter()
-            x = hidden.to(self.slots.device)
             with torch.inference_mode():
-                y = expert_forward(x, slot.gate_up, slot.down, self.hidden_act, request.kernel).cpu()
+                y = expert_forward(
+                    hidden.to(self.slots.device), slot.gate_up, slot.down, self.hidden_act, request.kernel
+                ).cpu()
             compute_s = time.perf_counter() - start
-            load_s, nbytes = slot.load_s, slot.nbytes
+            first = request.part == 0 or not request.per_part
+            load_s, nbytes = (slot.load_s, slot.nbytes) if first else (0.0, 0)  # count a load once
         finally:
-            self.slots.evict(slot)
+            if last:
+                self.slots.evict(slot)
         result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded)
         return to_frames(result, [y])
 
@@ -232,4 +246,5 @@ class WorkerNode:
             peak_rss=peak_rss_bytes(),
             error=error,
             preloaded=preloaded,
+            part=request.part if request.per_part else 0,
         )

@@ -59,6 +59,15 @@ SHADOW_MODES = ("emulate", "random")
 
 
 @dataclass
+class PrefillConfig:
+    mini_batch: int = 0  # tokens per message of one expert's prompt batch (0: the whole batch at once)
+    placement: str = "modulo"  # modulo (expert e on worker e mod N) | balanced (by token count)
+    # Compute each mini-batch as it arrives. Faster, but NOT bit-exact (a matmul's rows depend on
+    # how many rows it sees), so off by default: odmoe's output must equal the reference's.
+    compute_per_mini_batch: bool = False
+
+
+@dataclass
 class ShadowConfig:
     enabled: bool = True
     mode: str = "emulate"  # emulate: a copy of the model predicts; random: random experts (case 5)
@@ -72,6 +81,7 @@ class ShadowConfig:
 class AlignmentConfig:
     token_period: int = 1  # every P-th decode iteration the shadow takes main's token (0: never)
     kv_period: int = 1  # every Q-th iteration it overwrites its newest K/V rows with main's (0: never)
+    prefill_kv: bool = False  # also hand the shadow main's prompt K/V before the first decode iteration
 
 
 @dataclass
@@ -82,6 +92,7 @@ class OdmoeConfig:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
+    prefill: PrefillConfig = field(default_factory=PrefillConfig)
     results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32
@@ -115,6 +126,10 @@ def validate(cfg: OdmoeConfig) -> None:
     if cfg.shadow.precision not in PRECISIONS:
         raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
     AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)  # raises on negative periods
+    if cfg.prefill.mini_batch < 0:
+        raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")
+    if cfg.prefill.placement not in ("modulo", "balanced"):
+        raise ValueError(f"prefill.placement={cfg.prefill.placement!r} is not one of modulo, balanced")
     if cfg.role.name == "local":
         if not cfg.prompt:
             raise ValueError("prompt is empty")

@@ -160,6 +160,7 @@ class MainEngine:
                 "main": peak_rss_bytes(),
                 **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
             },
+            "prefill": self._prefill_stats(first_token_at - start),
             "recall": self.experts.recall().report(),
             "timely_recall": traffic.timely_recall.report(),
             "preloaded": traffic.preloaded,
@@ -167,6 +168,22 @@ class MainEngine:
             "stall_s": sum(traffic.stall_s_per_layer.values()),
             "stall_s_per_layer": dict(sorted(traffic.stall_s_per_layer.items())),
             **self._shadow_stats(),
+        }
+
+    def _prefill_stats(self, ttft: float) -> dict:
+        """TTFT split: main's own work, and the time it waited on workers split into the busiest
+        worker's loading + computing (the critical path) and the rest (transfer and queueing)."""
+        p = self.experts.traffic.prefill
+        per_layer = p["experts_per_layer"]
+        return {
+            "main_s": ttft - p["wait_s"],
+            "wait_on_workers_s": p["wait_s"],
+            "critical_load_compute_s": p["critical_s"],
+            "transfer_s": max(p["wait_s"] - p["critical_s"], 0.0),
+            "load_s": p["load_s"],
+            "compute_s": p["compute_s"],
+            "experts_per_layer": per_layer,
+            "experts_per_layer_mean": sum(per_layer.values()) / len(per_layer) if per_layer else 0.0,
         }
 
     def _shadow_stats(self) -> dict:

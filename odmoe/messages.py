@@ -28,6 +28,11 @@ class ComputeExpert:
     step: Step
     expert: int
     kernel: str
+    # Prefill mini-batches: rows arrive in `parts` messages. The worker computes once all parts are
+    # in (bit-exact: a matmul's rows depend on how many rows it sees) unless `per_part` opts out.
+    part: int = 0
+    parts: int = 1
+    per_part: bool = False
     kind: str = "compute"
 
 
@@ -44,6 +49,7 @@ class ExpertResult:
     peak_rss: int
     error: str = ""
     preloaded: bool = False  # the shadow's prediction had loaded it before main asked
+    part: int = 0  # with per_part mini-batches: which part this answers
     kind: str = "result"
 
 

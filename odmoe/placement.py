@@ -50,9 +50,25 @@ class Topology:
         members = self.workers_of_group(self.group_of_layer(layer))
         return {e: members[i % len(members)] for i, e in enumerate(sorted(experts))}
 
-    def prefill_placement(self, experts: list[int]) -> dict[int, WorkerId]:
-        """Prefill hits nearly every expert: spread them over all workers, expert e on worker e mod N."""
-        return {e: e % self.workers for e in experts}
+    def prefill_placement(
+        self, tokens_per_expert: dict[int, int], rule: str = "modulo"
+    ) -> dict[int, WorkerId]:
+        """Prefill hits nearly every expert: spread them over all workers.
+
+        "modulo": expert e on worker e mod N. "balanced": largest token batch first onto the worker
+        with the fewest tokens so far (ties: lowest id), so no worker gets the two busiest experts.
+        """
+        if rule == "modulo":
+            return {e: e % self.workers for e in tokens_per_expert}
+        if rule != "balanced":
+            raise ValueError(f"prefill.placement={rule!r} is not one of modulo, balanced")
+        load = [0] * self.workers
+        placement = {}
+        for e in sorted(tokens_per_expert, key=lambda e: (-tokens_per_expert[e], e)):
+            worker = min(range(self.workers), key=lambda w: (load[w], w))
+            placement[e] = worker
+            load[worker] += tokens_per_expert[e]
+        return placement
 
     def repair_placement(self, layer: int, predicted: list[int], activated: list[int]) -> dict[int, WorkerId]:
         """Where main sends the activated experts when the shadow predicted `predicted`.

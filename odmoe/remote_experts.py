@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from odmoe.config import PrefillConfig
 from odmoe.expert_math import combine, split_by_expert
 from odmoe.messages import (
     ComputeExpert,
@@ -62,8 +63,31 @@ class ExpertTraffic:
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
 
+    prefill: dict = field(
+        default_factory=lambda: {
+            "wait_s": 0.0,
+            "load_s": 0.0,
+            "compute_s": 0.0,
+            "critical_s": 0.0,
+            "experts_per_layer": {},
+        }
+    )
+    _layer_busy: dict[int, float] = field(default_factory=dict)  # worker -> load+compute in this layer
+
+    def note_prefill_layer(self, layer: int, waited: float, experts: int) -> None:
+        p = self.prefill
+        p["wait_s"] += waited
+        p["critical_s"] += max(self._layer_busy.values(), default=0.0)  # the busiest worker bounds the layer
+        p["experts_per_layer"][layer] = experts
+        self._layer_busy = {}
+
     def add(self, result: ExpertResult) -> None:
-        self.experts_loaded += 1
+        if result.step.iteration == 0:
+            self.prefill["load_s"] += result.load_s
+            self.prefill["compute_s"] += result.compute_s
+            busy = self._layer_busy
+            busy[result.worker] = busy.get(result.worker, 0.0) + result.load_s + result.compute_s
+        self.experts_loaded += result.part == 0
         self.bytes_loaded += result.bytes_loaded
         self.load_s += result.load_s
         self.compute_s += result.compute_s
@@ -80,6 +104,7 @@ class RemoteExperts:
         reply_timeout_s: float = 60.0,
         spread_prefill: bool = True,
         shadow: ShadowLink | None = None,
+        prefill: PrefillConfig | None = None,
     ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
@@ -87,6 +112,7 @@ class RemoteExperts:
         # Spreading prefill over every worker needs every worker to hold every layer.
         self.spread_prefill = spread_prefill
         self.shadow = shadow
+        self.prefill = prefill or PrefillConfig()
         self.timeout_ms = int(reply_timeout_s * 1000)
         self.ctx = zmq.Context.instance()
         self.addresses = addresses
@@ -120,30 +146,45 @@ class RemoteExperts:
             self.traffic.activated[(self.iteration, layer)] = experts
             placement = self.topology.repair_placement(layer, predicted or [], experts)
         elif hidden.shape[0] > 1 and self.spread_prefill:
-            placement = self.topology.prefill_placement(experts)
+            counts = {rows.expert: len(rows.token_idx) for rows in groups}
+            placement = self.topology.prefill_placement(counts, self.prefill.placement)
         else:
             placement = self.topology.decode_placement(layer, experts)
         start = time.perf_counter()
+        expected = 0
         for rows in groups:
-            message = ComputeExpert(step=step, expert=rows.expert, kernel=self.kernel)
-            self.sockets[placement[rows.expert]].send_multipart(
-                to_frames(message, [hidden[rows.token_idx]]), copy=False
-            )
-        outputs = self._gather(step, placement)
-        self.traffic.wait_s += time.perf_counter() - start
+            expected += self._send_rows(step, rows.expert, hidden[rows.token_idx], placement[rows.expert])
+        outputs = self._gather(step, placement, expected)
+        waited = time.perf_counter() - start
+        self.traffic.wait_s += waited
+        if not decode:
+            self.traffic.note_prefill_layer(layer, waited, len(groups))
         if decode:  # whatever the group preloaded for this layer and did not use is now stale
             for worker in self.topology.workers_of_group(self.topology.group_of_layer(layer)):
                 self.sockets[worker].send_multipart(to_frames(Release(step)))
         return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
 
-    def _gather(self, step: Step, placement: dict[int, int]) -> dict[int, torch.Tensor]:
-        outputs: dict[int, torch.Tensor] = {}
+    def _send_rows(self, step: Step, expert: int, x: torch.Tensor, worker: int) -> int:
+        """Send one expert's rows, in prefill mini-batches when configured; returns replies to expect."""
+        size = self.prefill.mini_batch if step.iteration == 0 and self.prefill.mini_batch > 0 else x.shape[0]
+        chunks = torch.split(x, max(size, 1))
+        per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
+        for part, chunk in enumerate(chunks):
+            message = ComputeExpert(
+                step=step, expert=expert, kernel=self.kernel, part=part, parts=len(chunks), per_part=per_part
+            )
+            self.sockets[worker].send_multipart(to_frames(message, [chunk]), copy=False)
+        return len(chunks) if per_part else 1
+
+    def _gather(self, step: Step, placement: dict[int, int], expected: int) -> dict[int, torch.Tensor]:
+        parts: dict[int, dict[int, torch.Tensor]] = {}
+        received = 0
         deadline = time.monotonic() + self.timeout_ms / 1000
-        while len(outputs) < len(placement):
+        while received < expected:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
             ready = dict(self.poller.poll(max(remaining_ms, 0))) if remaining_ms > 0 else {}
             if not ready:
-                waiting = sorted({placement[e] for e in placement if e not in outputs})
+                waiting = sorted({placement[e] for e in placement if e not in parts})
                 raise WorkerUnavailable(
                     f"no answer from worker(s) {waiting} ({', '.join(self.addresses[w] for w in waiting)}) "
                     f"for layer {step.layer} within {self.timeout_ms / 1000:.0f}s"
@@ -162,8 +203,9 @@ class RemoteExperts:
                     stall[step.layer] = stall.get(step.layer, 0.0) + (
                         0.0 if result.preloaded else result.load_s
                     )
-                outputs[result.expert] = tensors[0]
-        return outputs
+                parts.setdefault(result.expert, {})[result.part] = tensors[0]
+                received += 1
+        return {e: torch.cat([p[i] for i in sorted(p)]) if len(p) > 1 else p[0] for e, p in parts.items()}
 
     def recall(self, wait_s: float = 1.0) -> RecallCounter:
         """Recall as the paper defines it (accuracy of every prediction, whenever it arrived): waits up to
