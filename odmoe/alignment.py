@@ -3,7 +3,8 @@
 Iteration n >= 1 is the n-th decode iteration; its input is the token main chose at iteration n-1.
 Every `token_period`-th iteration the shadow starts from main's token instead of its own guess;
 every `kv_period`-th iteration it first overwrites its K/V rows of the previous iteration's input
-with main's (for iteration 1 those are the whole prompt's rows; `prefill_kv` asks for them always). 0 disables either. Waiting for that data delays the shadow's start ("late departure").
+with main's (for iteration 1 those are the whole prompt's rows; `prefill_kv` asks for them
+always). 0 disables either. Waiting for that data delays the shadow's start ("late departure").
 """
 
 from __future__ import annotations
