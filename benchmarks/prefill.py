@@ -78,6 +78,27 @@ def cluster_ttft(path: str, workers: int, mini_batch: str, placement: str, per_p
     return result
 
 
+def prompt_kv_effect(path: str, workers: int) -> dict:
+    """Recall of the first decode iterations with and without handing the shadow main's prompt K/V
+    (token alignment every iteration, no periodic KV alignment, a quantized shadow)."""
+    out = {}
+    for prefill_kv in (False, True):
+        overrides = [
+            "shadow.precision=int8_dynamic",
+            "alignment.token_period=1",
+            "alignment.kv_period=0",
+            f"alignment.prefill_kv={str(prefill_kv).lower()}",
+        ]
+        with odmoe.LocalCluster(path, workers=workers, group_size=2, overrides=overrides) as cluster:
+            runs = [
+                cluster.client.generate(prompt(n), max_new_tokens=9).stats["recall"] for n in (16, 64, 128)
+            ]
+        out[str(prefill_kv)] = {
+            t: statistics.mean(r["per_token"][t] for r in runs) for t in ("1", "2", "4", "8")
+        }
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)

@@ -118,3 +118,26 @@ def test_multirun_sweep_leaves_one_table(model_dirs, tmp_path, reap_children):
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert [(r["token_period"], r["kv_period"]) for r in rows] == [("1", "1"), ("0", "1")]
     assert all(float(r["decode_tokens_per_s"]) > 0 and r["recall"] for r in rows)
+
+
+ALIGNMENTS = [(1, 1), (1, 0), (0, 1), (0, 0), (2, 4)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic"])
+def test_fidelity_matrix(family, precision, model_dirs, reap_children):
+    """Every family x precision; the alignment setting rotates with the precision, faults injected."""
+    p, q = ALIGNMENTS[
+        ["fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic"].index(precision) % len(ALIGNMENTS)
+    ]
+    path = model_dirs[family]
+    overrides = [
+        f"shadow.precision={precision}",
+        f"alignment.token_period={p}",
+        f"alignment.kv_period={q}",
+        "shadow.inject_wrong=0.5",
+    ]
+    with LocalCluster(path, workers=4, group_size=2, overrides=overrides) as cluster:
+        for prompt in PROMPTS:
+            assert cluster.client.generate(prompt, max_new_tokens=32).token_ids == reference(path, prompt)[0]
