@@ -30,7 +30,7 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
 from odmoe.expert_math import expert_forward
-from odmoe.expert_store import DeviceSlots, ExpertStore
+from odmoe.expert_store import DeviceSlots, ExpertStore, Link
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import peak_rss_bytes
 from odmoe.messages import (
@@ -74,7 +74,15 @@ class WorkerNode:
             self.store.nbytes / 2**20,
             time.perf_counter() - start,
         )
-        self.slots = DeviceSlots(self.store, compute_device(cfg.worker.device), cfg.worker.slots)
+        link = Link(cfg.worker.link.bandwidth_gbps, cfg.worker.link.latency_ms)
+        self.slots = DeviceSlots(self.store, compute_device(cfg.worker.device), cfg.worker.slots, link)
+        if link.enabled:
+            log.info(
+                "worker %d: emulated link %.2f Gbit/s + %.3f ms per load",
+                self.index,
+                link.bandwidth_gbps,
+                link.latency_ms,
+            )
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -141,7 +149,11 @@ class WorkerNode:
     def handle(self, message, tensors: list[torch.Tensor]) -> list | None:
         if isinstance(message, Ping):
             self._subscribe(message.shadow_pub)
-            return to_frames(Pong(self.index, self.store.layers, self.store.nbytes, peak_rss_bytes()))
+            link = self.slots.link
+            emulated = [link.bandwidth_gbps, link.latency_ms] if link.enabled else []
+            return to_frames(
+                Pong(self.index, self.store.layers, self.store.nbytes, peak_rss_bytes(), emulated)
+            )
         if isinstance(message, ComputeExpert):
             return self.compute(message, tensors[0])
         raise CodecError(f"worker cannot handle {message.kind}")
@@ -164,7 +176,7 @@ class WorkerNode:
     def _preload_next(self) -> None:
         iteration, layer, expert = heapq.heappop(self.preloads)
         if (iteration, layer) > self.done:
-            self.slots.load((layer, expert), tag=(self.request, iteration))
+            self.slots.load_async((layer, expert), tag=(self.request, iteration))
 
     def _switch_request(self, request: str) -> None:
         if request != self.request:
@@ -200,10 +212,13 @@ class WorkerNode:
         self._switch_request(step.request)
         slot = self.slots.find(key, tag)
         preloaded = slot is not None and request.part == 0
+        arrived = time.perf_counter()
         if slot is None:
             try:
                 self._make_room()
-                slot = self.slots.load(key, tag=tag)
+                # The first of several mini-batches loads in the background while the rest arrive.
+                load = self.slots.load_async if request.parts > 1 else self.slots.load
+                slot = load(key, tag=tag)
             except (KeyError, RuntimeError) as exc:
                 return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
         last = request.part == request.parts - 1
@@ -212,6 +227,8 @@ class WorkerNode:
             if not last:
                 return None
             hidden, self.batch = (torch.cat(self.batch) if len(self.batch) > 1 else self.batch[0]), []
+        slot.wait_filled()
+        waited_s = time.perf_counter() - arrived  # this message waited on the expert's load
         try:
             start = time.perf_counter()
             with torch.inference_mode():
@@ -224,7 +241,7 @@ class WorkerNode:
         finally:
             if last:
                 self.slots.evict(slot)
-        result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded)
+        result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s)
         return to_frames(result, [y])
 
     def _result(
@@ -235,6 +252,7 @@ class WorkerNode:
         nbytes: int,
         error: str = "",
         preloaded: bool = False,
+        waited_s: float = 0.0,
     ):
         return ExpertResult(
             step=request.step,
@@ -246,5 +264,6 @@ class WorkerNode:
             peak_rss=peak_rss_bytes(),
             error=error,
             preloaded=preloaded,
+            waited_s=waited_s,
             part=request.part if request.per_part else 0,
         )

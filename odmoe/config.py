@@ -46,6 +46,12 @@ class ClusterConfig:
 
 
 @dataclass
+class LinkConfig:
+    bandwidth_gbps: float = 0.0  # emulated host->device link for expert loads (0 with latency 0: off)
+    latency_ms: float = 0.0
+
+
+@dataclass
 class WorkerConfig:
     index: int = 0  # role=worker: which worker this is (decides its group)
     device: str = "auto"  # "auto": cuda when present, else cpu
@@ -53,6 +59,7 @@ class WorkerConfig:
     only_own_layers: bool = False  # store only the layers of this worker's group (less memory)
     ready_timeout_s: float = 120.0  # how long the launcher waits for a node to come up
     reply_timeout_s: float = 60.0  # how long main waits for one expert result
+    link: LinkConfig = field(default_factory=LinkConfig)
 
 
 SHADOW_MODES = ("emulate", "random")

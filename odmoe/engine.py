@@ -160,6 +160,11 @@ class MainEngine:
                 "main": peak_rss_bytes(),
                 **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
             },
+            "emulated_link": {
+                f"worker{w}": {"bandwidth_gbps": bw, "latency_ms": ms}
+                for w, (bw, ms) in self.experts.emulated_links.items()
+            }
+            or None,
             "prefill": self._prefill_stats(first_token_at - start),
             "recall": self.experts.recall().report(),
             "timely_recall": traffic.timely_recall.report(),

@@ -9,6 +9,7 @@ one expert into a free slot (the just-in-time load the paper hides behind comput
 from __future__ import annotations
 
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +60,26 @@ class ExpertStore:
 Tag = tuple[str, int]  # (request, iteration) a preloaded expert was predicted for
 
 
+@dataclass(frozen=True)
+class Link:
+    """An emulated host->device link: a load takes at least latency + bytes / bandwidth.
+
+    Where there is no accelerator, a CPU "device slot" fills at memory speed; this makes a load take
+    as long as it would over the link being modelled (e.g. PCIe of an edge GPU box). Off when 0.
+    """
+
+    bandwidth_gbps: float = 0.0
+    latency_ms: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self.bandwidth_gbps > 0 or self.latency_ms > 0
+
+    def seconds(self, nbytes: int) -> float:
+        transfer = nbytes * 8 / (self.bandwidth_gbps * 1e9) if self.bandwidth_gbps > 0 else 0.0
+        return self.latency_ms / 1e3 + transfer
+
+
 @dataclass
 class Slot:
     index: int
@@ -68,6 +89,16 @@ class Slot:
     tag: Tag | None = None
     load_s: float = 0.0  # how long filling it took
     nbytes: int = 0
+    filling: Future | None = None  # set while a background load is in flight
+
+    def wait_filled(self) -> float:
+        """Block until the slot's load has finished; returns the seconds waited."""
+        if self.filling is None:
+            return 0.0
+        start = time.perf_counter()
+        self.filling.result()
+        self.filling = None
+        return time.perf_counter() - start
 
 
 @dataclass
@@ -79,10 +110,13 @@ class LoadCounters:
 
 
 class DeviceSlots:
-    def __init__(self, store: ExpertStore, device: torch.device, slots: int = 2):
+    """`reserve` picks a free slot (caller's thread); `fill` copies the expert in (any thread).
+    `load` does both now; `load_async` fills on the background loader so compute can go on."""
+
+    def __init__(self, store: ExpertStore, device: torch.device, slots: int = 2, link: Link = Link()):
         if slots < 1:
             raise ValueError(f"worker.slots must be at least 1, got {slots}")
-        self.store, self.device = store, device
+        self.store, self.device, self.link = store, device, link
         self._slots = [
             Slot(
                 i,
@@ -92,29 +126,46 @@ class DeviceSlots:
             for i in range(slots)
         ]
         self.counters = LoadCounters()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odmoe-loader")
 
-    def load(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
+    def reserve(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
         if key not in self.store:
             raise KeyError(f"expert {key} is not in this worker's store (layers {self.store.layers})")
         slot = next((s for s in self._slots if s.holds is None), None)
         if slot is None:
             raise RuntimeError(f"all {len(self._slots)} device slots are busy; cannot load {key}")
+        slot.holds, slot.tag = key, tag
+        c = self.counters
+        c.peak_busy = max(c.peak_busy, self.busy)
+        return slot
+
+    def fill(self, slot: Slot) -> None:
         start = time.perf_counter()
-        weights = self.store[key]
+        weights = self.store[slot.holds]
         slot.gate_up.copy_(weights.gate_up, non_blocking=True)
         slot.down.copy_(weights.down, non_blocking=True)
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        slot.holds, slot.tag = key, tag
+        if self.link.enabled:
+            time.sleep(max(self.link.seconds(weights.nbytes) - (time.perf_counter() - start), 0.0))
         slot.load_s, slot.nbytes = time.perf_counter() - start, weights.nbytes
         c = self.counters
         c.loads += 1
         c.bytes_loaded += weights.nbytes
         c.load_s += slot.load_s
-        c.peak_busy = max(c.peak_busy, sum(s.holds is not None for s in self._slots))
+
+    def load(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
+        slot = self.reserve(key, tag)
+        self.fill(slot)
+        return slot
+
+    def load_async(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
+        slot = self.reserve(key, tag)
+        slot.filling = self._loader.submit(self.fill, slot)
         return slot
 
     def evict(self, slot: Slot) -> None:
+        slot.wait_filled()  # a copy in flight cannot be abandoned: it still writes the buffers
         slot.holds, slot.tag = None, None
 
     def find(self, key: ExpertKey, tag: Tag) -> Slot | None:

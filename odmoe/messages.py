@@ -7,7 +7,7 @@ is replaced, and timelines can all be matched to the decode step they belong to.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -50,6 +50,7 @@ class ExpertResult:
     error: str = ""
     preloaded: bool = False  # the shadow's prediction had loaded it before main asked
     part: int = 0  # with per_part mini-batches: which part this answers
+    waited_s: float = 0.0  # how long the request waited for the expert's load (0: it was ready)
     kind: str = "result"
 
 
@@ -126,6 +127,7 @@ class Pong:
     layers: list[int]
     store_bytes: int
     peak_rss: int
+    link: list[float] = field(default_factory=list)  # [Gbit/s, ms] of an emulated load link; [] when off
     kind: str = "pong"
 
 

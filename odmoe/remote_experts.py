@@ -56,9 +56,8 @@ class ExpertTraffic:
     worker_peak_rss: dict[int, int] = field(default_factory=dict)
     preloaded: int = 0  # decode experts the shadow's prediction had already loaded
     reloads: int = 0  # decode experts loaded only after main asked (misses)
-    stall_s_per_layer: dict[int, float] = field(
-        default_factory=dict
-    )  # decode: on-demand load time on the path
+    # decode: per layer, summed over iterations, the longest any worker made main wait for a load
+    stall_s_per_layer: dict[int, float] = field(default_factory=dict)
     # Predictions as they stood when main needed them (late = missing): what the workers could use.
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
@@ -112,6 +111,7 @@ class RemoteExperts:
         # Spreading prefill over every worker needs every worker to hold every layer.
         self.spread_prefill = spread_prefill
         self.shadow = shadow
+        self.emulated_links: dict[int, list[float]] = {}  # worker -> [Gbit/s, ms], from its pong
         self.prefill = prefill or PrefillConfig()
         self.timeout_ms = int(reply_timeout_s * 1000)
         self.ctx = zmq.Context.instance()
@@ -179,6 +179,7 @@ class RemoteExperts:
     def _gather(self, step: Step, placement: dict[int, int], expected: int) -> dict[int, torch.Tensor]:
         parts: dict[int, dict[int, torch.Tensor]] = {}
         received = 0
+        layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
         deadline = time.monotonic() + self.timeout_ms / 1000
         while received < expected:
             remaining_ms = int((deadline - time.monotonic()) * 1000)
@@ -199,12 +200,12 @@ class RemoteExperts:
                 if step.iteration >= 1:
                     self.traffic.preloaded += result.preloaded
                     self.traffic.reloads += not result.preloaded
-                    stall = self.traffic.stall_s_per_layer
-                    stall[step.layer] = stall.get(step.layer, 0.0) + (
-                        0.0 if result.preloaded else result.load_s
-                    )
+                    layer_stall = max(layer_stall, result.waited_s)
                 parts.setdefault(result.expert, {})[result.part] = tensors[0]
                 received += 1
+        if step.iteration >= 1:
+            stall = self.traffic.stall_s_per_layer
+            stall[step.layer] = stall.get(step.layer, 0.0) + layer_stall
         return {e: torch.cat([p[i] for i in sorted(p)]) if len(p) > 1 else p[0] for e, p in parts.items()}
 
     def recall(self, wait_s: float = 1.0) -> RecallCounter:
@@ -247,6 +248,7 @@ class RemoteExperts:
             needed = layers if self.spread_prefill else self.topology.layers_of_worker(i, layers)
             if missing := sorted(set(needed) - set(pong.layers)):
                 raise WorkerUnavailable(f"worker {i} does not hold layers {missing}")
+        self.emulated_links = {i: p.link for i, p in pongs.items() if p.link}
         return [pongs[i] for i in range(len(self.sockets))]
 
     def shutdown_workers(self) -> None:
