@@ -50,16 +50,22 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument(
+        "--overrides", nargs="*", default=[], help="cluster config words, e.g. ablation=case6"
+    )
     args = parser.parse_args()
     path = args.model or str(ensure_default_model())
     torch.set_num_threads(1)  # the cluster's nodes share 2 cores; keep the reference comparable
     ref = [reference_run(path, p, args.tokens) for p in PROMPTS]
-    with odmoe.LocalCluster(path, workers=args.workers, group_size=args.group_size) as cluster:
+    with odmoe.LocalCluster(
+        path, workers=args.workers, group_size=args.group_size, overrides=args.overrides
+    ) as cluster:
         cluster.client.generate(PROMPTS[0], max_new_tokens=2)  # warm-up
         runs = [cluster.client.generate(p, max_new_tokens=args.tokens) for p in PROMPTS]
     identical = all(r.token_ids == f["token_ids"] for r, f in zip(runs, ref, strict=True))
     report = {
         "model": path,
+        "overrides": args.overrides,
         "workers": args.workers,
         "group_size": args.group_size,
         "new_tokens": args.tokens,
@@ -81,8 +87,14 @@ def main() -> None:
         },
     }
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "decode_vs_reference.json").write_text(json.dumps(report, indent=2))
-    print(f"model {path}  ({args.workers} workers, group size {args.group_size}, {args.tokens} new tokens)")
+    name = "decode_vs_reference" + (
+        "-" + "-".join(args.overrides).replace("=", "_") if args.overrides else ""
+    )
+    (RESULTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    print(
+        f"model {path}  ({args.workers} workers, group size {args.group_size}, {args.tokens} new tokens, "
+        f"overrides: {' '.join(args.overrides) or 'none'})"
+    )
     print(f"{'':22}{'decode tok/s':>14}{'TTFT ms':>10}")
     for name in ("reference", "odmoe"):
         print(f"{name:22}{report[name]['decode_tokens_per_s']:>14.1f}{report[name]['ttft_s'] * 1e3:>10.1f}")
