@@ -8,10 +8,12 @@ prediction arrives, or, for a miss, when main's request does -- and (b) its load
 two slots it may load the next expert while computing (one computing, one loading).
 
 The first layers of an aligned iteration cannot be predicted before main has chosen the previous
-token, so their lead is short. With predictions early enough and perfect, a group thus has (G-1)(t_main + t_w) + t_main to load its next
-expert without stalling -- the paper's Eq. 1 (t_w = worker time incl. communication) -- and this
-model reproduces exactly that bound (see tests). Misses are mixed in by expectation: a fraction
-`recall` of layers takes the predicted path, the rest the load-after-routing path.
+token, so their lead is short. With predictions early enough and perfect, a one-slot worker (load
+only after evicting) has (G-1)(t_main + t_w) + t_main to load its next expert without stalling --
+the paper's Eq. 1, t_w = worker time incl. communication -- and this model reproduces that bound
+(see tests); a second slot lets loading overlap computing and stretches the window to
+G(t_main + t_w). Misses are mixed in by expectation: a fraction `recall` of layers takes the
+predicted path, the rest the load-after-routing path.
 """
 
 from __future__ import annotations

@@ -10,11 +10,15 @@ def test_no_stall_when_the_load_fits_eq1_window():
     p = PipelineParams(**BASE, t_load_s=0.0)
     window = p.eq1_window_s()
     assert window == pytest.approx(3 * (1e-3 + 3e-3) + 1e-3)
-    fits = simulate(PipelineParams(**BASE, t_load_s=0.95 * window))
+    one_slot = dict(BASE, slots=1)  # Eq. 1 is the window of a worker that loads only after evicting
+    fits = simulate(PipelineParams(**one_slot, t_load_s=0.95 * window))
     assert fits.stall_s_per_token == pytest.approx(0.0, abs=1e-9)
-    too_slow = simulate(PipelineParams(**BASE, t_load_s=1.2 * window))
+    too_slow = simulate(PipelineParams(**one_slot, t_load_s=1.2 * window))
     assert too_slow.stall_s_per_token > 0
     assert too_slow.tokens_per_s < fits.tokens_per_s
+    # a second slot overlaps loading with computing: the same load no longer stalls
+    two_slots = simulate(PipelineParams(**BASE, t_load_s=1.2 * window))
+    assert two_slots.stall_s_per_token == pytest.approx(0.0, abs=1e-9)
 
 
 def test_without_stalls_a_token_costs_the_layers_critical_path():
