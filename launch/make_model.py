@@ -12,8 +12,6 @@ from dataclasses import fields
 
 from odmoe.model_factory import FAMILIES, ModelSpec, make_model
 
-# TODO(issue 5): --train, a briefly trained benchmark model with per-layer load-balancing loss.
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="odmoe-make-model", description=__doc__.splitlines()[0])
@@ -23,6 +21,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if f.name != "family":
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     parser.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write a sharded checkpoint')
+    parser.add_argument(
+        "--train",
+        action="store_true",
+        help="train the benchmark model (Mixtral-style, ~15 M parameters) instead of random init; "
+        "the size options are then fixed, only --seed applies",
+    )
+    parser.add_argument(
+        "--steps", type=int, default=850, help="--train: optimizer steps (~10 min on 2 cores)"
+    )
     return parser.parse_args(argv)
 
 
@@ -34,7 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"odmoe-make-model: {exc}", file=sys.stderr)
         return 2
-    out = make_model(spec, args.out, max_shard_size=args.max_shard_size)
+    if args.train:
+        from odmoe.training import TRAINED_SPEC, TrainSettings, train_model
+
+        out = train_model(args.out, TRAINED_SPEC, TrainSettings(steps=args.steps, seed=args.seed))
+    else:
+        out = make_model(spec, args.out, max_shard_size=args.max_shard_size)
     from odmoe.checkpoint import Checkpoint
 
     ckpt = Checkpoint(out)

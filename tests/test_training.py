@@ -1,0 +1,19 @@
+import json
+
+from transformers import AutoModelForCausalLM
+
+from odmoe.checkpoint import Checkpoint
+from odmoe.model_factory import ModelSpec
+from odmoe.training import TrainSettings, train_model
+
+
+def test_brief_training_lowers_held_out_loss_and_saves_a_loadable_model(tmp_path):
+    spec = ModelSpec(family="mixtral", layers=2, hidden=64, intermediate=128, vocab=512, max_positions=128)
+    settings = TrainSettings(steps=40, batch=4, seq_len=64, corpus_bytes=300_000, held_out_batches=2, lr=3e-3)
+    out = train_model(tmp_path / "m", spec, settings)
+    report = json.loads((out / "odmoe_training.json").read_text())
+    assert report["held_out_loss_after"] < report["held_out_loss_before"]
+    assert set(report["expert_load_per_layer"]) == {"0", "1"}
+    assert 0 <= report["topk_gap_median"] <= 1
+    assert Checkpoint(out).moe_layers == [0, 1]
+    AutoModelForCausalLM.from_pretrained(out)  # loads offline through the ordinary path
