@@ -57,12 +57,32 @@ def fmt(x, spec: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None)
+    parser.add_argument(
+        "--model", default=None, help="checkpoint dir; 'trained' = the trained benchmark model"
+    )
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--part", choices=["recall", "ablation", "all"], default="all")
+    parser.add_argument(
+        "--overrides",
+        nargs="*",
+        default=[],
+        help="added to every cluster, e.g. worker.link.bandwidth_gbps=0.5 (an emulated load link)",
+    )
+    parser.add_argument("--name", default="", help="suffix of the results file")
     args = parser.parse_args()
-    path = args.model or str(ensure_default_model())
-    report: dict = {"model": path, "new_tokens": args.tokens, "recall": [], "ablation": []}
+    if args.model == "trained":
+        from odmoe.training import ensure_trained_model
+
+        path = str(ensure_trained_model())
+    else:
+        path = args.model or str(ensure_default_model())
+    report: dict = {
+        "model": path,
+        "new_tokens": args.tokens,
+        "overrides": args.overrides,
+        "recall": [],
+        "ablation": [],
+    }
     if args.part in ("recall", "all"):
         print(
             f"{'precision':14}{'alignment':10}{'recall':>9}{'in time':>9}{'ahead':>7}{'late ms':>9}"
@@ -75,6 +95,7 @@ def main() -> None:
                     path,
                     args.tokens,
                     [
+                        *args.overrides,
                         f"shadow.precision={precision}",
                         f"alignment.token_period={p}",
                         f"alignment.kv_period={q}",
@@ -95,7 +116,7 @@ def main() -> None:
             f"{'stall ms/tok':>14}{'reloads/tok':>13}"
         )
         for case in range(1, 7):
-            row = measure(path, args.tokens, [f"ablation=case{case}"])
+            row = measure(path, args.tokens, [*args.overrides, f"ablation=case{case}"])
             row["case"] = case
             report["ablation"].append(row)
             print(
@@ -105,7 +126,7 @@ def main() -> None:
                 flush=True,
             )
     RESULTS.mkdir(exist_ok=True)
-    out = RESULTS / f"shadow-{args.part}.json"
+    out = RESULTS / f"shadow-{args.part}{'-' + args.name if args.name else ''}.json"
     out.write_text(json.dumps(report, indent=2))
     print(f"\nwrote {out}")
 
