@@ -103,8 +103,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--part", choices=["ttft", "prompt-kv", "all"], default="all")
     args = parser.parse_args()
     path = args.model or str(ensure_default_model())
+    if args.part in ("prompt-kv", "all"):
+        report_prompt_kv(path, args.workers)
+    if args.part == "prompt-kv":
+        return
     ref = reference_ttft(path)
     rows = []
     print(
@@ -136,10 +141,22 @@ def main() -> None:
         f"transfer/queueing {split['transfer_s'] * 1e3:.1f} ms"
     )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "prefill.json").write_text(
-        json.dumps({"model": path, "workers": args.workers, "reference_ttft_s": ref, "rows": rows}, indent=2)
-    )
+    report = {"model": path, "workers": args.workers, "reference_ttft_s": ref, "rows": rows}
+    (RESULTS / "prefill.json").write_text(json.dumps(report, indent=2))
     print(f"wrote {RESULTS / 'prefill.json'}")
+
+
+def report_prompt_kv(path: str, workers: int) -> None:
+    kv = prompt_kv_effect(path, workers)
+    print(
+        "shadow recall at decode tokens 1/2/4/8 (int8_dynamic shadow, token alignment only, no periodic KV):"
+    )
+    for key, label in (("False", "its own prompt K/V"), ("True", "main's prompt K/V")):
+        print(f"  {label:18}: " + " ".join(f"{kv[key][t]:.4f}" for t in ("1", "2", "4", "8")))
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "prefill-prompt-kv.json").write_text(
+        json.dumps({"model": path, "recall_per_token": kv}, indent=2)
+    )
 
 
 if __name__ == "__main__":

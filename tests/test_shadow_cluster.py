@@ -80,7 +80,7 @@ def test_predictions_arrive_ahead_of_main_with_alignment_every_iteration(tmp_pat
     from odmoe.model_factory import ModelSpec, make_model
 
     path = str(
-        make_model(ModelSpec(family="mixtral", layers=8, hidden=64, intermediate=128, vocab=1024), tmp_path)
+        make_model(ModelSpec(family="mixtral", layers=12, hidden=64, intermediate=128, vocab=1024), tmp_path)
     )
     with LocalCluster(
         path, workers=2, group_size=2, overrides=["alignment.token_period=1", "alignment.kv_period=1"]
