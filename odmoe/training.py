@@ -157,7 +157,7 @@ def train_model(
                 "step %d/%d  loss %.3f  balance %.3f  %.0f tokens/s  ETA %.0fs",
                 step + 1,
                 settings.steps,
-                float(out.loss),
+                out.loss.item(),
                 float(balance),
                 rate,
                 eta,
