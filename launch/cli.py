@@ -14,8 +14,9 @@ import sys
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
-from odmoe.launch.settings import to_config
 from omegaconf import DictConfig
+
+from odmoe.launch.settings import to_config
 
 log = logging.getLogger("odmoe.launch")
 

@@ -24,11 +24,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from odmoe.launch.settings import compose
-
 from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
 from odmoe.config import OdmoeConfig
+from odmoe.launch.settings import compose
 
 log = logging.getLogger("odmoe.local")
 _PR_SET_PDEATHSIG = 1

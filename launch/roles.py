@@ -9,11 +9,11 @@ import sys
 from pathlib import Path
 
 import grpc
-from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
 
 from odmoe.checkpoint import CheckpointError
 from odmoe.config import OdmoeConfig
 from odmoe.families import UnsupportedModelError
+from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
 
 log = logging.getLogger("odmoe.launch")
 BAD_INPUT = 2
@@ -45,7 +45,6 @@ def run_shadow(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
     from odmoe.nodes.main import MainNode, PortInUse
-
     from odmoe.remote_experts import WorkerUnavailable
 
     try:

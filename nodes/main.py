@@ -20,7 +20,6 @@ from concurrent import futures
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from odmoe.nodes.ready import announce_ready
 from transformers import AutoTokenizer
 
 from odmoe.alignment import AlignmentSchedule
@@ -28,6 +27,7 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine
 from odmoe.main_model import build_main_model, resolve_dtype
+from odmoe.nodes.ready import announce_ready
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.shadow_link import ShadowLink

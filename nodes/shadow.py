@@ -22,7 +22,6 @@ import time
 import torch
 import zmq
 from accelerate import init_empty_weights
-from odmoe.nodes.ready import announce_ready
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from odmoe.alignment import AlignmentSchedule
@@ -39,6 +38,7 @@ from odmoe.messages import (
     from_frames,
     to_frames,
 )
+from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
 from odmoe.shadow_model import load_shadow_model, model_bytes
 

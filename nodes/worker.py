@@ -24,7 +24,6 @@ import time
 
 import torch
 import zmq
-from odmoe.nodes.ready import announce_ready
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
@@ -44,6 +43,7 @@ from odmoe.messages import (
     from_frames,
     to_frames,
 )
+from odmoe.nodes.ready import announce_ready
 
 log = logging.getLogger("odmoe.worker")
 Position = tuple[int, int]  # (iteration, layer): the order main visits layers in

@@ -12,12 +12,12 @@ import time
 import grpc
 import psutil
 import pytest
-from odmoe.launch.local_cluster import ClusterStartError
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from odmoe import LocalCluster
 from odmoe.checkpoint import CheckpointError
 from odmoe.families import UnsupportedModelError
+from odmoe.launch.local_cluster import ClusterStartError
 
 pytestmark = pytest.mark.integration
 LAUNCH = [sys.executable, "-m", "odmoe.launch.cli"]

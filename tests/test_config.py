@@ -1,4 +1,5 @@
 import pytest
+
 from odmoe.launch.settings import compose
 
 

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from odmoe.nodes.shadow import overwrite_newest_rows
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from odmoe.nodes.shadow import overwrite_newest_rows
 from odmoe.shadow_model import PRECISIONS, UnfusedExperts, load_shadow_model, model_bytes
 from tests.tiny_configs import TINY
 
