@@ -19,28 +19,26 @@ log = logging.getLogger("odmoe.launch")
 BAD_INPUT = 2
 
 
-def run_worker(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    from odmoe.nodes.worker import WorkerNode
-
+def _serve(name: str, node_class, cfg: OdmoeConfig) -> int:
     try:
-        node = WorkerNode(cfg, resolve_model_path(cfg))
+        node = node_class(cfg, resolve_model_path(cfg))
     except (CheckpointError, UnsupportedModelError) as exc:
-        log.error("worker %d: %s", cfg.worker.index, exc)
+        log.error("%s: %s", name, exc)
         return BAD_INPUT
     node.serve(cfg.ready_file)
     return 0
+
+
+def run_worker(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    from odmoe.nodes.worker import WorkerNode
+
+    return _serve(f"worker {cfg.worker.index}", WorkerNode, cfg)
 
 
 def run_shadow(cfg: OdmoeConfig, overrides: list[str]) -> int:
     from odmoe.nodes.shadow import ShadowNode
 
-    try:
-        node = ShadowNode(cfg, resolve_model_path(cfg))
-    except (CheckpointError, UnsupportedModelError) as exc:
-        log.error("shadow: %s", exc)
-        return BAD_INPUT
-    node.serve(cfg.ready_file)
-    return 0
+    return _serve("shadow", ShadowNode, cfg)
 
 
 def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
