@@ -50,7 +50,7 @@ def main() -> None:
             for j, v in enumerate(row):
                 ax.text(j, i, fmt.format(v), ha="center", va="center", color="white", fontsize=8)
         fig.colorbar(image, ax=ax, shrink=0.8)
-    fig.suptitle(f"alignment sweep ({Path(args.csv).parent.name}, {len(rows)} runs)")
+    fig.suptitle(f"alignment sweep: {Path(args.csv).stem}, {len(rows)} runs, one request each")
     fig.tight_layout()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out, dpi=110)
