@@ -177,6 +177,19 @@ class LocalCluster:
     def pids(self) -> list[int]:
         return [n.process.pid for n in self.nodes]
 
+    def peak_rss_bytes(self) -> dict[str, int]:
+        """Each running node's peak resident memory so far (Linux VmHWM), by node name."""
+        peaks = {}
+        for node in self.nodes:
+            try:
+                status = Path(f"/proc/{node.process.pid}/status").read_text()
+            except OSError:  # exited (or not Linux)
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmHWM:"):
+                    peaks[node.name] = int(line.split()[1]) * 1024
+        return peaks
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 

@@ -31,6 +31,7 @@ from odmoe.nodes.ready import announce_ready
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.shadow_link import ShadowLink
+from odmoe.trace import Tracer
 
 log = logging.getLogger("odmoe.main")
 _END = object()
@@ -60,6 +61,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             spread_prefill=not cfg.worker.only_own_layers,
             shadow=shadow,
             prefill=cfg.prefill,
+            tracer=Tracer("main", cfg.trace_dir),
         )
         self.pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, self.checkpoint.moe_layers)
         schedule = AlignmentSchedule(

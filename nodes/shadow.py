@@ -27,6 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from odmoe.alignment import AlignmentSchedule
 from odmoe.config import OdmoeConfig
 from odmoe.families import family_of
+from odmoe.kv_rows import overwrite_newest_rows
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
     Align,
@@ -40,7 +41,8 @@ from odmoe.messages import (
 )
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
-from odmoe.shadow_model import load_shadow_model, model_bytes
+from odmoe.shadow_model import load_shadow_model, model_bytes, router_modules
+from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.shadow")
 
@@ -95,29 +97,20 @@ class ShadowNode:
         self.address, self.pub_address = f"tcp://{host}:{port}", f"tcp://{host}:{pub_port}"
         self.rng = random.Random(self.scfg.seed)
         self.step = ("", 0)  # (request, iteration) the router hooks label predictions with
+        self.tracer = Tracer("shadow", cfg.trace_dir)
+        self._layer_since_us = 0.0  # when the current layer's computation began (timeline only)
         self.pending: list = []  # control messages read ahead while waiting
 
     def _router_layers(self, config) -> list[int]:
         if self.model is not None:
-            return [int(n.split(".layers.")[1].split(".")[0]) for n, _ in self._routers()]
+            return [layer for layer, _ in router_modules(self.model, self.num_experts)]
         with init_empty_weights():
             skeleton = AutoModelForCausalLM.from_config(config)
         return [layer for layer, _ in experts_modules(skeleton)]
 
-    def _routers(self):
-        return [
-            (n, m)
-            for n, m in self.model.named_modules()
-            if n.endswith(".mlp.gate")
-            and hasattr(m, "weight")
-            and m.weight.dim() == 2
-            and m.weight.shape[0] == self.num_experts
-        ]
-
     # -- predictions -------------------------------------------------------------------------
     def _hook_routers(self) -> None:
-        for name, router in self._routers():
-            layer = int(name.split(".layers.")[1].split(".")[0])
+        for layer, router in router_modules(self.model, self.num_experts):
             router.register_forward_hook(self._make_hook(layer))
 
     def _make_hook(self, layer: int):
@@ -129,6 +122,12 @@ class ShadowNode:
             probs, candidates = torch.softmax(logits, dim=-1).topk(min(self.top_k + 1, self.num_experts))
             experts = output[2][-1].tolist()
             self.publish(layer, iteration, request, experts, candidates.tolist(), probs.tolist())
+            if self.tracer.enabled:
+                now = now_us()
+                self.tracer.span(
+                    "shadow", f"L{layer}", self._layer_since_us, now, iteration=iteration, experts=experts
+                )
+                self._layer_since_us = now
 
         return hook
 
@@ -210,6 +209,7 @@ class ShadowNode:
                 except Interrupted:
                     pass
                 self.step = ("", 0)
+                self.tracer.flush()
 
     @torch.inference_mode()
     def run_request(self, begin: BeginRequest) -> None:
@@ -221,20 +221,37 @@ class ShadowNode:
         ids = torch.tensor([begin.prompt_ids], device=self.scfg.device)
         logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         own_token = int(logits[0, -1].argmax())
+        forward_s = 0.0
         for iteration in range(1, begin.max_new_tokens):
-            waited = time.perf_counter()
-            token = own_token
+            waited_us = now_us()
+            token, main_started_us, received_us = own_token, 0.0, waited_us
             if self.schedule.waits(iteration):
                 align, tensors = self._await_align(request, iteration)
+                received_us, main_started_us = now_us(), align.sent_at_us
                 if self.schedule.align_token(iteration) and align.token >= 0:
                     token = align.token
                 if self.schedule.align_kv(iteration) and align.kv:
                     overwrite_newest_rows(cache, tensors[0], tensors[1])
             else:
                 self._check_interrupt(request)
-            late = time.perf_counter() - waited
             self.step = (request, iteration)
-            self.pub.send_multipart([b"main", *to_frames(ShadowIteration(request, iteration, late))])
+            self._layer_since_us = start_us = now_us()
+            # Late departure: how long after main began this iteration the shadow begins it.
+            late_us = max(start_us - main_started_us, 0.0) if main_started_us else 0.0
+            started = ShadowIteration(
+                request,
+                iteration,
+                late_departure_s=late_us / 1e6,
+                alignment_wait_s=(received_us - waited_us) / 1e6,
+                previous_forward_s=forward_s,
+            )
+            self.pub.send_multipart([b"main", *to_frames(started)])
+            self.tracer.span("shadow", "waiting for alignment", waited_us, received_us, iteration=iteration)
+            if late_us:
+                self.tracer.span(
+                    "shadow", "late departure", start_us - late_us, start_us, iteration=iteration
+                )
+            start = time.perf_counter()
             logits = self.model(
                 input_ids=torch.tensor([[token]], device=self.scfg.device),
                 past_key_values=cache,
@@ -242,6 +259,7 @@ class ShadowNode:
                 logits_to_keep=1,
             ).logits
             own_token = int(logits[0, -1].argmax())
+            forward_s = time.perf_counter() - start
 
     def run_random(self, begin: BeginRequest) -> None:
         """Ablation case 5: no model, a random guess per layer, paced by main's iterations."""
@@ -250,11 +268,3 @@ class ShadowNode:
             for layer in self.moe_layers:
                 experts = self.rng.sample(range(self.num_experts), self.top_k)
                 self.publish(layer, iteration, begin.request, experts, experts, [0.0] * len(experts))
-
-
-def overwrite_newest_rows(cache: DynamicCache, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Replace the cache's last `rows` positions in every layer with main's K/V [layers, heads, rows, D]."""
-    rows = keys.shape[2]
-    for i, layer in enumerate(cache.layers):
-        layer.keys[0, :, -rows:] = keys[i].to(layer.keys.dtype)
-        layer.values[0, :, -rows:] = values[i].to(layer.values.dtype)

@@ -29,7 +29,7 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
 from odmoe.expert_math import expert_forward
-from odmoe.expert_store import DeviceSlots, ExpertStore, Link
+from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import peak_rss_bytes
 from odmoe.messages import (
@@ -44,6 +44,7 @@ from odmoe.messages import (
     to_frames,
 )
 from odmoe.nodes.ready import announce_ready
+from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.worker")
 Position = tuple[int, int]  # (iteration, layer): the order main visits layers in
@@ -75,8 +76,16 @@ class WorkerNode:
             time.perf_counter() - start,
         )
         link = Link(cfg.worker.link.bandwidth_gbps, cfg.worker.link.latency_ms)
-        self.slots = DeviceSlots(self.store, compute_device(cfg.worker.device), cfg.worker.slots, link)
-        if link.enabled:
+        device = compute_device(cfg.worker.device)
+        self.resident = cfg.worker.resident
+        self.slots = (
+            ResidentExperts(self.store, device)
+            if self.resident
+            else DeviceSlots(self.store, device, cfg.worker.slots, link)
+        )
+        if self.resident:
+            log.info("worker %d: every expert resident on %s (a baseline, not OD-MoE)", self.index, device)
+        elif link.enabled:
             log.info(
                 "worker %d: emulated link %.2f Gbit/s + %.3f ms per load",
                 self.index,
@@ -99,9 +108,10 @@ class WorkerNode:
         self.done: Position = (-1, -1)  # the last (iteration, layer) main has finished with us
         self.preloads: list[tuple[int, int, int]] = []  # heap of (iteration, layer, expert)
         self.batch: list[torch.Tensor] = []  # prefill mini-batches of the expert now being assembled
+        self.tracer = Tracer(f"worker{self.index}", cfg.trace_dir)
 
     def _subscribe(self, address: str) -> None:
-        if self.predictions is not None or not address:
+        if self.predictions is not None or not address or self.resident:
             return
         self.predictions = self.ctx.socket(zmq.SUB)
         self.predictions.setsockopt(zmq.LINGER, 0)
@@ -123,7 +133,10 @@ class WorkerNode:
                     self._take_prediction()
                 elif can_preload:
                     self._preload_next()
+                elif not ready:
+                    self.tracer.flush()  # idle: a good moment to write the timeline out
         finally:
+            self.tracer.flush()
             self.sock.close(0)
             if self.predictions is not None:
                 self.predictions.close(0)
@@ -151,9 +164,15 @@ class WorkerNode:
             self._subscribe(message.shadow_pub)
             link = self.slots.link
             emulated = [link.bandwidth_gbps, link.latency_ms] if link.enabled else []
-            return to_frames(
-                Pong(self.index, self.store.layers, self.store.nbytes, peak_rss_bytes(), emulated)
+            pong = Pong(
+                self.index,
+                self.store.layers,
+                self.store.nbytes,
+                peak_rss_bytes(),
+                emulated,
+                self.slots.device_bytes,
             )
+            return to_frames(pong)
         if isinstance(message, ComputeExpert):
             return self.compute(message, tensors[0])
         raise CodecError(f"worker cannot handle {message.kind}")
@@ -165,6 +184,9 @@ class WorkerNode:
         if not isinstance(prediction, Prediction):
             return
         step = prediction.step
+        self.tracer.instant(
+            "load", f"prediction L{step.layer}", iteration=step.iteration, experts=prediction.experts
+        )
         self._switch_request(step.request)
         if (step.iteration, step.layer) <= self.done:
             return  # main is already past this layer: too late to help
@@ -182,7 +204,7 @@ class WorkerNode:
         if request != self.request:
             self.request, self.done, self.preloads = request, (-1, -1), []
             for slot in self.slots.held():
-                self.slots.evict(slot)
+                self._evict(slot)
 
     def _finish(self, request: str, position: Position) -> None:
         """main is done with this layer: drop preloads for it and anything earlier."""
@@ -190,7 +212,7 @@ class WorkerNode:
         self.done = max(self.done, position)
         for slot in self.slots.held():
             if slot.tag is None or (slot.tag[1], slot.holds[0]) <= self.done:
-                self.slots.evict(slot)
+                self._evict(slot)
         self.preloads = [p for p in self.preloads if (p[0], p[1]) > self.done]
         heapq.heapify(self.preloads)
 
@@ -201,7 +223,21 @@ class WorkerNode:
         latest = max(self.slots.held(), key=lambda s: (s.tag[1] if s.tag else -1, s.holds[0]))
         if latest.tag is not None:
             heapq.heappush(self.preloads, (latest.tag[1], latest.holds[0], latest.holds[1]))
-        self.slots.evict(latest)
+        self._evict(latest)
+
+    def _evict(self, slot: Slot, used: bool = False) -> None:
+        if self.tracer.enabled and slot.holds is not None and slot.load_started_us:
+            slot.wait_filled()
+            layer, expert = slot.holds
+            self.tracer.span(
+                "load",
+                f"load L{layer} e{expert}",
+                slot.load_started_us,
+                slot.load_started_us + slot.load_s * 1e6,
+                iteration=slot.tag[1] if slot.tag else None,
+                used=used,
+            )
+        self.slots.evict(slot)
 
     # -- computing ---------------------------------------------------------------------------
     def compute(self, request: ComputeExpert, hidden: torch.Tensor) -> list | None:
@@ -209,6 +245,9 @@ class WorkerNode:
         (overlapping the rest of the transfer) and, bit-exact by default, computes once all are in."""
         step = request.step
         key, tag = (step.layer, request.expert), (step.request, step.iteration)
+        self.tracer.flow(
+            "compute", f"compute/{step.request}/{step.iteration}/{step.layer}/{request.expert}", False
+        )
         self._switch_request(step.request)
         slot = self.slots.find(key, tag)
         preloaded = slot is not None and request.part == 0
@@ -230,18 +269,31 @@ class WorkerNode:
         slot.wait_filled()
         waited_s = time.perf_counter() - arrived  # this message waited on the expert's load
         try:
-            start = time.perf_counter()
+            start, start_us = time.perf_counter(), now_us()
             with torch.inference_mode():
                 y = expert_forward(
                     hidden.to(self.slots.device), slot.gate_up, slot.down, self.hidden_act, request.kernel
                 ).cpu()
             compute_s = time.perf_counter() - start
+            self.tracer.span(
+                "compute",
+                f"compute L{step.layer} e{request.expert}",
+                start_us,
+                start_us + compute_s * 1e6,
+                iteration=step.iteration,
+                rows=hidden.shape[0],
+                preloaded=preloaded,
+                waited_ms=waited_s * 1e3,
+            )
             first = request.part == 0 or not request.per_part
             load_s, nbytes = (slot.load_s, slot.nbytes) if first else (0.0, 0)  # count a load once
         finally:
             if last:
-                self.slots.evict(slot)
+                self._evict(slot, used=True)
         result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s)
+        self.tracer.flow(
+            "compute", f"result/{step.request}/{step.iteration}/{step.layer}/{request.expert}", True
+        )
         return to_frames(result, [y])
 
     def _result(

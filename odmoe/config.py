@@ -57,6 +57,9 @@ class WorkerConfig:
     device: str = "auto"  # "auto": cuda when present, else cpu
     slots: int = 2  # experts a worker may hold on the device at once (one computing, one loading)
     only_own_layers: bool = False  # store only the layers of this worker's group (less memory)
+    # Benchmark baseline, not OD-MoE: keep every expert on the device (no loads): the cost of being
+    # cacheless, isolated. Predictions are then ignored.
+    resident: bool = False
     ready_timeout_s: float = 120.0  # how long the launcher waits for a node to come up
     reply_timeout_s: float = 60.0  # how long main waits for one expert result
     link: LinkConfig = field(default_factory=LinkConfig)
@@ -104,6 +107,7 @@ class OdmoeConfig:
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32
     ready_file: str | None = None  # a node writes {"address": ...} here once it serves
+    trace_dir: str | None = None  # every node appends its timeline spans here (odmoe.trace); off when null
     log_level: str = "INFO"
 
     @property

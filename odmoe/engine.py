@@ -18,6 +18,7 @@ import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from odmoe.alignment import AlignmentSchedule
+from odmoe.kv_rows import newest_rows
 from odmoe.main_model import MainModel
 from odmoe.memory import peak_rss_bytes
 from odmoe.remote_experts import RemoteExperts
@@ -127,6 +128,7 @@ class MainEngine:
         if self.shadow is not None:
             self.shadow.end()
         end = time.perf_counter()
+        self.experts.tracer.flush()
         stats = self._stats(request, prompt_len, new_ids, start, first_token_at, end)
         yield DoneEvent(stats, logits[0].clone() if request.return_logits else None)
 
@@ -136,8 +138,7 @@ class MainEngine:
             return
         keys = values = None
         if self.schedule.align_kv(iteration):
-            keys = torch.stack([layer.keys[0, :, -rows:] for layer in cache.layers])  # [L, heads, rows, D]
-            values = torch.stack([layer.values[0, :, -rows:] for layer in cache.layers])
+            keys, values = newest_rows(cache, rows)  # [L, heads, rows, D]
         self.shadow.align(iteration, token if self.schedule.align_token(iteration) else -1, keys, values)
 
     def _stats(self, request, prompt_len, new_ids, start, first_token_at, end) -> dict:
@@ -160,6 +161,12 @@ class MainEngine:
                 "main": peak_rss_bytes(),
                 **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
             },
+            # the paper's GPU memory: main's weights (KV cache aside), each worker's expert slots
+            "device_bytes": {
+                "main": self.main.device_bytes,
+                **{f"worker{w}": b for w, b in sorted(self.experts.device_bytes.items())},
+            },
+            "decode": {**traffic.decode, "seconds": decode_s, "tokens": decode_tokens},
             "emulated_link": {
                 f"worker{w}": {"bandwidth_gbps": bw, "latency_ms": ms}
                 for w, (bw, ms) in self.experts.emulated_links.items()
@@ -195,9 +202,12 @@ class MainEngine:
         if self.shadow is None:
             return {"shadow": False}
         seen = self.shadow.seen
-        ahead, late = seen.lookahead_layers, seen.late_departure_s
+        ahead, late, forward = seen.lookahead_layers, seen.late_departure_s, seen.forward_s
+        idle = seen.alignment_wait_s
         return {
             "shadow": True,
+            "shadow_forward_s_mean": sum(forward.values()) / len(forward) if forward else None,
+            "shadow_alignment_wait_s_mean": sum(idle.values()) / len(idle) if idle else None,
             "lookahead_layers_mean": sum(ahead) / len(ahead) if ahead else None,
             "late_departure_s": sum(late.values()),
             "late_departure_s_mean": sum(late.values()) / len(late) if late else None,

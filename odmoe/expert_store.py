@@ -42,6 +42,9 @@ class ExpertStore:
                 )
         return cls(experts)
 
+    def keys(self) -> list[ExpertKey]:
+        return list(self._experts)
+
     def __contains__(self, key: ExpertKey) -> bool:
         return key in self._experts
 
@@ -90,6 +93,7 @@ class Slot:
     load_s: float = 0.0  # how long filling it took
     nbytes: int = 0
     filling: Future | None = None  # set while a background load is in flight
+    load_started_us: float = 0.0  # wall clock, for the timeline
 
     def wait_filled(self) -> float:
         """Block until the slot's load has finished; returns the seconds waited."""
@@ -141,6 +145,7 @@ class DeviceSlots:
 
     def fill(self, slot: Slot) -> None:
         start = time.perf_counter()
+        slot.load_started_us = time.time() * 1e6
         weights = self.store[slot.holds]
         slot.gate_up.copy_(weights.gate_up, non_blocking=True)
         slot.down.copy_(weights.down, non_blocking=True)
@@ -181,3 +186,49 @@ class DeviceSlots:
     @property
     def busy(self) -> int:
         return sum(s.holds is not None for s in self._slots)
+
+    @property
+    def device_bytes(self) -> int:
+        """What the slots take on the device (the paper's per-worker GPU memory)."""
+        return sum(s.gate_up.nbytes + s.down.nbytes for s in self._slots)
+
+
+class ResidentExperts:
+    """Every expert stays on the device: nothing is ever loaded or evicted.
+
+    Not OD-MoE: the benchmark baseline that keeps the same cluster and protocol but drops the cost
+    of being cacheless (`worker.resident=true`). It answers DeviceSlots' calls, always with a hit.
+    """
+
+    def __init__(self, store: ExpertStore, device: torch.device):
+        self.store, self.device, self.link = store, device, Link()
+        self._weights = {
+            key: ExpertWeights(store[key].gate_up.to(device), store[key].down.to(device))
+            for key in store.keys()
+        }
+        self.counters = LoadCounters()
+
+    def find(self, key: ExpertKey, tag: Tag) -> Slot | None:
+        w = self._weights.get(key)
+        return None if w is None else Slot(-1, w.gate_up, w.down, holds=key, tag=tag)
+
+    def load(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
+        if key not in self._weights:
+            raise KeyError(f"expert {key} is not in this worker's store (layers {self.store.layers})")
+        return self.find(key, tag)
+
+    load_async = load
+
+    def evict(self, slot: Slot) -> None:
+        pass
+
+    def held(self) -> list[Slot]:
+        return []
+
+    @property
+    def free(self) -> int:
+        return 0  # nothing to preload into: every expert is already there
+
+    @property
+    def device_bytes(self) -> int:
+        return sum(w.nbytes for w in self._weights.values())

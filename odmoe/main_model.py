@@ -40,6 +40,11 @@ class MainModel:
     moe_layers: list[int]
     dtype: torch.dtype
 
+    @property
+    def device_bytes(self) -> int:
+        """Weights main holds (everything but the routed experts, which stay on `meta`)."""
+        return sum(p.numel() * p.element_size() for p in self.model.parameters() if p.device.type != "meta")
+
     def attach(self, call: ExpertCall) -> None:
         for layer, module in experts_modules(self.model):
             module.odmoe_layer = layer

@@ -85,11 +85,17 @@ class Prediction:
 
 @dataclass(frozen=True)
 class ShadowIteration:
-    """shadow -> main: the shadow started decode iteration `iteration` after waiting this long."""
+    """shadow -> main: the shadow started decode iteration `iteration`.
+
+    `late_departure_s`: how long after main it started (aligned iterations; 0 otherwise): the
+    paper's late departure. `alignment_wait_s`: how long it sat idle for main's alignment (it was
+    ahead). Both clocks are wall clocks: exact on one machine, as good as their sync on a LAN."""
 
     request: str
     iteration: int
     late_departure_s: float
+    alignment_wait_s: float = 0.0
+    previous_forward_s: float = 0.0  # how long its forward pass of iteration-1 took
     kind: str = "shadow_iteration"
 
 
@@ -112,6 +118,7 @@ class Align:
     iteration: int
     token: int = -1
     kv: bool = False
+    sent_at_us: float = 0.0  # main's wall clock when it sent this (it starts iteration `iteration` then)
     kind: str = "align"
 
 
@@ -128,6 +135,7 @@ class Pong:
     store_bytes: int
     peak_rss: int
     link: list[float] = field(default_factory=list)  # [Gbit/s, ms] of an emulated load link; [] when off
+    device_bytes: int = 0  # what its experts take on the compute device (slots, or all when resident)
     kind: str = "pong"
 
 

@@ -34,6 +34,7 @@ from odmoe.messages import (
 from odmoe.placement import Topology
 from odmoe.recall import RecallCounter
 from odmoe.shadow_link import ShadowLink
+from odmoe.trace import Tracer, now_us
 
 
 class WorkerUnavailable(RuntimeError):
@@ -62,6 +63,17 @@ class ExpertTraffic:
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
 
+    # decode iterations only: what the pipeline model needs (main's own time = decode time - wait)
+    decode: dict = field(
+        default_factory=lambda: {
+            "wait_s": 0.0,
+            "layers": 0,
+            "experts": 0,
+            "compute_s": 0.0,
+            "loads": 0,
+            "load_s": 0.0,
+        }
+    )
     prefill: dict = field(
         default_factory=lambda: {
             "wait_s": 0.0,
@@ -81,6 +93,12 @@ class ExpertTraffic:
         self._layer_busy = {}
 
     def add(self, result: ExpertResult) -> None:
+        if result.step.iteration >= 1:
+            d = self.decode
+            d["experts"] += 1
+            d["compute_s"] += result.compute_s
+            d["loads"] += result.bytes_loaded > 0
+            d["load_s"] += result.load_s
         if result.step.iteration == 0:
             self.prefill["load_s"] += result.load_s
             self.prefill["compute_s"] += result.compute_s
@@ -104,6 +122,7 @@ class RemoteExperts:
         spread_prefill: bool = True,
         shadow: ShadowLink | None = None,
         prefill: PrefillConfig | None = None,
+        tracer: Tracer | None = None,
     ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
@@ -122,6 +141,9 @@ class RemoteExperts:
             self.poller.register(s, zmq.POLLIN)
         self.request, self.iteration = "", 0
         self.traffic = ExpertTraffic()
+        self.device_bytes: dict[int, int] = {}  # worker -> bytes its experts take on its device
+        self.tracer = tracer or Tracer("main")
+        self._main_since_us = 0.0  # when main last got its rows back (its own work runs from there)
 
     def _connect(self, address: str) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
@@ -130,12 +152,20 @@ class RemoteExperts:
         return sock
 
     def begin(self, request: str, iteration: int) -> None:
+        now = now_us()
+        if self.tracer.enabled and request == self.request and self._main_since_us:
+            self.tracer.span(
+                "main", "lm_head, next token", self._main_since_us, now, iteration=self.iteration
+            )
         self.request, self.iteration = request, iteration
+        self._main_since_us = now
 
     def __call__(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         step = Step(self.request, self.iteration, layer)
+        entered_us = now_us() if self.tracer.enabled else 0.0
+        self.tracer.span("main", f"L{layer}", self._main_since_us, entered_us, iteration=self.iteration)
         groups = split_by_expert(top_k_index, self.num_experts)
         experts = [rows.expert for rows in groups]
         decode = self.iteration >= 1
@@ -157,8 +187,16 @@ class RemoteExperts:
         outputs = self._gather(step, placement, expected)
         waited = time.perf_counter() - start
         self.traffic.wait_s += waited
+        if self.tracer.enabled:
+            self._main_since_us = now_us()
+            self.tracer.span(
+                "main", f"wait L{layer}", entered_us, self._main_since_us, iteration=self.iteration
+            )
         if not decode:
             self.traffic.note_prefill_layer(layer, waited, len(groups))
+        else:
+            self.traffic.decode["wait_s"] += waited
+            self.traffic.decode["layers"] += 1
         if decode:  # whatever the group preloaded for this layer and did not use is now stale
             for worker in self.topology.workers_of_group(self.topology.group_of_layer(layer)):
                 self.sockets[worker].send_multipart(to_frames(Release(step)))
@@ -174,6 +212,7 @@ class RemoteExperts:
                 step=step, expert=expert, kernel=self.kernel, part=part, parts=len(chunks), per_part=per_part
             )
             self.sockets[worker].send_multipart(to_frames(message, [chunk]), copy=False)
+        self.tracer.flow("main", f"compute/{step.request}/{step.iteration}/{step.layer}/{expert}", True)
         return len(chunks) if per_part else 1
 
     def _gather(self, step: Step, placement: dict[int, int], expected: int) -> dict[int, torch.Tensor]:
@@ -196,6 +235,9 @@ class RemoteExperts:
                     continue  # a late answer to an earlier, abandoned step
                 if result.error:
                     raise WorkerFailed(f"worker {result.worker} failed on layer {step.layer}: {result.error}")
+                self.tracer.flow(
+                    "main", f"result/{step.request}/{step.iteration}/{step.layer}/{result.expert}", False
+                )
                 self.traffic.add(result)
                 if step.iteration >= 1:
                     self.traffic.preloaded += result.preloaded
@@ -249,6 +291,7 @@ class RemoteExperts:
             if missing := sorted(set(needed) - set(pong.layers)):
                 raise WorkerUnavailable(f"worker {i} does not hold layers {missing}")
         self.emulated_links = {i: p.link for i, p in pongs.items() if p.link}
+        self.device_bytes = {i: p.device_bytes for i, p in pongs.items()}
         return [pongs[i] for i in range(len(self.sockets))]
 
     def shutdown_workers(self) -> None:

@@ -25,12 +25,15 @@ from odmoe.messages import (
     from_frames,
     to_frames,
 )
+from odmoe.trace import now_us
 
 
 @dataclass
 class ShadowObservations:
     lookahead_layers: list[int] = field(default_factory=list)
     late_departure_s: dict[int, float] = field(default_factory=dict)  # iteration -> seconds
+    forward_s: dict[int, float] = field(default_factory=dict)  # iteration -> its forward pass, seconds
+    alignment_wait_s: dict[int, float] = field(default_factory=dict)  # iteration -> idle for alignment
 
 
 class ShadowLink:
@@ -58,7 +61,7 @@ class ShadowLink:
         self, iteration: int, token: int, keys: torch.Tensor | None, values: torch.Tensor | None
     ) -> None:
         tensors = [keys, values] if keys is not None else []
-        message = Align(self.request, iteration, token=token, kv=keys is not None)
+        message = Align(self.request, iteration, token=token, kv=keys is not None, sent_at_us=now_us())
         self.control.send_multipart(to_frames(message, tensors), copy=False)
 
     def end(self) -> None:
@@ -92,6 +95,9 @@ class ShadowLink:
                     self.seen.lookahead_layers.append(ahead)
             elif isinstance(message, ShadowIteration) and message.request == self.request:
                 self.seen.late_departure_s[message.iteration] = message.late_departure_s
+                self.seen.alignment_wait_s[message.iteration] = message.alignment_wait_s
+                if message.iteration > 1:
+                    self.seen.forward_s[message.iteration - 1] = message.previous_forward_s
 
     def close(self) -> None:
         self.control.close(0)

@@ -119,6 +119,21 @@ def load_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrai
     return model
 
 
+def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Module]]:
+    """(layer, router) of every routed MoE layer: the `mlp.gate` whose weight is [experts, hidden]
+    (Qwen2-MoE's one-output shared-expert gate is not one). Its forward returns
+    (logits [T, E], top_k_weights [T, k], top_k_index [T, k])."""
+    found = [
+        (int(name.split(".layers.")[1].split(".")[0]), module)
+        for name, module in model.named_modules()
+        if name.endswith(".mlp.gate")
+        and getattr(module, "weight", None) is not None
+        and module.weight.dim() == 2
+        and module.weight.shape[0] == num_experts
+    ]
+    return sorted(found, key=lambda item: item[0])
+
+
 def model_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored (quantized tensors at their packed size)."""
     total = sum(

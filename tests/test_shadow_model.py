@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from odmoe.nodes.shadow import overwrite_newest_rows
+from odmoe.kv_rows import overwrite_newest_rows
 from odmoe.shadow_model import PRECISIONS, UnfusedExperts, load_shadow_model, model_bytes
 from tests.tiny_configs import TINY
 

@@ -1,0 +1,163 @@
+"""Single-process baselines of the grid suite, each run in a process of its own so that its peak
+memory is its own:
+
+- `single_process`: transformers' model with every expert resident, `generate(do_sample=False)` —
+  the upper bound (the paper's "Transformers, all experts cached").
+- `lru_offloader`: a Mixtral-Offloading-style single node: everything but the experts resident, the
+  experts in host memory, an LRU cache of `--lru-experts` device slots; a miss loads the expert over
+  the same emulated link the cluster's workers use (`odmoe.expert_store.DeviceSlots`). It computes
+  with odmoe's bit-exact expert kernels, so its tokens equal the reference's too.
+
+    python -m odmoe.benchmarks.baselines --system lru_offloader --model DIR --cells cells.json --out out.json
+
+`--cells` is a JSON list of {"name", "prompts": [[ids...]...], "new_tokens"}; the output holds one
+entry per cell with every request's TTFT, decode tokens/s, overall tokens/s and token ids, and the
+process's peak RSS and device bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from collections import OrderedDict
+
+import torch
+from transformers import AutoModelForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+from odmoe.checkpoint import Checkpoint
+from odmoe.expert_math import combine, expert_forward, split_by_expert
+from odmoe.expert_store import DeviceSlots, ExpertKey, ExpertStore, Link, Slot
+from odmoe.main_model import build_main_model, resolve_dtype
+from odmoe.memory import peak_rss_bytes
+
+
+class LruExperts:
+    """An experts call (see main_model.ExpertCall) computing locally through an LRU expert cache."""
+
+    def __init__(
+        self, store: ExpertStore, capacity: int, link: Link, kernel: str, hidden_act: str, experts: int
+    ):
+        self.slots = DeviceSlots(store, torch.device("cpu"), capacity, link)
+        self.kernel, self.hidden_act, self.num_experts = kernel, hidden_act, experts
+        self.cached: OrderedDict[ExpertKey, Slot] = OrderedDict()  # least recently used first
+        self.hits = self.misses = 0
+
+    def _fetch(self, key: ExpertKey) -> Slot:
+        if key in self.cached:
+            self.hits += 1
+            self.cached.move_to_end(key)
+            return self.cached[key]
+        self.misses += 1
+        if not self.slots.free:
+            _, oldest = self.cached.popitem(last=False)
+            self.slots.evict(oldest)
+        slot = self.cached[key] = self.slots.load(key)  # over the emulated link
+        return slot
+
+    def __call__(self, layer, hidden, top_k_index, top_k_weights):
+        parts = []
+        for rows in split_by_expert(top_k_index, self.num_experts):
+            slot = self._fetch((layer, rows.expert))
+            parts.append(
+                (
+                    rows,
+                    expert_forward(
+                        hidden[rows.token_idx], slot.gate_up, slot.down, self.hidden_act, self.kernel
+                    ),
+                )
+            )
+        return combine(hidden, parts, top_k_weights, self.kernel)
+
+
+class _Clock(BaseStreamer):
+    """generate() hands its streamer the prompt first, then each new token: time them."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+@torch.inference_mode()
+def timed_generate(model, ids: list[int], new_tokens: int) -> dict:
+    x = torch.tensor([ids])
+    clock = _Clock()
+    start = time.perf_counter()
+    out = model.generate(
+        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new_tokens, streamer=clock
+    )
+    end = time.perf_counter()
+    new = out[0, len(ids) :].tolist()
+    first = clock.times[1]
+    decode_s = clock.times[-1] - first
+    return {
+        "ttft_s": first - start,
+        "decode_tokens_per_s": (len(new) - 1) / decode_s if len(new) > 1 and decode_s > 0 else 0.0,
+        "overall_tokens_per_s": len(new) / (end - start),
+        "new_tokens": len(new),
+        "token_ids": new,
+    }
+
+
+def build(system: str, path: str, lru_experts: int, link: Link):
+    """The model to generate with, its device bytes, and the LRU cache when there is one."""
+    if system == "single_process":
+        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        return model, sum(p.numel() * p.element_size() for p in model.parameters()), None
+    ckpt = Checkpoint(path)
+    main = build_main_model(ckpt, resolve_dtype("auto", ckpt))
+    store = ExpertStore.from_checkpoint(ckpt, ckpt.moe_layers, main.dtype)
+    lru = LruExperts(store, lru_experts, link, main.kernel, ckpt.config.hidden_act, ckpt.num_experts)
+    main.attach(lru)
+    return main.model, main.device_bytes + lru.slots.device_bytes, lru
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", choices=["single_process", "lru_offloader"], required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--cells", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--lru-experts", type=int, default=16)
+    parser.add_argument("--bandwidth-gbps", type=float, default=0.0)
+    parser.add_argument("--latency-ms", type=float, default=0.0)
+    args = parser.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    torch.set_num_threads(args.threads)
+    link = Link(args.bandwidth_gbps, args.latency_ms)
+    model, device_bytes, lru = build(args.system, args.model, args.lru_experts, link)
+    cells = json.loads(open(args.cells).read())
+    timed_generate(model, cells[0]["prompts"][0], 4)  # warm-up, as the clusters get
+    results = []
+    for cell in cells:
+        hits, misses = (lru.hits, lru.misses) if lru else (0, 0)
+        runs = [timed_generate(model, ids, cell["new_tokens"]) for ids in cell["prompts"]]
+        entry = {"name": cell["name"], "runs": runs}
+        if lru:
+            looked_up = lru.hits - hits + lru.misses - misses
+            entry["lru_hit_rate"] = (lru.hits - hits) / looked_up if looked_up else None
+        results.append(entry)
+    report = {
+        "system": args.system,
+        "threads": args.threads,
+        "lru_experts": args.lru_experts if lru else None,
+        "emulated_link": [link.bandwidth_gbps, link.latency_ms] if lru and link.enabled else None,
+        "peak_rss_bytes": peak_rss_bytes(),
+        "device_bytes": device_bytes,
+        "cells": results,
+    }
+    with open(args.out, "w") as f:
+        json.dump(report, f)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,118 @@
+"""Requests through a real local cluster (main, shadow, workers as processes), summarised.
+
+`run_cluster(model, words, prompts, new_tokens)` starts one `LocalCluster` with the suite's words,
+sends one warm-up request and then one request per prompt, and returns every request's stats with
+the nodes' peak memory. `summarise` pools them the way the paper reports: recall over all decode
+tokens (Eq. 3), tokens/s as mean and spread over requests.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+
+import odmoe
+from odmoe.benchmarks.config import BenchConfig
+
+
+def cluster_words(cfg: BenchConfig, *extra: str) -> list[str]:
+    """The odmoe-launch words every cluster of a suite shares, then the suite's own."""
+    return [
+        f"cluster.workers={cfg.cluster.workers}",
+        f"cluster.group_size={cfg.cluster.group_size}",
+        f"shadow.precision={cfg.cluster.shadow_precision}",
+        f"worker.link.bandwidth_gbps={cfg.link.bandwidth_gbps}",
+        f"worker.link.latency_ms={cfg.link.latency_ms}",
+        *cfg.cluster.overrides,
+        *extra,
+    ]
+
+
+@dataclass
+class ClusterRun:
+    words: list[str]
+    stats: list[dict] = field(default_factory=list)  # one per measured request
+    token_ids: list[list[int]] = field(default_factory=list)
+    peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # node name -> bytes
+    shadow_weight_bytes: int | None = None
+
+
+def run_cluster(
+    model_path: str,
+    words: list[str],
+    prompts: list[list[int]],
+    new_tokens: int,
+    warmup: bool = True,
+    per_prompt_tokens: list[int] | None = None,
+) -> ClusterRun:
+    run = ClusterRun(words)
+    lengths = per_prompt_tokens or [new_tokens] * len(prompts)
+    with odmoe.LocalCluster(model_path, overrides=words) as cluster:
+        if warmup:  # first-request costs (allocations, lazy imports) are not what we measure
+            cluster.client.generate(prompts[0], max_new_tokens=min(new_tokens, 4))
+        for ids, tokens in zip(prompts, lengths, strict=True):
+            result = cluster.client.generate(ids, max_new_tokens=tokens)
+            run.stats.append(result.stats)
+            run.token_ids.append(result.token_ids)
+        run.peak_rss_bytes = cluster.peak_rss_bytes()
+        run.shadow_weight_bytes = cluster.shadow_info.get("weight_bytes")
+    return run
+
+
+def pooled_recall(stats: list[dict], key: str = "recall") -> float | None:
+    """Eq. 3 over every decode token of every request: hits / activated, pooled (not a mean of means)."""
+    rows = [s[key] for s in stats if s.get(key) and s[key].get("activated")]
+    total = sum(r["activated"] for r in rows)
+    return sum(r["overall"] * r["activated"] for r in rows) / total if total else None
+
+
+def recall_per_token(stats: list[dict]) -> dict[int, float]:
+    """recall(n) of Eq. 2, averaged over requests for each output-token index n."""
+    per: dict[int, list[float]] = {}
+    for s in stats:
+        for n, r in ((s.get("recall") or {}).get("per_token") or {}).items():
+            per.setdefault(int(n), []).append(r)
+    return {n: statistics.mean(v) for n, v in sorted(per.items())}
+
+
+def _spread(values: list[float]) -> dict:
+    return {
+        "mean": statistics.mean(values),
+        "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
+        "min": min(values),
+        "max": max(values),
+        "values": values,
+    }
+
+
+def summarise(run: ClusterRun) -> dict:
+    s = run.stats
+    decode_tokens = [x["new_tokens"] - 1 for x in s]
+    return {
+        "words": run.words,
+        "requests": len(s),
+        "decode_tokens_per_s": _spread([x["decode_tokens_per_s"] for x in s]),
+        "ttft_s": _spread([x["ttft_s"] for x in s]),
+        "overall_tokens_per_s": _spread([x["new_tokens"] / x["total_s"] for x in s]),
+        "recall": pooled_recall(s),
+        "timely_recall": pooled_recall(s, "timely_recall"),
+        "stall_ms_per_token": statistics.mean(
+            x["stall_s"] * 1e3 / max(d, 1) for x, d in zip(s, decode_tokens, strict=True)
+        ),
+        "reloads_per_token": statistics.mean(
+            x["reloads"] / max(d, 1) for x, d in zip(s, decode_tokens, strict=True)
+        ),
+        "lookahead_layers_mean": _mean_of(s, "lookahead_layers_mean"),
+        "late_departure_ms_mean": _scaled(_mean_of(s, "late_departure_s_mean"), 1e3),
+        "peak_rss_bytes": run.peak_rss_bytes,
+        "shadow_weight_bytes": run.shadow_weight_bytes,
+    }
+
+
+def _mean_of(stats: list[dict], key: str) -> float | None:
+    values = [x[key] for x in stats if x.get(key) is not None]
+    return statistics.mean(values) if values else None
+
+
+def _scaled(x: float | None, factor: float) -> float | None:
+    return None if x is None else x * factor

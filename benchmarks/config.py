@@ -1,0 +1,120 @@
+"""The schema of `odmoe-bench` (Hydra fills it from conf/bench.yaml and conf/suite/*.yaml).
+
+One dataclass per suite holds that suite's knobs; `BenchConfig` holds what every suite shares: the
+model, the local cluster's shape, the emulated load link, where results go. `suite=quick` runs
+every suite with small settings on the tiny default model (what CI exercises).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUITES = ("recall", "alignment", "ablation", "grid", "timeline", "quick")
+GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
+
+
+@dataclass
+class BenchLink:
+    # The emulated host->device expert load of every worker (and of the LRU offloader): a load takes
+    # latency + bytes / bandwidth. 8 Gbit/s makes one 1.5 MiB expert of the trained model ~1.7 ms,
+    # longer than main's per-layer time on this CPU, so hiding loads matters as on an edge box.
+    bandwidth_gbps: float = 8.0
+    latency_ms: float = 0.1
+
+
+@dataclass
+class BenchCluster:
+    workers: int = 2
+    group_size: int = 2
+    shadow_precision: str = "fp32"
+    overrides: list[str] = field(default_factory=list)  # more odmoe-launch words for every cluster
+
+
+@dataclass
+class RecallSuite:
+    precisions: list[str] = field(
+        default_factory=lambda: ["fp32", "bf16", "fp16", "int8_dynamic", "int8", "nf4"]
+    )
+    # name -> [token_period, kv_period]; the paper's Fig. 3 shows these three
+    alignments: dict[str, list[int]] = field(
+        default_factory=lambda: {"none": [0, 0], "token": [1, 0], "token+KV": [1, 1]}
+    )
+    prompts: int = 8
+    new_tokens: int = 256
+    # Run these precisions' token+KV row through a real cluster too and report its Eq. 3 recall
+    # beside the replay's (they measure the same thing; the cluster also says what arrived in time).
+    cross_check: list[str] = field(default_factory=lambda: ["fp32", "int8_dynamic"])
+    cross_check_tokens: int = 64
+
+
+@dataclass
+class AlignmentSuite:
+    token_periods: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    kv_periods: list[int] = field(default_factory=lambda: [1, 2, 4, 8, 16])
+    new_tokens: int = 64
+    repeats: int = 3  # requests per cell (different prompts), after one warm-up
+
+
+@dataclass
+class AblationSuite:
+    cases: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 5, 6])
+    new_tokens: int = 128
+    repeats: int = 6  # requests per case (different prompts), after one warm-up
+
+
+@dataclass
+class GridSuite:
+    inputs: list[int] = field(default_factory=lambda: [16, 128])
+    outputs: list[int] = field(default_factory=lambda: [64, 256])
+    systems: list[str] = field(default_factory=lambda: list(GRID_SYSTEMS))
+    repeats: int = 2  # requests per cell and system (different prompts), after one warm-up
+    lru_experts: int = 16  # the LRU offloader's device cache, in experts (over all layers)
+    threads: int = 1  # torch threads of the single-process baselines (each cluster node uses 1)
+
+
+@dataclass
+class TimelineSuite:
+    new_tokens: int = 8
+    iterations: list[int] = field(default_factory=lambda: [3, 4])  # decode iterations drawn in the PNG
+
+
+@dataclass
+class BenchConfig:
+    suite: str = "quick"
+    # "trained": the trained benchmark model (made once, ~10 min, cached); "tiny": the random-init
+    # demo model; anything else: a checkpoint directory.
+    model: str = "trained"
+    results_dir: str = "benchmarks/results"
+    name: str = ""  # suffix of the output files (a -m sweep defaults to the job's overrides)
+    link: BenchLink = field(default_factory=BenchLink)
+    cluster: BenchCluster = field(default_factory=BenchCluster)
+    recall: RecallSuite = field(default_factory=RecallSuite)
+    alignment: AlignmentSuite = field(default_factory=AlignmentSuite)
+    ablation: AblationSuite = field(default_factory=AblationSuite)
+    grid: GridSuite = field(default_factory=GridSuite)
+    timeline: TimelineSuite = field(default_factory=TimelineSuite)
+    log_level: str = "WARNING"
+
+
+def validate(cfg: BenchConfig) -> None:
+    if cfg.suite not in SUITES:
+        raise ValueError(f"suite={cfg.suite!r} is not one of {', '.join(SUITES)}")
+    from odmoe.shadow_model import PRECISIONS
+
+    for p in [*cfg.recall.precisions, cfg.cluster.shadow_precision]:
+        if p not in PRECISIONS:
+            raise ValueError(f"shadow precision {p!r} is not one of {', '.join(PRECISIONS)}")
+    for name, periods in cfg.recall.alignments.items():
+        if len(periods) != 2 or min(periods) < 0:
+            raise ValueError(f"recall.alignments.{name} must be [token_period, kv_period] >= 0")
+    if bad := sorted(set(cfg.grid.systems) - set(GRID_SYSTEMS)):
+        raise ValueError(f"grid.systems: {bad} not among {', '.join(GRID_SYSTEMS)}")
+    if bad := sorted(set(cfg.ablation.cases) - set(range(1, 7))):
+        raise ValueError(f"ablation.cases: {bad} not among 1..6")
+    for name in ("alignment", "ablation", "grid"):
+        if getattr(cfg, name).repeats < 1:
+            raise ValueError(f"{name}.repeats must be at least 1")
+    if cfg.grid.lru_experts < 1:
+        raise ValueError("grid.lru_experts must be at least 1")
+    if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
+        raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")

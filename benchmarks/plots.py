@@ -1,0 +1,236 @@
+"""The pictures of the suites (matplotlib, headless). Each function takes a suite's rows as they are
+written to JSON, so a figure can be redrawn from a results file alone."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def _save(fig, out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    print(f"wrote {out}", flush=True)
+
+
+def ablation(rows: list[dict], out: Path, subtitle: str) -> None:
+    """Fig. 8: decode tokens/s per case as a box over requests, stall per token beside it."""
+    fig, (speed, stall) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [f"{r['case']}\n{r['label']}" for r in rows]
+    speed.boxplot([r["decode_tokens_per_s"]["values"] for r in rows], widths=0.5)
+    speed.plot(range(1, len(rows) + 1), [r["decode_tokens_per_s"]["mean"] for r in rows], "D", color="C3")
+    speed.set_xticks(range(1, len(rows) + 1), labels, fontsize=8)
+    speed.set_ylabel("decode tokens/s")
+    speed.set_title("decode speed (box: requests, diamond: mean)")
+    bars = stall.bar(range(len(rows)), [r["stall_ms_per_token"] for r in rows], color="C1")
+    for bar, r in zip(bars, rows, strict=True):
+        if r["recall"] is not None:
+            stall.text(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height(),
+                f"recall\n{r['recall']:.2f}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    stall.set_xticks(range(len(rows)), [str(r["case"]) for r in rows])
+    stall.set_xlabel("case")
+    stall.set_ylabel("stall ms per decode token")
+    stall.set_title("waiting for expert loads")
+    stall.margins(y=0.25)
+    fig.suptitle(f"ablation cases (paper Fig. 8)\n{subtitle}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, out)
+
+
+def heatmaps(
+    rows: list[dict], keys: list[tuple[str, str, str]], out: Path, title: str
+) -> list[tuple[list[int], list[int], list[list[float]]]]:
+    """Fig. 9: one heatmap per (key, title, format) over token_period (rows) x kv_period (columns)."""
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4.2), squeeze=False)
+    grids = []
+    for ax, (key, panel, fmt) in zip(axes[0], keys, strict=True):
+        tokens, kvs, values = period_grid(rows, key)
+        grids.append((tokens, kvs, values))
+        image = ax.imshow(values, cmap="viridis", origin="lower")
+        ax.set_xticks(range(len(kvs)), [str(k) for k in kvs])
+        ax.set_yticks(range(len(tokens)), [str(t) for t in tokens])
+        ax.set_xlabel("KV alignment period")
+        ax.set_ylabel("token alignment period")
+        ax.set_title(panel)
+        for i, row in enumerate(values):
+            for j, v in enumerate(row):
+                if not math.isnan(v):
+                    ax.text(j, i, fmt.format(v), ha="center", va="center", color="white", fontsize=8)
+        fig.colorbar(image, ax=ax, shrink=0.8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    _save(fig, out)
+    return grids
+
+
+def period_grid(rows: list[dict], key: str) -> tuple[list[int], list[int], list[list[float]]]:
+    tokens = sorted({int(r["token_period"]) for r in rows})
+    kvs = sorted({int(r["kv_period"]) for r in rows})
+    cell = {
+        (int(r["token_period"]), int(r["kv_period"])): float(r[key])
+        for r in rows
+        if r.get(key) not in ("", None)
+    }
+    return tokens, kvs, [[cell.get((t, k), math.nan) for k in kvs] for t in tokens]
+
+
+def _rolling(values: list[float], window: int) -> list[float]:
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def recall_vs_token(
+    rows: list[dict], precisions: list[str], out: Path, subtitle: str, window: int = 8
+) -> None:
+    """Fig. 3: recall(n) (Eq. 2) vs output-token index, a panel per shadow precision, a line per
+    alignment; the two baseline predictors in grey in every panel. Curves are rolling means."""
+    cols = min(3, len(precisions))
+    nrows = math.ceil(len(precisions) / cols)
+    fig, axes = plt.subplots(nrows, cols, figsize=(4.6 * cols, 3.4 * nrows), squeeze=False, sharey=True)
+    baselines = [r for r in rows if "precision" not in r]
+    for ax, precision in zip(axes.flat, precisions, strict=False):
+        for r in baselines:
+            xs = [int(n) for n in r["per_token"]]
+            ax.plot(
+                xs,
+                _rolling(list(r["per_token"].values()), window),
+                "--",
+                color="0.55" if r["predictor"] == "frequency" else "0.3",
+                lw=1,
+                label=f"{r['predictor']} ({r['overall']:.3f})",
+            )
+        for r in (r for r in rows if r.get("precision") == precision):
+            xs = [int(n) for n in r["per_token"]]
+            ax.plot(
+                xs,
+                _rolling(list(r["per_token"].values()), window),
+                lw=1.5,
+                label=f"{r['alignment']} ({r['overall']:.3f})",
+            )
+        ax.set_title(f"shadow {precision}", fontsize=10)
+        ax.set_xlabel("output token index")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left")
+    for ax in axes[:, 0]:
+        ax.set_ylabel("recall")
+    for ax in list(axes.flat)[len(precisions) :]:
+        ax.axis("off")
+    fig.suptitle(
+        f"recall vs output token (paper Fig. 3; rolling mean over {window} tokens, "
+        f"overall Eq. 3 in brackets)\n{subtitle}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    _save(fig, out)
+
+
+def grid(cells: list[dict], systems: dict, out: Path, subtitle: str) -> None:
+    """Table 2 as bars: TTFT, decode and overall tokens/s per (input/output) cell and system, and
+    each system's device memory stacked by node."""
+    import statistics
+
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2), gridspec_kw={"width_ratios": [3, 3, 3, 2]})
+    names = list(systems)
+    width = 0.8 / len(names)
+    panels = [("ttft_s", "TTFT ms", 1e3), ("decode_tokens_per_s", "decode tokens/s", 1),
+              ("overall_tokens_per_s", "overall tokens/s", 1)]  # fmt: skip
+    for ax, (key, label, scale) in zip(axes, panels, strict=False):
+        for j, name in enumerate(names):
+            by_cell = {c["name"]: c for c in systems[name]["cells"]}
+            values = [statistics.mean(r[key] for r in by_cell[c["name"]]["runs"]) * scale for c in cells]
+            ax.bar([i + j * width for i in range(len(cells))], values, width, label=name, color=f"C{j}")
+        ax.set_xticks(
+            [i + width * (len(names) - 1) / 2 for i in range(len(cells))], [c["name"] for c in cells]
+        )
+        ax.set_xlabel("input / output tokens")
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    mem = axes[3]
+    for j, name in enumerate(names):
+        bottom = 0.0
+        for k, (node, b) in enumerate(sorted(systems[name]["device_bytes"].items())):
+            mem.bar(
+                j, b / 2**20, 0.6, bottom=bottom, color=f"C{j}", edgecolor="white", alpha=1 - 0.12 * (k % 5)
+            )
+            if b / 2**20 > 0.5:
+                mem.text(j, bottom + b / 2**21, node, ha="center", va="center", fontsize=6)
+            bottom += b / 2**20
+    mem.set_xticks(range(len(names)), names, rotation=20, fontsize=7)
+    mem.set_title("device memory MiB, by node")
+    fig.suptitle(f"odmoe and baselines (paper Table 2)\n{subtitle}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, out)
+
+
+def timeline(events: list[dict], window: tuple[float, float], out: Path, title: str) -> None:
+    """Fig. 2/5 as measured: one row per node lane, spans coloured by MoE layer; waits grey, the
+    shadow's late departure a red band above its row, preloads that were never used hatched."""
+    t0, t1 = window
+    lanes: list[str] = []
+    for e in events:
+        if e["lane_name"] not in lanes:
+            lanes.append(e["lane_name"])
+    order = sorted(lanes, key=lambda n: (not n.startswith("main"), not n.startswith("shadow"), n))
+    row = {name: i for i, name in enumerate(reversed(order))}
+    fig, ax = plt.subplots(figsize=(14, 0.5 * len(order) + 1.6))
+    for e in events:
+        if e["ph"] != "X" or e["ts"] + e["dur"] < t0 or e["ts"] > t1:
+            continue
+        name, y = e["name"], row[e["lane_name"]]
+        layer = _layer_of(name)
+        height = 0.76
+        if name.startswith("wait"):
+            color, hatch = "0.85", None
+        elif name == "late departure":  # drawn as a thin red band over the shadow's row
+            color, hatch, height = "red", None, 0.2
+        elif layer is None:
+            color, hatch = "0.5", None
+        else:
+            color, hatch = f"C{layer % 10}", None
+        if name.startswith("load") and not e["args"].get("used", True):
+            hatch = "////"
+        start, dur = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
+        bottom = y + 0.38 if name == "late departure" else y - height / 2
+        ax.broken_barh(
+            [(start, dur)], (bottom, height), facecolors=color, edgecolor="black", linewidth=0.3, hatch=hatch
+        )
+        middle = start + dur / 2
+        if dur > (t1 - t0) / 1e3 / 60 and 0 <= middle <= (t1 - t0) / 1e3 and name != "late departure":
+            label = name.replace("compute ", "").replace("load ", "").replace("waiting for alignment", "wait")
+            ax.text(middle, y, label, ha="center", va="center", fontsize=5.5, clip_on=True)
+    for e in events:  # flows: a tick where each message arrives
+        if e["ph"] == "f" and t0 <= e["ts"] <= t1:
+            ax.plot((e["ts"] - t0) / 1e3, row[e["lane_name"]] + 0.45, "v", color="black", markersize=2.5)
+    ax.set_yticks(list(row.values()), list(row.keys()), fontsize=8)
+    ax.set_xlim(0, (t1 - t0) / 1e3)
+    ax.set_xlabel("ms")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    _save(fig, out)
+
+
+def _layer_of(name: str) -> int | None:
+    for word in name.split():
+        if word.startswith("L") and word[1:].isdigit():
+            return int(word[1:])
+    return None

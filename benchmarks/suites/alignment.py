@@ -1,0 +1,62 @@
+"""Suite `alignment` (the paper's Fig. 9): decode tokens/s over token_period x kv_period.
+
+Each cell is its own local cluster (the suite's shadow precision and link), `alignment.repeats`
+requests after a warm-up; the heatmaps show mean decode tokens/s, recall (Eq. 3) and the shadow's
+mean late departure. Alignment trades the shadow's late start against its drift: which side wins
+depends on the hardware, so this is a sweep, not a constant.
+"""
+
+from __future__ import annotations
+
+from transformers import AutoTokenizer
+
+from odmoe.benchmarks import plots
+from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
+from odmoe.benchmarks.config import BenchConfig
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.workload import prompt_ids
+
+PROMPT_TOKENS = 32
+PANELS = [
+    ("decode_tokens_per_s", "decode tokens/s (mean)", "{:.1f}"),
+    ("recall", "recall (Eq. 3)", "{:.3f}"),
+    ("late_departure_ms_mean", "late departure ms (mean)", "{:.2f}"),
+]
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    suite = cfg.alignment
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.repeats)]
+    print(f"{'token':>6}{'kv':>4}{'decode tok/s':>14}{'± stdev':>9}{'recall':>8}{'in time':>8}{'late ms':>9}")
+    rows = []
+    for token_period in suite.token_periods:
+        for kv_period in suite.kv_periods:
+            words = cluster_words(
+                cfg, f"alignment.token_period={token_period}", f"alignment.kv_period={kv_period}"
+            )
+            row = summarise(run_cluster(model_path, words, prompts, suite.new_tokens))
+            d = row["decode_tokens_per_s"]
+            row.update(token_period=token_period, kv_period=kv_period)
+            row["decode_tokens_per_s_mean"] = d["mean"]
+            rows.append(row)
+            print(
+                f"{token_period:>6}{kv_period:>4}{d['mean']:14.1f}{d['stdev']:9.1f}{_f(row['recall'])}"
+                f"{_f(row['timely_recall'])}{_f(row['late_departure_ms_mean'], 9, '.2f')}",
+                flush=True,
+            )
+    report = {"new_tokens": suite.new_tokens, "repeats": suite.repeats, "rows": rows}
+    out.write("alignment", "alignment", report)
+    panels = [("decode_tokens_per_s_mean", *PANELS[0][1:]), *PANELS[1:]]
+    plots.heatmaps(
+        rows,
+        panels,
+        out.path("alignment", "png"),
+        f"alignment periods (paper Fig. 9): {out.describe(suite.new_tokens)}, "
+        f"{suite.repeats} requests per cell",
+    )
+    return report
+
+
+def _f(x, width: int = 8, spec: str = ".3f") -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"

@@ -1,0 +1,155 @@
+"""Suite `recall` (the paper's Fig. 3): recall vs output-token index for every shadow precision x
+alignment, with a next-layer-gate and a frequency predictor on the same tokens.
+
+How: `replay.reference_trajectory` decodes each prompt greedily as main does; each shadow
+(precision x alignment) is re-played against it (recall counts every prediction whenever it arrived,
+so timing cannot change it). Then, for `recall.cross_check` precisions, a real cluster (main, shadow,
+workers as processes) decodes the same prompts with token + KV alignment: its tokens must equal the
+replay's and its Eq. 3 recall is reported beside the replay's, with the share that arrived in time.
+"""
+
+from __future__ import annotations
+
+import time
+
+from transformers import AutoTokenizer
+
+from odmoe.alignment import AlignmentSchedule
+from odmoe.benchmarks import plots
+from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
+from odmoe.benchmarks.config import BenchConfig
+from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.workload import prompt_ids
+from odmoe.checkpoint import Checkpoint
+from odmoe.recall import RecallCounter
+from odmoe.shadow_model import model_bytes
+
+PROMPT_TOKENS = 32
+
+
+def score(trajectories, predictions: list[dict]) -> dict:
+    counter = RecallCounter()
+    for traj, predicted in zip(trajectories, predictions, strict=True):
+        for position, activated in sorted(traj.activated.items()):
+            counter.add(*position, predicted.get(position), activated)
+    return counter.report()
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    suite = cfg.recall
+    ckpt = Checkpoint(model_path)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    eos = tokenizer.eos_token_id
+    prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.prompts)]
+    reference = load_reference(model_path)
+    start = time.perf_counter()
+    trajs = [
+        reference_trajectory(reference, p, suite.new_tokens, ckpt.num_experts, ckpt.top_k, {eos})
+        for p in prompts
+    ]
+    decode_tokens = sum(t.iterations for t in trajs)
+    print(
+        f"reference: {len(trajs)} prompts, {decode_tokens} decode tokens ({time.perf_counter() - start:.0f}s)"
+    )
+    rows = [
+        {"predictor": "next-layer gate", **score(trajs, [t.next_layer_gate for t in trajs])},
+        {"predictor": "frequency", **score(trajs, [t.frequency for t in trajs])},
+    ]
+    print(f"{'predictor':<28}{'recall':>8}{'first 16':>10}{'last 16':>9}{'MiB':>8}{'s':>6}", flush=True)
+    for row in rows:
+        _print_row(row, None, 0)
+    for precision in suite.precisions:
+        shadow = load_shadow(model_path, precision)
+        mib = model_bytes(shadow) / 2**20
+        for name, (token_period, kv_period) in suite.alignments.items():
+            start = time.perf_counter()
+            schedule = AlignmentSchedule(token_period, kv_period)
+            predicted = [replay_shadow(shadow, t, schedule, ckpt.num_experts) for t in trajs]
+            row = {
+                "predictor": f"shadow {precision}, {name}",
+                "precision": precision,
+                "alignment": name,
+                "token_period": token_period,
+                "kv_period": kv_period,
+                "shadow_weight_bytes": int(mib * 2**20),
+                **score(trajs, predicted),
+            }
+            rows.append(row)
+            _print_row(row, mib, time.perf_counter() - start)
+        del shadow
+    checks = [_cross_check(cfg, model_path, precision, prompts, trajs) for precision in suite.cross_check]
+    report = {
+        "prompts": suite.prompts,
+        "prompt_tokens": PROMPT_TOKENS,
+        "new_tokens": suite.new_tokens,
+        "decode_tokens": decode_tokens,
+        "rows": rows,
+        "cluster_cross_check": checks,
+    }
+    out.write("recall", "recall", report)
+    plots.recall_vs_token(
+        rows,
+        suite.precisions,
+        out.path("recall", "png"),
+        f"{len(trajs)} prompts x {suite.new_tokens} new tokens, {PROMPT_TOKENS}-token prompts; {model_path}",
+    )
+    return report
+
+
+def _print_row(row: dict, mib: float | None, seconds: float) -> None:
+    per = list(row["per_token"].values())
+    first, last = per[:16], per[-16:]
+    print(
+        f"{row['predictor']:<28}{_f(row['overall'], 8)}{_f(sum(first) / len(first) if first else None, 10)}"
+        f"{_f(sum(last) / len(last) if last else None, 9)}{_f(mib, 8, '.2f')}{seconds:6.0f}",
+        flush=True,
+    )
+
+
+def _f(x, width: int, spec: str = ".4f") -> str:
+    return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
+
+
+def _cross_check(cfg: BenchConfig, model_path: str, precision: str, prompts, trajs) -> dict:
+    """The same prompts through a real cluster with token + KV alignment every iteration."""
+    tokens = min(cfg.recall.cross_check_tokens, cfg.recall.new_tokens)
+    words = cluster_words(
+        cfg, f"shadow.precision={precision}", "alignment.token_period=1", "alignment.kv_period=1"
+    )
+    run = run_cluster(model_path, words, prompts, tokens)
+    identical = all(ids == t.tokens[:tokens] for ids, t in zip(run.token_ids, trajs, strict=True))
+    ckpt = Checkpoint(model_path)
+    shadow = load_shadow(model_path, precision)
+    replayed = []
+    for traj in trajs:
+        cut = _truncate(traj, tokens)
+        replayed.append((cut, replay_shadow(shadow, cut, AlignmentSchedule(1, 1), ckpt.num_experts)))
+    check = {
+        "precision": precision,
+        "new_tokens": tokens,
+        "tokens_identical_to_reference": identical,
+        "cluster_recall": pooled_recall(run.stats),
+        "cluster_timely_recall": pooled_recall(run.stats, "timely_recall"),
+        "replay_recall": score([c for c, _ in replayed], [p for _, p in replayed])["overall"],
+    }
+    print(
+        f"cross-check {precision}, token+KV, {tokens} tokens: "
+        f"cluster recall {_f(check['cluster_recall'], 0)} "
+        f"(in time {_f(check['cluster_timely_recall'], 0)}), replay {_f(check['replay_recall'], 0)}, "
+        f"tokens identical: {identical}",
+        flush=True,
+    )
+    return check
+
+
+def _truncate(traj, tokens: int):
+    from odmoe.benchmarks.replay import Trajectory
+
+    keep = tokens - 1  # decode iterations 1..tokens-1
+    return Trajectory(
+        prompt_ids=traj.prompt_ids,
+        tokens=traj.tokens[:tokens],
+        kv_rows={n: r for n, r in traj.kv_rows.items() if n <= keep},
+        activated={p: e for p, e in traj.activated.items() if p[0] <= keep},
+    )

@@ -1,0 +1,85 @@
+"""`odmoe-bench`: the Hydra entry of the benchmark suites.
+
+    odmoe-bench suite=recall            # Fig. 3: recall vs output-token index (+ two baseline predictors)
+    odmoe-bench suite=alignment         # Fig. 9: decode tokens/s over token x KV alignment periods
+    odmoe-bench suite=ablation          # Fig. 8: cases 1-6, spread over repeated requests
+    odmoe-bench suite=grid              # Table 2: odmoe vs three baselines; simulator validation
+    odmoe-bench suite=timeline          # Fig. 2/5: Chrome trace + timing diagram of a few iterations
+    odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
+    odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
+
+Each suite prints its figures and writes JSON (and PNGs) under results_dir. Exit codes: 0 success,
+2 bad configuration, 1 a suite failed.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import hydra
+from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from odmoe.benchmarks.config import BenchConfig, validate
+
+ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
+log = logging.getLogger("odmoe.bench")
+
+
+def to_bench_config(raw: DictConfig) -> BenchConfig:
+    plain = {k: v for k, v in OmegaConf.to_container(raw, resolve=True).items() if k != "hydra"}
+    cfg: BenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig), plain))
+    validate(cfg)
+    return cfg
+
+
+def run_suites(cfg: BenchConfig) -> None:
+    from odmoe.benchmarks.results import ResultsDir
+    from odmoe.benchmarks.suites import ablation, alignment, grid, recall, timeline
+    from odmoe.benchmarks.workload import resolve_model
+
+    suites = {
+        "recall": recall.run,
+        "alignment": alignment.run,
+        "ablation": ablation.run,
+        "grid": grid.run,
+        "timeline": timeline.run,
+    }
+    model_path = resolve_model(cfg.model)
+    out = ResultsDir(cfg, model_path)
+    names = list(suites) if cfg.suite == "quick" else [cfg.suite]
+    for name in names:
+        start = time.perf_counter()
+        print(f"\n== suite {name} on {model_path}", flush=True)
+        suites[name](cfg, model_path, out)
+        print(f"== suite {name} took {time.perf_counter() - start:.0f}s", flush=True)
+
+
+@hydra.main(config_path="pkg://odmoe.conf", config_name="bench", version_base="1.3")
+def main(raw: DictConfig) -> None:
+    try:
+        cfg = to_bench_config(raw)
+    except ValueError as exc:
+        print(f"odmoe-bench: {exc}", file=sys.stderr)
+        sys.exit(2)
+    logging.basicConfig(level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # "Loading weights" bars would bury the suites' own figures
+    hf_logging.set_verbosity_error()
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN and not cfg.name:
+        cfg.name = hydra_cfg.job.override_dirname or str(hydra_cfg.job.num)
+    try:
+        run_suites(cfg)
+    except ValueError as exc:
+        print(f"odmoe-bench: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
