@@ -107,6 +107,7 @@ class WorkerNode:
         self.request = ""  # the request predictions and preloads belong to
         self.done: Position = (-1, -1)  # the last (iteration, layer) main has finished with us
         self.preloads: list[tuple[int, int, int]] = []  # heap of (iteration, layer, expert)
+        self.served: set[tuple[int, int, int]] = set()  # (iteration, layer, expert) main already asked for
         self.batch: list[torch.Tensor] = []  # prefill mini-batches of the expert now being assembled
         self.tracer = Tracer(f"worker{self.index}", cfg.trace_dir)
 
@@ -181,8 +182,11 @@ class WorkerNode:
     def _take_prediction(self) -> None:
         _topic, *frames = self.predictions.recv_multipart(copy=False)
         prediction, _ = from_frames(frames)
-        if not isinstance(prediction, Prediction):
-            return
+        if isinstance(prediction, Prediction):
+            self.queue_preloads(prediction)
+
+    def queue_preloads(self, prediction: Prediction) -> None:
+        """Queue this worker's share of a layer's predicted experts, unless main got there first."""
         step = prediction.step
         self.tracer.instant(
             "load", f"prediction L{step.layer}", iteration=step.iteration, experts=prediction.experts
@@ -192,8 +196,9 @@ class WorkerNode:
             return  # main is already past this layer: too late to help
         placement = self.topology.decode_placement(step.layer, prediction.experts)
         for expert, worker in placement.items():
-            if worker == self.index and (step.layer, expert) in self.store:
-                heapq.heappush(self.preloads, (step.iteration, step.layer, expert))
+            position = (step.iteration, step.layer, expert)
+            if worker == self.index and (step.layer, expert) in self.store and position not in self.served:
+                heapq.heappush(self.preloads, position)
 
     def _preload_next(self) -> None:
         iteration, layer, expert = heapq.heappop(self.preloads)
@@ -202,7 +207,7 @@ class WorkerNode:
 
     def _switch_request(self, request: str) -> None:
         if request != self.request:
-            self.request, self.done, self.preloads = request, (-1, -1), []
+            self.request, self.done, self.preloads, self.served = request, (-1, -1), [], set()
             for slot in self.slots.held():
                 self._evict(slot)
 
@@ -215,6 +220,18 @@ class WorkerNode:
                 self._evict(slot)
         self.preloads = [p for p in self.preloads if (p[0], p[1]) > self.done]
         heapq.heapify(self.preloads)
+        self.served = {p for p in self.served if (p[0], p[1]) > self.done}
+
+    def _serving(self, step, expert: int) -> None:
+        """main asks for (step, expert): every earlier layer is over (main visits layers in order,
+        and releases a layer only once all its experts are back), and this expert needs no preload:
+        a prediction for it that is still queued, or that arrives late, would load it twice."""
+        self._finish(step.request, (step.iteration, step.layer - 1))
+        position = (step.iteration, step.layer, expert)
+        self.served.add(position)
+        if position in self.preloads:
+            self.preloads.remove(position)
+            heapq.heapify(self.preloads)
 
     def _make_room(self) -> None:
         """A compute must load and every slot is busy: give back the latest-needed preload."""
@@ -245,10 +262,10 @@ class WorkerNode:
         (overlapping the rest of the transfer) and, bit-exact by default, computes once all are in."""
         step = request.step
         key, tag = (step.layer, request.expert), (step.request, step.iteration)
+        self._serving(step, request.expert)
         self.tracer.flow(
             "compute", f"compute/{step.request}/{step.iteration}/{step.layer}/{request.expert}", False
         )
-        self._switch_request(step.request)
         slot = self.slots.find(key, tag)
         preloaded = slot is not None and request.part == 0
         arrived = time.perf_counter()

@@ -109,6 +109,7 @@ def summarise(events: list[dict]) -> dict[int, dict]:
                 "main_ms": 0.0,
                 "wait_ms": 0.0,
                 "late_departure_ms": 0.0,
+                "shadow_idle_ms": 0.0,
                 "loads": 0,
                 "unused_loads": 0,
                 "_load": [],
