@@ -58,7 +58,7 @@ class LruExperts:
 
     def __call__(self, layer, hidden, top_k_index, top_k_weights):
         parts = []
-        for rows in split_by_expert(top_k_index, self.num_experts):
+        for rows in split_by_expert(top_k_index, self.num_experts, self.kernel):
             slot = self._fetch((layer, rows.expert))
             parts.append(
                 (

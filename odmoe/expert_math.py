@@ -5,7 +5,9 @@ where torch has the kernel, else `eager`); the two differ in how rows reach the 
 all, in how the k weighted expert outputs of a token are summed (`eager`: `index_add_` in ascending
 expert order; `grouped_mm`: a `[T, k, H].sum(1)`). Floating-point addition is not associative, so
 main must combine exactly as the reference would, and a worker must run the same kernel on the same
-rows. `split_by_expert` fixes the row order both sides use.
+rows *in the same order*: a CPU matmul's result for a row can change in the last bits with the row's
+position in the block (seen on AMD EPYC with 37-token batches, not on every CPU). `split_by_expert`
+gives each expert's rows in the order the kernel itself would feed them.
 """
 
 from __future__ import annotations
@@ -28,9 +30,20 @@ class ExpertRows:
     slot_idx: torch.Tensor  # [n] long, position in top-k
 
 
-def split_by_expert(top_k_index: torch.Tensor, num_experts: int) -> list[ExpertRows]:
-    """Experts hit by this batch, ascending, each with its rows in transformers' eager order."""
-    # [T, k] -> one_hot [T, k, E] -> [E, k, T], as the eager kernel builds its mask.
+def split_by_expert(top_k_index: torch.Tensor, num_experts: int, kernel: str = "eager") -> list[ExpertRows]:
+    """Experts hit by this batch, ascending, each with its rows in that kernel's order."""
+    if kernel == "grouped_mm":
+        # grouped_mm sorts the flattened (token, slot) pairs by expert with this very call (not a
+        # stable sort), then multiplies each expert's run of rows in that order.
+        top_k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        sorted_ids, perm = torch.sort(flat)
+        rows = []
+        for expert in sorted_ids.unique().tolist():
+            pairs = perm[sorted_ids == expert]
+            rows.append(ExpertRows(expert=expert, token_idx=pairs // top_k, slot_idx=pairs % top_k))
+        return rows
+    # eager: [T, k] -> one_hot [T, k, E] -> [E, k, T], as the kernel builds its mask.
     mask = torch.nn.functional.one_hot(top_k_index, num_classes=num_experts).permute(2, 1, 0)
     hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
     rows = []

@@ -166,7 +166,7 @@ class RemoteExperts:
         step = Step(self.request, self.iteration, layer)
         entered_us = now_us() if self.tracer.enabled else 0.0
         self.tracer.span("main", f"L{layer}", self._main_since_us, entered_us, iteration=self.iteration)
-        groups = split_by_expert(top_k_index, self.num_experts)
+        groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
         experts = [rows.expert for rows in groups]
         decode = self.iteration >= 1
         if decode:

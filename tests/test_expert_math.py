@@ -10,7 +10,7 @@ from tests.tiny_configs import TINY
 
 def remote_equivalent(experts, hidden, top_k_index, top_k_weights, kernel):
     parts = []
-    for rows in split_by_expert(top_k_index, experts.num_experts):
+    for rows in split_by_expert(top_k_index, experts.num_experts, kernel):
         y = expert_forward(
             hidden[rows.token_idx],
             experts.gate_up_proj[rows.expert],
@@ -46,6 +46,15 @@ def test_split_by_expert_orders_rows_like_the_eager_kernel():
     one = rows[1]
     # eager iterates the mask [k, T]: slot 0 before slot 1, tokens ascending within a slot
     assert one.slot_idx.tolist() == [0, 1] and one.token_idx.tolist() == [1, 0]
+
+
+def test_split_by_expert_follows_grouped_mm_sort_order():
+    index = torch.tensor([[3, 1], [1, 0], [3, 2]])
+    _, perm = torch.sort(index.reshape(-1))
+    rows = split_by_expert(index, num_experts=4, kernel="grouped_mm")
+    assert [r.expert for r in rows] == [0, 1, 2, 3]
+    flat = torch.cat([r.token_idx * 2 + r.slot_idx for r in rows])
+    assert flat.tolist() == perm.tolist()
 
 
 def test_unknown_kernel_is_an_error():

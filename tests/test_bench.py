@@ -1,0 +1,123 @@
+"""The benchmark suites' pure parts and their config: predictors, recall replay, LRU offloader,
+timeline merge, and that every suite composes. (The suites themselves run in CI as
+`odmoe-bench suite=quick`.)"""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from odmoe.alignment import AlignmentSchedule
+from odmoe.benchmarks.baselines import build, timed_generate
+from odmoe.benchmarks.config import SUITES
+from odmoe.benchmarks.predictors import FrequencyPredictor
+from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
+from odmoe.benchmarks.suites.recall import score
+from odmoe.benchmarks.suites.timeline import summarise
+from odmoe.checkpoint import Checkpoint
+from odmoe.expert_store import Link
+from odmoe.trace import Tracer, merge
+
+
+def compose_bench(words):
+    from hydra import compose, initialize_config_module
+
+    from odmoe.launch.bench import to_bench_config
+
+    with initialize_config_module("odmoe.conf", version_base="1.3"):
+        return to_bench_config(compose("bench", overrides=words))
+
+
+@pytest.mark.parametrize("suite", SUITES)
+def test_every_suite_composes(suite):
+    cfg = compose_bench([f"suite={suite}"])
+    assert cfg.suite == suite
+    assert cfg.model == ("tiny" if suite == "quick" else "trained")
+
+
+def test_bad_bench_config_is_refused():
+    with pytest.raises(ValueError, match="ablation.cases"):
+        compose_bench(["suite=ablation", "ablation.cases=[1,9]"])
+    with pytest.raises(ValueError, match="precision"):
+        compose_bench(["suite=recall", "recall.precisions=[fp8]"])
+
+
+def test_frequency_predictor_picks_most_frequent_then_lowest_id():
+    f = FrequencyPredictor(top_k=2)
+    assert f.predict(0) == []
+    for experts in ([1, 4], [4, 6], [6, 2], [4, 1]):
+        f.observe(0, experts)
+    assert f.predict(0) == [1, 4]  # 4 three times, then 1/6 tie twice: lower id wins
+
+
+@pytest.fixture(scope="module")
+def trajectory(model_dirs):
+    path = model_dirs["mixtral"]
+    ckpt = Checkpoint(path)
+    ids = AutoTokenizer.from_pretrained(path)("def f(x):\n    return")["input_ids"]
+    traj = reference_trajectory(load_reference(path), ids, 10, ckpt.num_experts, ckpt.top_k, set())
+    return path, ckpt, ids, traj
+
+
+def test_reference_trajectory_is_greedy_generate(trajectory):
+    path, _, ids, traj = trajectory
+    x = torch.tensor([ids])
+    ref = AutoModelForCausalLM.from_pretrained(path).generate(
+        x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=10
+    )
+    assert traj.tokens == ref[0, len(ids) :].tolist()
+    assert len(traj.activated) == traj.iterations * len(ckpt_layers(trajectory))
+    assert all(len(e) == 2 for e in traj.activated.values())
+
+
+def ckpt_layers(trajectory):
+    return trajectory[1].moe_layers
+
+
+def test_exact_shadow_replayed_has_recall_one_and_quantized_less(trajectory):
+    path, ckpt, _, traj = trajectory
+    exact = replay_shadow(load_shadow(path, "fp32"), traj, AlignmentSchedule(0, 0), ckpt.num_experts)
+    assert score([traj], [exact])["overall"] == 1.0
+    nf4 = replay_shadow(load_shadow(path, "nf4"), traj, AlignmentSchedule(0, 0), ckpt.num_experts)
+    assert score([traj], [nf4])["overall"] < 1.0
+    # the baselines predict from what main computed: better than chance (2 of 8), not perfect here
+    gate = score([traj], [traj.next_layer_gate])["overall"]
+    assert 0.25 < gate <= 1.0
+
+
+def test_lru_offloader_is_lossless_and_counts_hits(model_dirs):
+    path = model_dirs["qwen2_moe"]  # shared experts on main, routed ones through the LRU cache
+    ids = [5, 17, 42, 99, 7]
+    ref = timed_generate(AutoModelForCausalLM.from_pretrained(path).eval(), ids, 8)
+    model, device_bytes, lru = build("lru_offloader", path, lru_experts=4, link=Link())
+    out = timed_generate(model, ids, 8)
+    assert out["token_ids"] == ref["token_ids"]
+    assert lru.misses > 0 and lru.slots.busy <= 4 and device_bytes > 0
+
+
+def test_timeline_merge_names_nodes_and_lanes(tmp_path):
+    main, worker = Tracer("main", str(tmp_path)), Tracer("worker0", str(tmp_path))
+    main.span("main", "L0", 0, 100, iteration=1)
+    main.flow("main", "compute/r/1/0/3", True, 100)
+    worker.flow("compute", "compute/r/1/0/3", False, 150)
+    worker.span("load", "load L0 e3", 50, 250, iteration=1, used=False)
+    worker.span("compute", "compute L0 e3", 250, 300, iteration=1)
+    main.flush(), worker.flush()
+    trace = merge(tmp_path)
+    json.dumps(trace)  # a valid Chrome trace is plain JSON
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert {"main", "worker0", "load", "compute"} <= names
+    flows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
+    assert len({e["id"] for e in flows}) == 1 and len(flows) == 2
+    from odmoe.benchmarks.suites.timeline import _named_lanes
+
+    rows = summarise(_named_lanes(trace["traceEvents"]))
+    assert rows[1]["loads"] == 1 and rows[1]["unused_loads"] == 1 and rows[1]["main_ms"] == 0.1
+
+
+def test_tracer_off_records_nothing(tmp_path):
+    t = Tracer("main", None)
+    t.span("main", "L0", 0, 1)
+    t.flush()
+    assert not t.events and not list(tmp_path.iterdir())
