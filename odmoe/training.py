@@ -158,7 +158,7 @@ def train_model(
                 step + 1,
                 settings.steps,
                 out.loss.item(),
-                float(balance),
+                float(balance.detach()),
                 rate,
                 eta,
             )
