@@ -1,5 +1,6 @@
 PY ?= python
-.PHONY: help install proto proto-check lint test test-all cluster
+.PHONY: help install proto proto-check lint test test-all cluster bench
+SUITE ?= quick
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -25,3 +26,6 @@ test-all:  ## everything, slow soak tests included
 
 cluster:  ## a whole local cluster answering one prompt on the default tiny model
 	odmoe-launch role=local
+
+bench:  ## a benchmark suite: make bench SUITE=recall|alignment|ablation|grid|timeline|quick
+	odmoe-bench suite=$(SUITE)

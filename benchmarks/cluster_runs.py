@@ -44,10 +44,12 @@ def run_cluster(
     new_tokens: int,
     warmup: bool = True,
     per_prompt_tokens: list[int] | None = None,
+    place=None,
 ) -> ClusterRun:
+    """`place`: where each node runs (odmoe.launch.local_cluster.NodePlacement by node name)."""
     run = ClusterRun(words)
     lengths = per_prompt_tokens or [new_tokens] * len(prompts)
-    with odmoe.LocalCluster(model_path, overrides=words) as cluster:
+    with odmoe.LocalCluster(model_path, overrides=words, place=place) as cluster:
         if warmup:  # first-request costs (allocations, lazy imports) are not what we measure
             cluster.client.generate(prompts[0], max_new_tokens=min(new_tokens, 4))
         for ids, tokens in zip(prompts, lengths, strict=True):

@@ -4,6 +4,7 @@ written to JSON, so a figure can be redrawn from a results file alone."""
 from __future__ import annotations
 
 import math
+import textwrap
 from pathlib import Path
 
 import matplotlib
@@ -14,7 +15,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def _save(fig, out: Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=110)
+    fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
     print(f"wrote {out}", flush=True)
 
@@ -22,7 +23,7 @@ def _save(fig, out: Path) -> None:
 def ablation(rows: list[dict], out: Path, subtitle: str) -> None:
     """Fig. 8: decode tokens/s per case as a box over requests, stall per token beside it."""
     fig, (speed, stall) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [f"{r['case']}\n{r['label']}" for r in rows]
+    labels = [f"{r['case']}\n" + "\n".join(textwrap.wrap(r["label"], 12)) for r in rows]
     speed.boxplot([r["decode_tokens_per_s"]["values"] for r in rows], widths=0.5)
     speed.plot(range(1, len(rows) + 1), [r["decode_tokens_per_s"]["mean"] for r in rows], "D", color="C3")
     speed.set_xticks(range(1, len(rows) + 1), labels, fontsize=8)
@@ -53,7 +54,7 @@ def heatmaps(
     rows: list[dict], keys: list[tuple[str, str, str]], out: Path, title: str
 ) -> list[tuple[list[int], list[int], list[list[float]]]]:
     """Fig. 9: one heatmap per (key, title, format) over token_period (rows) x kv_period (columns)."""
-    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 4.8), squeeze=False)
     grids = []
     for ax, (key, panel, fmt) in zip(axes[0], keys, strict=True):
         tokens, kvs, values = period_grid(rows, key)
@@ -70,7 +71,7 @@ def heatmaps(
                     ax.text(j, i, fmt.format(v), ha="center", va="center", color="white", fontsize=8)
         fig.colorbar(image, ax=ax, shrink=0.8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
     _save(fig, out)
     return grids
 

@@ -71,6 +71,8 @@ def main(raw: DictConfig) -> None:
 
     hf_logging.disable_progress_bar()  # "Loading weights" bars would bury the suites' own figures
     hf_logging.set_verbosity_error()
+    # bitsandbytes warns on every CPU int8 matmul that it casts inputs to fp16: once per layer per token
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not cfg.name:
         cfg.name = hydra_cfg.job.override_dirname or str(hydra_cfg.job.num)

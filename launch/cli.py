@@ -31,6 +31,8 @@ def main(raw: DictConfig) -> None:
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )
+    # bitsandbytes warns on every CPU int8 matmul (an int8 shadow) that it casts inputs to fp16
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     if cfg.cluster.torch_threads > 0:
         import torch
 

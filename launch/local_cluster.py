@@ -16,12 +16,14 @@ import atexit
 import ctypes
 import json
 import logging
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from odmoe.checkpoint import Checkpoint
@@ -31,6 +33,15 @@ from odmoe.launch.settings import compose
 
 log = logging.getLogger("odmoe.local")
 _PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class NodePlacement:
+    """Where one node runs: a command prefix (e.g. `ip netns exec NS`) and extra config words
+    (e.g. `cluster.host=10.77.0.3`, the address it binds and announces)."""
+
+    prefix: list[str] = field(default_factory=list)
+    words: list[str] = field(default_factory=list)
 
 
 class ClusterStartError(RuntimeError):
@@ -72,6 +83,7 @@ class LocalCluster:
         group_size: int | None = None,
         overrides: list[str] | tuple[str, ...] = (),
         ready_timeout_s: float | None = None,
+        place: Callable[[str], NodePlacement] | None = None,
     ):
         words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
         if model_path is not None:
@@ -90,10 +102,12 @@ class LocalCluster:
         self.shadow_info: dict = {}
         self._client: Client | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="odmoe-cluster-"))
+        self.place = place or (lambda name: NodePlacement())  # by node name: main, shadow, worker0...
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LocalCluster:
         atexit.register(self.stop)
+        self._dir.mkdir(parents=True, exist_ok=True)
         try:
             n = self.cfg.cluster.workers
             shadow = [self._spawn("shadow", ["role=shadow"])] if self.cfg.shadow.enabled else []
@@ -117,10 +131,17 @@ class LocalCluster:
 
     def _spawn(self, name: str, role_args: list[str]) -> NodeProcess:
         ready, log_file = self._dir / f"{name}.ready.json", self._dir / f"{name}.log"
-        args = [*self.overrides, f"model.path={self.model_path}", *role_args, f"ready_file={ready}"]
+        where = self.place(name)
+        args = [
+            *self.overrides,
+            f"model.path={self.model_path}",
+            *where.words,
+            *role_args,
+            f"ready_file={ready}",
+        ]
         with open(log_file, "wb") as out:
             process = subprocess.Popen(
-                [sys.executable, "-m", "odmoe.launch.cli", *args],
+                [*where.prefix, sys.executable, "-m", "odmoe.launch.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
@@ -163,6 +184,7 @@ class LocalCluster:
                 node.process.kill()
                 node.process.wait()
         self.nodes = []
+        shutil.rmtree(self._dir, ignore_errors=True)  # ready files and node logs (a failed start quoted them)
         atexit.unregister(self.stop)
 
     @property

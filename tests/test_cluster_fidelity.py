@@ -85,10 +85,12 @@ def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap
 def test_stream_yields_pieces_that_add_up_to_generate(model_dirs, reap_children):
     path = model_dirs["olmoe"]
     with LocalCluster(path, workers=2, group_size=2) as cluster:
+        scratch = cluster._dir
         pieces = list(cluster.client.stream(PROMPTS[0], max_new_tokens=12))
         whole = cluster.client.generate(PROMPTS[0], max_new_tokens=12)
     assert [p.token_id for p in pieces] == whole.token_ids
     assert "".join(p.text for p in pieces) == whole.text
+    assert not scratch.exists()  # its ready files and node logs go with the cluster
     for key in (
         "ttft_s",
         "decode_tokens_per_s",
@@ -97,6 +99,8 @@ def test_stream_yields_pieces_that_add_up_to_generate(model_dirs, reap_children)
         "worker_load_s",
         "worker_compute_s",
         "peak_rss_bytes",
+        "device_bytes",
+        "decode",
     ):
         assert key in whole.stats
     assert set(whole.stats["peak_rss_bytes"]) == {"main", "worker0", "worker1"}

@@ -52,7 +52,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         rows,
         panels,
         out.path("alignment", "png"),
-        f"alignment periods (paper Fig. 9): {out.describe(suite.new_tokens)}, "
+        f"alignment periods (paper Fig. 9)\n{out.describe(suite.new_tokens)}, "
         f"{suite.repeats} requests per cell",
     )
     return report

@@ -11,6 +11,7 @@ replay's and its Eq. 3 recall is reported beside the replay's, with the share th
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from transformers import AutoTokenizer
 
@@ -92,7 +93,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         rows,
         suite.precisions,
         out.path("recall", "png"),
-        f"{len(trajs)} prompts x {suite.new_tokens} new tokens, {PROMPT_TOKENS}-token prompts; {model_path}",
+        f"{len(trajs)} prompts x {suite.new_tokens} new tokens, {PROMPT_TOKENS}-token prompts; "
+        f"model {Path(model_path).name}",
     )
     return report
 
