@@ -59,6 +59,11 @@ class ResultsDir:
         return out
 
 
+def fmt(x: float | None, width: int = 8, spec: str = ".3f") -> str:
+    """A table cell: the number, or "-" where there is none (e.g. recall without a shadow)."""
+    return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
+
+
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text).strip("_")[:120]
 

@@ -263,9 +263,7 @@ class WorkerNode:
         step = request.step
         key, tag = (step.layer, request.expert), (step.request, step.iteration)
         self._serving(step, request.expert)
-        self.tracer.flow(
-            "compute", f"compute/{step.request}/{step.iteration}/{step.layer}/{request.expert}", False
-        )
+        self.tracer.message("compute", "compute", step, request.expert, sent=False)
         slot = self.slots.find(key, tag)
         preloaded = slot is not None and request.part == 0
         arrived = time.perf_counter()
@@ -292,25 +290,24 @@ class WorkerNode:
                     hidden.to(self.slots.device), slot.gate_up, slot.down, self.hidden_act, request.kernel
                 ).cpu()
             compute_s = time.perf_counter() - start
-            self.tracer.span(
-                "compute",
-                f"compute L{step.layer} e{request.expert}",
-                start_us,
-                start_us + compute_s * 1e6,
-                iteration=step.iteration,
-                rows=hidden.shape[0],
-                preloaded=preloaded,
-                waited_ms=waited_s * 1e3,
-            )
+            if self.tracer.enabled:
+                self.tracer.span(
+                    "compute",
+                    f"compute L{step.layer} e{request.expert}",
+                    start_us,
+                    start_us + compute_s * 1e6,
+                    iteration=step.iteration,
+                    rows=hidden.shape[0],
+                    preloaded=preloaded,
+                    waited_ms=waited_s * 1e3,
+                )
             first = request.part == 0 or not request.per_part
             load_s, nbytes = (slot.load_s, slot.nbytes) if first else (0.0, 0)  # count a load once
         finally:
             if last:
                 self._evict(slot, used=True)
         result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s)
-        self.tracer.flow(
-            "compute", f"result/{step.request}/{step.iteration}/{step.layer}/{request.expert}", True
-        )
+        self.tracer.message("compute", "result", step, request.expert, sent=True)
         return to_frames(result, [y])
 
     def _result(

@@ -164,8 +164,10 @@ class RemoteExperts:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         step = Step(self.request, self.iteration, layer)
-        entered_us = now_us() if self.tracer.enabled else 0.0
-        self.tracer.span("main", f"L{layer}", self._main_since_us, entered_us, iteration=self.iteration)
+        entered_us = 0.0
+        if self.tracer.enabled:
+            entered_us = now_us()
+            self.tracer.span("main", f"L{layer}", self._main_since_us, entered_us, iteration=self.iteration)
         groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
         experts = [rows.expert for rows in groups]
         decode = self.iteration >= 1
@@ -192,14 +194,14 @@ class RemoteExperts:
             self.tracer.span(
                 "main", f"wait L{layer}", entered_us, self._main_since_us, iteration=self.iteration
             )
-        if not decode:
-            self.traffic.note_prefill_layer(layer, waited, len(groups))
-        else:
+        if decode:
             self.traffic.decode["wait_s"] += waited
             self.traffic.decode["layers"] += 1
-        if decode:  # whatever the group preloaded for this layer and did not use is now stale
+            # whatever the group preloaded for this layer and did not use is now stale
             for worker in self.topology.workers_of_group(self.topology.group_of_layer(layer)):
                 self.sockets[worker].send_multipart(to_frames(Release(step)))
+        else:
+            self.traffic.note_prefill_layer(layer, waited, len(groups))
         return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
 
     def _send_rows(self, step: Step, expert: int, x: torch.Tensor, worker: int) -> int:
@@ -212,7 +214,7 @@ class RemoteExperts:
                 step=step, expert=expert, kernel=self.kernel, part=part, parts=len(chunks), per_part=per_part
             )
             self.sockets[worker].send_multipart(to_frames(message, [chunk]), copy=False)
-        self.tracer.flow("main", f"compute/{step.request}/{step.iteration}/{step.layer}/{expert}", True)
+        self.tracer.message("main", "compute", step, expert, sent=True)
         return len(chunks) if per_part else 1
 
     def _gather(self, step: Step, placement: dict[int, int], expected: int) -> dict[int, torch.Tensor]:
@@ -235,9 +237,7 @@ class RemoteExperts:
                     continue  # a late answer to an earlier, abandoned step
                 if result.error:
                     raise WorkerFailed(f"worker {result.worker} failed on layer {step.layer}: {result.error}")
-                self.tracer.flow(
-                    "main", f"result/{step.request}/{step.iteration}/{step.layer}/{result.expert}", False
-                )
+                self.tracer.message("main", "result", step, result.expert, sent=False)
                 self.traffic.add(result)
                 if step.iteration >= 1:
                     self.traffic.preloaded += result.preloaded

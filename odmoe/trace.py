@@ -7,7 +7,8 @@ wall-clock microseconds: nodes on one machine share that clock; on a LAN, synchr
 (NTP/PTP) before reading one node's spans against another's.
 
 A message is drawn as a flow arrow: the sender calls `flow(key, start=True)` and the receiver
-`flow(key, start=False)` with the same key (e.g. "compute/<request>/<iteration>/<layer>/<expert>").
+`flow(key, start=False)` with the same key; `message` builds that key for a main <-> worker message
+about one expert of one decode step.
 """
 
 from __future__ import annotations
@@ -63,6 +64,11 @@ class Tracer:
             if not start:
                 event["bp"] = "e"  # bind to the enclosing span at the arrival time
             self.events.append(event)
+
+    def message(self, lane: str, kind: str, step, expert: int, sent: bool) -> None:
+        """A "compute" (main -> worker) or "result" (worker -> main) message for `expert` at `step`."""
+        if self.enabled:
+            self.flow(lane, f"{kind}/{step.request}/{step.iteration}/{step.layer}/{expert}", sent)
 
     def flush(self) -> None:
         if not self.enabled or not self.events:

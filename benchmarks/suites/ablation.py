@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 
 CASES = {
@@ -44,15 +44,11 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         rows.append(row)
         d = row["decode_tokens_per_s"]
         print(
-            f"{case} {CASES[case]:<24}{d['mean']:13.1f}{d['stdev']:9.1f}{_f(row['recall'])}"
-            f"{_f(row['timely_recall'])}{row['stall_ms_per_token']:13.2f}{row['reloads_per_token']:12.2f}",
+            f"{case} {CASES[case]:<24}{d['mean']:13.1f}{d['stdev']:9.1f}{fmt(row['recall'])}"
+            f"{fmt(row['timely_recall'])}{row['stall_ms_per_token']:13.2f}{row['reloads_per_token']:12.2f}",
             flush=True,
         )
     report = {"new_tokens": suite.new_tokens, "prompt_tokens": PROMPT_TOKENS, "rows": rows}
     out.write("ablation", "ablation", report)
     plots.ablation(rows, out.path("ablation", "png"), out.describe(suite.new_tokens))
     return report
-
-
-def _f(x: float | None) -> str:
-    return f"{'-':>8}" if x is None else f"{x:8.3f}"

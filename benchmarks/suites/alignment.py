@@ -13,7 +13,7 @@ from transformers import AutoTokenizer
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 
 PROMPT_TOKENS = 32
@@ -41,8 +41,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             row["decode_tokens_per_s_mean"] = d["mean"]
             rows.append(row)
             print(
-                f"{token_period:>6}{kv_period:>4}{d['mean']:14.1f}{d['stdev']:9.1f}{_f(row['recall'])}"
-                f"{_f(row['timely_recall'])}{_f(row['late_departure_ms_mean'], 9, '.2f')}",
+                f"{token_period:>6}{kv_period:>4}{d['mean']:14.1f}{d['stdev']:9.1f}{fmt(row['recall'])}"
+                f"{fmt(row['timely_recall'])}{fmt(row['late_departure_ms_mean'], 9, '.2f')}",
                 flush=True,
             )
     report = {"new_tokens": suite.new_tokens, "repeats": suite.repeats, "rows": rows}
@@ -56,7 +56,3 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         f"{suite.repeats} requests per cell",
     )
     return report
-
-
-def _f(x, width: int = 8, spec: str = ".3f") -> str:
-    return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"

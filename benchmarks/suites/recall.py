@@ -20,7 +20,7 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
-from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.checkpoint import Checkpoint
 from odmoe.recall import RecallCounter
@@ -101,16 +101,13 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
 def _print_row(row: dict, mib: float | None, seconds: float) -> None:
     per = list(row["per_token"].values())
-    first, last = per[:16], per[-16:]
+    first = sum(per[:16]) / len(per[:16]) if per else None
+    last = sum(per[-16:]) / len(per[-16:]) if per else None
     print(
-        f"{row['predictor']:<28}{_f(row['overall'], 8)}{_f(sum(first) / len(first) if first else None, 10)}"
-        f"{_f(sum(last) / len(last) if last else None, 9)}{_f(mib, 8, '.2f')}{seconds:6.0f}",
+        f"{row['predictor']:<28}{fmt(row['overall'], 8, '.4f')}{fmt(first, 10, '.4f')}{fmt(last, 9, '.4f')}"
+        f"{fmt(mib, 8, '.2f')}{seconds:6.0f}",
         flush=True,
     )
-
-
-def _f(x, width: int, spec: str = ".4f") -> str:
-    return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
 
 
 def _cross_check(cfg: BenchConfig, model_path: str, precision: str, prompts, trajs) -> dict:
@@ -137,8 +134,9 @@ def _cross_check(cfg: BenchConfig, model_path: str, precision: str, prompts, tra
     }
     print(
         f"cross-check {precision}, token+KV, {tokens} tokens: "
-        f"cluster recall {_f(check['cluster_recall'], 0)} "
-        f"(in time {_f(check['cluster_timely_recall'], 0)}), replay {_f(check['replay_recall'], 0)}, "
+        f"cluster recall {fmt(check['cluster_recall'], 0, '.4f')} "
+        f"(in time {fmt(check['cluster_timely_recall'], 0, '.4f')}), "
+        f"replay {fmt(check['replay_recall'], 0, '.4f')}, "
         f"tokens identical: {identical}",
         flush=True,
     )
