@@ -76,11 +76,16 @@ def main(raw: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not cfg.name:
         cfg.name = hydra_cfg.job.override_dirname or str(hydra_cfg.job.num)
+    from odmoe.launch.local_cluster import ClusterStartError
+
     try:
         run_suites(cfg)
-    except ValueError as exc:
+    except ValueError as exc:  # bad input: a model that is not a checkpoint, a bad key value
         print(f"odmoe-bench: {exc}", file=sys.stderr)
         sys.exit(2)
+    except ClusterStartError as exc:  # names the node and quotes its log
+        print(f"odmoe-bench: {exc}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
