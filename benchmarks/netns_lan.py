@@ -81,14 +81,14 @@ class Lan:
         netem = [*prefix, "tc", "qdisc", "add", "dev", dev, "root", "netem"]
         netem += ["delay", f"{self.latency_ms}ms", "rate", f"{self.gbit}gbit"]
         if self._run(*netem, check=False).returncode == 0:
-            self.shaping.append(" ".join(netem[len(prefix) :]))
+            self.shaping.append(" ".join(netem[len(prefix) :]).replace(f"dev {dev} ", "dev DEV "))
             return
         self.latency_emulated = False  # no sch_netem in this kernel: bandwidth only
         burst = max(64_000, int(self.gbit * 1e9 / 8 / 100))  # 10 ms of traffic
         tbf = [*prefix, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate", f"{self.gbit}gbit"]
         tbf += ["burst", str(burst), "latency", "50ms"]
         self._run(*tbf)
-        self.shaping.append(" ".join(tbf[len(prefix) :]))
+        self.shaping.append(" ".join(tbf[len(prefix) :]).replace(f"dev {dev} ", "dev DEV "))
 
     def _remove(self) -> None:
         for node in self.nodes:
@@ -107,6 +107,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--overrides", nargs="*", default=[], help="more odmoe-launch words for both runs")
+    parser.add_argument("--out", default=str(RESULTS / "netns-lan.json"))
     args = parser.parse_args()
     if shutil.which("ip") is None or shutil.which("tc") is None:
         raise SystemExit("netns_lan: needs iproute2 (ip, tc) and root")
@@ -138,9 +139,10 @@ def main() -> None:
     if not report["latency_emulated"]:
         print("note: this kernel has no sch_netem: bandwidth was shaped, latency was not emulated")
     print(f"tokens identical: {report['tokens_identical']}")
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "netns-lan.json").write_text(json.dumps(report, indent=2))
-    print(f"wrote {RESULTS / 'netns-lan.json'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":
