@@ -1,4 +1,4 @@
-"""The schema of `odmoe-bench` (Hydra fills it from conf/bench.yaml and conf/suite/*.yaml).
+"""The schema of `odmoe-bench` (Hydra fills it from conf/bench/bench.yaml and conf/bench/suite/*.yaml).
 
 One dataclass per suite holds that suite's knobs; `BenchConfig` holds what every suite shares: the
 model, the local cluster's shape, the emulated load link, where results go. `suite=quick` runs

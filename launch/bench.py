@@ -59,7 +59,7 @@ def run_suites(cfg: BenchConfig) -> None:
         print(f"== suite {name} took {time.perf_counter() - start:.0f}s", flush=True)
 
 
-@hydra.main(config_path="pkg://odmoe.conf", config_name="bench", version_base="1.3")
+@hydra.main(config_path="pkg://odmoe.conf.bench", config_name="bench", version_base="1.3")
 def main(raw: DictConfig) -> None:
     try:
         cfg = to_bench_config(raw)

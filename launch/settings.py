@@ -10,6 +10,7 @@ from hydra import compose as hydra_compose
 from hydra import initialize_config_module
 from hydra.core.config_store import ConfigStore
 from hydra.core.global_hydra import GlobalHydra
+from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
 from odmoe.config import OdmoeConfig, validate
@@ -27,8 +28,15 @@ def to_config(cfg: DictConfig) -> OdmoeConfig:
 
 
 def compose(overrides: list[str]) -> OdmoeConfig:
-    if GlobalHydra.instance().is_initialized():
-        # Inside a running Hydra app: compose with its already-initialised search path.
-        return to_config(GlobalHydra.instance().hydra.compose_config("config", overrides, run_mode=None))
-    with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
-        return to_config(hydra_compose("config", overrides=overrides))
+    if not GlobalHydra.instance().is_initialized():
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            return to_config(hydra_compose("config", overrides=overrides))
+    # Inside a running Hydra app (an odmoe-launch sweep, odmoe-bench, whose config root is another):
+    # set that app's Hydra aside, compose odmoe-launch's config, then put the app's Hydra back.
+    running = get_gh_backup()
+    GlobalHydra.instance().clear()
+    try:
+        with initialize_config_module(CONFIG_MODULE, version_base="1.3"):
+            return to_config(hydra_compose("config", overrides=overrides))
+    finally:
+        restore_gh_from_backup(running)

@@ -25,7 +25,7 @@ def compose_bench(words):
 
     from odmoe.launch.bench import to_bench_config
 
-    with initialize_config_module("odmoe.conf", version_base="1.3"):
+    with initialize_config_module("odmoe.conf.bench", version_base="1.3"):
         return to_bench_config(compose("bench", overrides=words))
 
 
@@ -121,3 +121,24 @@ def test_tracer_off_records_nothing(tmp_path):
     t.span("main", "L0", 0, 1)
     t.flush()
     assert not t.events and not list(tmp_path.iterdir())
+
+
+@pytest.mark.integration
+def test_bench_sweep_runs_a_cluster_per_job(model_dirs, tmp_path, reap_children):
+    """`odmoe-bench -m`: each job starts local clusters from inside the running Hydra app (whose
+    config root is not odmoe-launch's) and writes its own results."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "results"
+    subprocess.run(
+        [
+            sys.executable, "-m", "odmoe.launch.bench", "-m", "suite=timeline",
+            f"model={model_dirs['mixtral']}", "link.bandwidth_gbps=1,8", f"results_dir={out}",
+            "timeline.new_tokens=3", "timeline.iterations=[1]", f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        ],
+        check=True,
+        timeout=300,
+    )  # fmt: skip
+    written = sorted(p.name for p in out.glob("timeline-link*.json"))
+    assert len(written) == 2 and "bandwidth_gbps_1" in written[0] and "bandwidth_gbps_8" in written[1]
