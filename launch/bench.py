@@ -22,17 +22,17 @@ import hydra
 from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from odmoe.benchmarks.config import BenchConfig, validate
+from odmoe.launch.settings import typed
 
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 log = logging.getLogger("odmoe.bench")
 
 
 def to_bench_config(raw: DictConfig) -> BenchConfig:
-    plain = {k: v for k, v in OmegaConf.to_container(raw, resolve=True).items() if k != "hydra"}
-    cfg: BenchConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(BenchConfig), plain))
+    cfg: BenchConfig = typed(raw, BenchConfig)
     validate(cfg)
     return cfg
 

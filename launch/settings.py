@@ -19,12 +19,17 @@ CONFIG_MODULE = "odmoe.conf"
 ConfigStore.instance().store(name="odmoe_schema", node=OdmoeConfig)
 
 
-def to_config(cfg: DictConfig) -> OdmoeConfig:
-    # Drop Hydra's own node before resolving: its sweep interpolations only resolve inside a job.
+def typed(cfg: DictConfig, schema: type):
+    """A composed Hydra config as its dataclass (Hydra's own node dropped: its sweep interpolations
+    only resolve inside a job)."""
     plain = {k: v for k, v in OmegaConf.to_container(cfg, resolve=False).items() if k != "hydra"}
-    typed: OdmoeConfig = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(OdmoeConfig), plain))
-    validate(typed)
-    return typed
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), plain))
+
+
+def to_config(cfg: DictConfig) -> OdmoeConfig:
+    config: OdmoeConfig = typed(cfg, OdmoeConfig)
+    validate(config)
+    return config
 
 
 def compose(overrides: list[str]) -> OdmoeConfig:
