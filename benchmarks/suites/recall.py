@@ -19,7 +19,13 @@ from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
+from odmoe.benchmarks.replay import (
+    Trajectory,
+    load_reference,
+    load_shadow,
+    reference_trajectory,
+    replay_shadow,
+)
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.checkpoint import Checkpoint
@@ -143,9 +149,7 @@ def _cross_check(cfg: BenchConfig, model_path: str, precision: str, prompts, tra
     return check
 
 
-def _truncate(traj, tokens: int):
-    from odmoe.benchmarks.replay import Trajectory
-
+def _truncate(traj: Trajectory, tokens: int) -> Trajectory:
     keep = tokens - 1  # decode iterations 1..tokens-1
     return Trajectory(
         prompt_ids=traj.prompt_ids,
