@@ -53,7 +53,6 @@ from odmoe.messages import (
     Pong,
     Prediction,
     Release,
-    Shutdown,
     from_frames,
     to_frames,
 )
@@ -157,12 +156,11 @@ class WorkerNode:
                 can_preload = bool(self.preloads) and self.slots.free > 0
                 ready = dict(self.poller.poll(0 if can_preload else 1000))
                 if self.sock in ready:  # main's requests first: they are on the critical path
-                    if not self._serve_request():
-                        return
+                    self._serve_request()
                 elif self.predictions is not None and self.predictions in ready:
                     self._guarded(self._take_prediction)
                 elif can_preload:
-                    self._preload_next()
+                    self._guarded(self._preload_next)
                 elif not ready:
                     self.tracer.flush()  # idle: a good moment to write the timeline out
         finally:
@@ -179,20 +177,16 @@ class WorkerNode:
             self.dropped.drop(f"{type(exc).__name__}: {exc}")
             return None
 
-    def _serve_request(self) -> bool:
+    def _serve_request(self) -> None:
         peer, *frames = self.sock.recv_multipart(copy=False)
         try:
             message, tensors = from_frames(frames)
         except CodecError as exc:
             self.dropped.drop(exc)
-            return True
-        if isinstance(message, Shutdown):
-            log.info("worker %d shutting down", self.index)
-            return False
+            return
         reply = self._guarded(self.handle, message, tensors, peer.bytes)
         if reply is not None:  # a mini-batch that only completes a batch gets no answer of its own
             self.sock.send_multipart([peer, *reply], copy=False)
-        return True
 
     def handle(self, message, tensors: list[torch.Tensor], peer: bytes = b"") -> list | None:
         if isinstance(message, Release):

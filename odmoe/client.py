@@ -10,8 +10,11 @@ ints is sent as token ids. Errors arrive as `grpc.RpcError` with INVALID_ARGUMEN
 FAILED_PRECONDITION or UNAVAILABLE and a readable message.
 
 Failover (main's loss): give several main addresses, the active one first and standbys after
-(`Client(["10.0.0.1:50051", "10.0.0.2:50051"])`). gRPC keepalive pings notice a killed or frozen
-main in about two `keepalive_s`; the client then resumes on the next main by sending the prompt
+(`Client(["10.0.0.1:50051", "10.0.0.2:50051"])`). A killed main breaks the stream at once; a
+frozen one is noticed when no reply came for `keepalive_s` and main then fails to answer a gRPC
+health check within `2 * keepalive_s` (gRPC's own keepalive took a minute here: its ping policy
+throttles pings on a stream). A busy main answers health checks from its gRPC threads, so slowness
+alone is not a loss. The client then resumes on the next main by sending the prompt
 plus the tokens it already received (`resume_ids`), and that main replays them and streams the
 rest. With greedy decoding the whole sequence equals the single-process reference. A stream that
 keeps failing without a new token after every main was tried raises the last error.
@@ -20,11 +23,14 @@ keeps failing without a new token after every main was tried raises the last err
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 
@@ -48,7 +54,10 @@ FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.S
 
 
 class StreamBroken(RuntimeError):
-    """A stream ended without its final reply: the main went away mid-request."""
+    """A stream ended without its final reply, or its main stopped answering: it is lost."""
+
+
+_END = object()
 
 
 class Client:
@@ -57,6 +66,7 @@ class Client:
         if not self.addresses:
             raise ValueError("Client needs at least one main address")
         self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
         self.keepalive_ms = max(int(keepalive_s * 1000), 100)
         self._channels: dict[int, grpc.Channel] = {}
         self.current = 0  # the main used now; moves on when one is lost
@@ -74,6 +84,7 @@ class Client:
                 ("grpc.keepalive_timeout_ms", self.keepalive_ms),
                 ("grpc.keepalive_permit_without_calls", 1),
                 ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
             ]
             channel = self._channels[self.current] = grpc.insecure_channel(self.address, options=options)
         return odmoe_pb2_grpc.InferenceStub(channel)
@@ -97,7 +108,7 @@ class Client:
             request = self._request(prompt, max_new_tokens, return_logits, request_id, received)
             call = self._stub().Generate(request, timeout=self.timeout_s)
             try:
-                for reply in call:
+                for reply in self._watched(call):
                     if reply.WhichOneof("kind") == "token":
                         received.append(reply.token.token_id)
                         failures = 0
@@ -115,6 +126,35 @@ class Client:
             self._channels.pop(self.current).close()
             self.current = (self.current + 1) % len(self.addresses)
             self.failovers += 1
+
+    def _watched(self, call) -> Iterator:
+        """`call`'s replies; while none comes for keepalive_s, main must pass a health check."""
+        replies: queue.Queue = queue.Queue()
+
+        def pump() -> None:
+            try:
+                for reply in call:
+                    replies.put(reply)
+                replies.put(_END)
+            except grpc.RpcError as exc:
+                replies.put(exc)
+
+        threading.Thread(target=pump, name="odmoe-client-stream", daemon=True).start()
+        health = health_pb2_grpc.HealthStub(self._channels[self.current])
+        while True:
+            try:
+                item = replies.get(timeout=self.keepalive_s)
+            except queue.Empty:
+                try:
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=2 * self.keepalive_s)
+                except grpc.RpcError as exc:
+                    raise StreamBroken(f"main {self.address} stopped answering ({exc.code().name})") from None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 32) -> Iterator[Piece]:
         for reply in self._replies(prompt, max_new_tokens):

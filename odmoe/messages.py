@@ -156,17 +156,11 @@ class Membership:
     kind: str = "membership"
 
 
-@dataclass(frozen=True)
-class Shutdown:
-    kind: str = "shutdown"
-
-
 _ALL = (
     ComputeExpert,
     ExpertResult,
     Ping,
     Pong,
-    Shutdown,
     Release,
     Prediction,
     ShadowIteration,
@@ -181,7 +175,6 @@ Message = (
     | ExpertResult
     | Ping
     | Pong
-    | Shutdown
     | Release
     | Prediction
     | ShadowIteration
