@@ -14,6 +14,7 @@ import msgpack
 import torch
 
 from odmoe.codec import MAX_HEADER_BYTES
+from odmoe.expert_math import KERNELS
 from odmoe.messages import (
     Align,
     BeginRequest,
@@ -36,7 +37,7 @@ def _real(rng: random.Random, hidden: int) -> list[bytes]:
     step = Step(f"fuzz{rng.randrange(1000)}", rng.randrange(4), rng.randrange(6))
     rows = torch.randn(rng.randrange(1, 4), hidden)
     choices = [
-        lambda: to_frames(ComputeExpert(step, rng.randrange(10), rng.choice(["eager", "grouped_mm"])), [rows]),
+        lambda: to_frames(ComputeExpert(step, rng.randrange(10), rng.choice(KERNELS)), [rows]),
         lambda: to_frames(
             ComputeExpert(step, rng.randrange(8), "eager", part=rng.randrange(3), parts=rng.randrange(1, 4)),
             [rows],
@@ -75,7 +76,9 @@ def _mutate(rng: random.Random, frames: list[bytes]) -> list[bytes]:
     elif how == 4 and header["_tensors"]:  # a dtype that disagrees, or does not exist
         header["_tensors"][0][0] = rng.choice(["int8", "float64", "complex64", "nope", 7])
     elif how == 5:  # a frame too many or too few
-        return frames[:-1] if len(frames) > 1 and rng.random() < 0.5 else [*frames, b"\x00" * rng.randrange(9)]
+        if len(frames) > 1 and rng.random() < 0.5:
+            return frames[:-1]
+        return [*frames, b"\x00" * rng.randrange(9)]
     elif how == 6:
         header["kind"] = rng.choice(["shutdown", "nope", "", 3, None])
     elif how == 7:  # truncate a tensor frame
