@@ -192,7 +192,10 @@ class LocalCluster:
         elif name == "shadow":
             self.shadow_info = info
         else:
-            self.main_addresses[self.main_addresses.index(self._main_address(name))] = info["address"]
+            old_address = self._main_address(name)
+            self.main_addresses[self.main_addresses.index(old_address)] = info["address"]
+            if self._client is not None:
+                self._client.replace_address(old_address, info["address"])
         return self.node(name)
 
     def _main_address(self, name: str) -> str:

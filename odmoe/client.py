@@ -76,6 +76,14 @@ class Client:
     def address(self) -> str:
         return self.addresses[self.current]
 
+    def replace_address(self, old: str, new: str) -> None:
+        """A main came back at another address (restarted): fail over to it from now on."""
+        i = self.addresses.index(old)
+        self.addresses[i] = new
+        channel = self._channels.pop(i, None)
+        if channel is not None:
+            channel.close()
+
     def _stub(self) -> odmoe_pb2_grpc.InferenceStub:
         channel = self._channels.get(self.current)
         if channel is None:

@@ -86,6 +86,13 @@ class Topology:
             if live is None or w in live
         )
 
+    def live_holders(self, layer: int, live: Collection[WorkerId] | None = None) -> list[WorkerId]:
+        """`holders`, or LayerUnavailable naming the layer when none is live (prefill's workers)."""
+        holders = self.holders(layer, live)
+        if not holders:
+            self.serving_group(layer, live)  # raises, naming the layer
+        return holders
+
     def serving_group(self, layer: int, live: Collection[WorkerId] | None = None) -> list[WorkerId]:
         """The live members of the first group holding the layer that has any (decode's workers)."""
         for group in self.holding_groups(layer):
@@ -167,5 +174,5 @@ class Topology:
         """New workers for experts whose calls were outstanding on workers now dead: the layer's
         serving group over the live workers (decode), or every live holder of the layer (prefill)."""
         if spread:
-            return self.prefill_placement(dict.fromkeys(lost, 1), "modulo", self.holders(layer, live))
+            return self.prefill_placement(dict.fromkeys(lost, 1), "modulo", self.live_holders(layer, live))
         return self.decode_placement(layer, list(lost), live)

@@ -231,7 +231,7 @@ class RemoteExperts:
             if tokens > 1:
                 counts = {rows.expert: len(rows.token_idx) for rows in groups}
                 return self.topology.prefill_placement(
-                    counts, self.prefill.placement, self.topology.holders(layer, live)
+                    counts, self.prefill.placement, self.topology.live_holders(layer, live)
                 )
             return self.topology.decode_placement(layer, experts, live)
         except LayerUnavailable as exc:
