@@ -61,7 +61,9 @@ def test_worker_killed_during_prefill_with_mini_batches_in_flight_then_rejoins(
         assert again.token_ids == want and "worker1" in again.stats["peak_rss_bytes"]
 
 
-def test_worker_frozen_mid_decode_is_detected_by_heartbeat_and_comes_back(model_dirs, reap_children, tmp_path):
+def test_worker_frozen_mid_decode_is_detected_by_heartbeat_and_comes_back(
+    model_dirs, reap_children, tmp_path
+):
     path, record = model_dirs["qwen2_moe"], tmp_path / "fault.jsonl"
     iteration, layer = RNG.randrange(2, 20), RNG.randrange(4)
     overrides = [
