@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -71,6 +72,7 @@ class Client:
         self._channels: dict[int, grpc.Channel] = {}
         self.current = 0  # the main used now; moves on when one is lost
         self.failovers = 0
+        self.failover_log: list[dict] = []  # {at_us, lost, to, reason}: when and why it moved on
 
     @property
     def address(self) -> str:
@@ -124,16 +126,21 @@ class Client:
                     if reply.WhichOneof("kind") == "done":
                         return
                 raise StreamBroken(f"main {self.address} ended the stream without its final reply")
-            except (grpc.RpcError, StreamBroken) as exc:
+            except (grpc.RpcError, StreamBroken) as error:
+                exc = error
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 failures += 1
                 if code not in FAILOVER_CODES or failures >= len(self.addresses) + 1:
                     raise
             finally:
                 call.cancel()  # no-op once done; when the caller stops reading, main stops too
+            lost = self.address
             self._channels.pop(self.current).close()
             self.current = (self.current + 1) % len(self.addresses)
             self.failovers += 1
+            self.failover_log.append(
+                {"at_us": time.time() * 1e6, "lost": lost, "to": self.address, "reason": str(exc)[:200]}
+            )
 
     def _watched(self, call) -> Iterator:
         """`call`'s replies; while none comes for keepalive_s, main must pass a health check."""

@@ -258,8 +258,12 @@ class MainEngine:
         }
 
     def _shadow_stats(self) -> dict:
+        if self.shadow is not None and self.shadow.lost_at_us:
+            lost = {"shadow_lost_at_us": self.shadow.lost_at_us}
+        else:
+            lost = {}
         if self.shadow is None or not self.shadow.active:
-            return {"shadow": False}
+            return {"shadow": False, **lost}
         seen = self.shadow.seen
         ahead, late, forward = seen.lookahead_layers, seen.late_departure_s, seen.forward_s
         idle = seen.alignment_wait_s
@@ -270,6 +274,7 @@ class MainEngine:
             "lookahead_layers_mean": sum(ahead) / len(ahead) if ahead else None,
             "late_departure_s": sum(late.values()),
             "late_departure_s_mean": sum(late.values()) / len(late) if late else None,
+            **lost,
         }
 
 

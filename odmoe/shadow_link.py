@@ -104,6 +104,7 @@ class ShadowLink:
 
     def begin(self, request: str, prompt_ids: list[int], max_new_tokens: int) -> None:
         self.request, self.predictions, self.seen = request, {}, ShadowObservations()
+        self.lost_at_us = 0.0  # stats report a loss seen during this request only
         self.active = self.up
         if self.active:
             self._send(to_frames(BeginRequest(request, prompt_ids, max_new_tokens)))
@@ -112,6 +113,9 @@ class ShadowLink:
         self, iteration: int, token: int, keys: torch.Tensor | None, values: torch.Tensor | None
     ) -> None:
         if not self.active:
+            return
+        if not self.up:  # lost mid-request: stop talking to it (a poll of its monitor, microseconds)
+            self.active = False
             return
         tensors = [keys, values] if keys is not None else []
         message = Align(self.request, iteration, token=token, kv=keys is not None, sent_at_us=now_us())
