@@ -3,8 +3,9 @@
 One local cluster (`soak.workers` workers, the shadow) serves `soak.requests` requests from
 `soak.clients` client threads, each a prompt drawn from `soak.prompts` whose reference tokens are
 known. Meanwhile a chaos thread, every `chaos_every_s` (random in that range), picks a worker or the
-shadow and kills it (restarting it after `down_s`) or freezes it (resuming it after `down_s`),
-never touching a worker while another is down, so every layer always has a live holder. Reported:
+shadow that is up and kills it (restarting it after `down_s`) or freezes it (resuming it after
+`down_s`); several nodes may be down at once, but never every worker, so every layer keeps a live
+holder (every worker stores every layer here). Reported:
 requests lost (failed), requests whose tokens differ, faults injected, and each node's RSS growth
 after `warmup_requests` (main and the nodes that lived through the whole run; a restarted node is a
 new process). The picture shows throughput and RSS over time with the faults marked.
@@ -77,19 +78,41 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
                         results["completed"] += 1
                         results["differ"] += got != wanted[i]
 
-        def chaos() -> None:
-            nodes = [f"worker{i}" for i in range(suite.workers)] + ["shadow"]
-            while not stop.wait(rng.uniform(*suite.chaos_every_s)):
-                name, action = rng.choice(nodes), rng.choice(["kill", "stop"])
-                events.append({"t_s": time.monotonic() - start, "node": name, "action": action})
+        down: set[str] = set()
+
+        def fail(name: str, action: str, seconds: float) -> None:
+            try:
                 if action == "kill":
                     cluster.kill(name)
-                    time.sleep(rng.uniform(*suite.down_s))
-                    cluster.restart(name)
+                    time.sleep(seconds)
+                    cluster.restart(name)  # a new process on a new port: it announces itself
                 else:
                     cluster.freeze(name)
-                    time.sleep(rng.uniform(*suite.down_s))
+                    time.sleep(seconds)
                     cluster.resume(name)
+            finally:
+                with lock:
+                    down.discard(name)
+
+        def chaos() -> None:
+            nodes = [f"worker{i}" for i in range(suite.workers)] + ["shadow"]
+            recovering = []
+            while not stop.wait(rng.uniform(*suite.chaos_every_s)):
+                with lock:
+                    workers_down = sum(n.startswith("worker") for n in down)
+                    up = [n for n in nodes if n not in down]
+                    if workers_down >= suite.workers - 1:  # one worker always serves every layer
+                        up = [n for n in up if not n.startswith("worker")]
+                    if not up:
+                        continue
+                    name, action = rng.choice(up), rng.choice(["kill", "stop"])
+                    down.add(name)
+                events.append({"t_s": time.monotonic() - start, "node": name, "action": action})
+                seconds = rng.uniform(*suite.down_s)
+                recovering.append(threading.Thread(target=fail, args=(name, action, seconds)))
+                recovering[-1].start()
+            for t in recovering:
+                t.join()
 
         def sample() -> None:
             while not stop.wait(1.0):
