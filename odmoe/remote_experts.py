@@ -133,6 +133,12 @@ class _Call:
         return len(self.parts) == self.expected
 
 
+def owed_calls(calls: dict[int, _Call], lost: set[int]) -> dict[int, int]:
+    """Pure: expert -> the lost worker it was placed on, for every call not fully answered yet.
+    A call whose answer is in is kept, even from a worker lost since (it is correct)."""
+    return {e: c.worker for e, c in calls.items() if not c.done and c.worker in lost}
+
+
 class RemoteExperts:
     def __init__(
         self,
@@ -307,7 +313,7 @@ class RemoteExperts:
             raise WorkerUnavailable(f"{exc}; request {step.request} cannot go on") from None
 
     def _resend(self, step: Step, calls: dict[int, _Call], lost: set[int]) -> None:
-        owed = {e: c.worker for e, c in calls.items() if not c.done and c.worker in lost}
+        owed = owed_calls(calls, lost)
         if not owed:
             return
         new = self._replacement(step, owed)

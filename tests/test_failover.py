@@ -98,6 +98,20 @@ def test_shadow_killed_mid_decode_then_restarted_is_used_again(model_dirs, reap_
         again = cluster.client.generate(PROMPTS[2], max_new_tokens=32)
         assert again.token_ids == want and again.stats["shadow"] is True
         assert again.stats["recall"]["overall"] == 1.0  # an exact (fp32) shadow, aligned again
+        cluster.freeze("shadow")  # between requests, and during the next one
+        assert cluster.client.generate(PROMPTS[2], max_new_tokens=32).token_ids == want
+        cluster.resume("shadow")
+
+
+def test_a_slow_load_is_not_a_lost_worker(model_dirs, reap_children):
+    """Each load takes 1.5 s, longer than the heartbeat timeout: the worker is busy, not lost."""
+    path = model_dirs["mixtral"]
+    want, _ = reference(path, [5], new_tokens=2)
+    words = ["worker.link.latency_ms=1500", "shadow.enabled=false"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        got = cluster.client.generate([5], max_new_tokens=2)
+    assert got.token_ids == want
+    assert got.stats["failover"]["events"] == [] and got.stats["worker_load_s"] > 1.5
 
 
 def test_main_killed_then_the_standby_frozen_the_client_resumes_each_time(model_dirs, reap_children):

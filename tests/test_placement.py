@@ -96,3 +96,19 @@ def test_calls_of_a_lost_worker_are_replaced_over_live_holders():
     assert topo.replace_lost(1, {2: 3, 7: 3}, live={0, 1, 2}, spread=True) == {2: 2, 7: 1}
     with pytest.raises(LayerUnavailable):
         Topology(4, 2, replicas=1).replace_lost(1, {2: 3}, live={0, 1}, spread=False)
+
+
+def test_only_unanswered_calls_of_lost_workers_are_resent():
+    import torch
+
+    from odmoe.remote_experts import _Call, owed_calls
+
+    rows = torch.zeros(1, 4)
+    calls = {
+        1: _Call(worker=0, rows=rows, expected=1),
+        2: _Call(worker=1, rows=rows, expected=1, parts={0: rows}),  # answered before its worker was lost
+        3: _Call(worker=1, rows=rows, expected=2, parts={0: rows}),  # half answered: re-sent whole
+        4: _Call(worker=2, rows=rows, expected=1),
+    }
+    assert owed_calls(calls, lost={1}) == {3: 1}
+    assert owed_calls(calls, lost={0, 2}) == {1: 0, 4: 2}
