@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,12 @@ class ClusterStartError(RuntimeError):
 
 def _die_with_parent() -> None:
     ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not its process: a node
+# (re)started from a short-lived thread (a test's or the soak's chaos thread) was SIGTERMed as soon
+# as that thread returned. Every node is therefore forked by this one long-lived thread.
+_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odmoe-spawn")
 
 
 @dataclass
@@ -213,13 +220,14 @@ class LocalCluster:
             f"ready_file={ready}",
         ]
         with open(log_file, "ab") as out:
-            process = subprocess.Popen(
+            process = _SPAWNER.submit(
+                subprocess.Popen,
                 [*where.prefix, sys.executable, "-m", "odmoe.launch.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 preexec_fn=_die_with_parent,
-            )
+            ).result()
         node = NodeProcess(name, process, ready, log_file)
         self.nodes.append(node)
         return node

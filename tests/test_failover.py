@@ -167,3 +167,15 @@ def test_a_cancelled_stream_frees_the_cluster_for_the_next_request(model_dirs, r
         assert got.token_ids == want
         assert time.monotonic() - start < 5  # not queued behind 196 more tokens
         assert "cancelled by its client" in cluster.node("main").log_file.read_text()
+
+
+def test_a_node_restarted_from_a_short_lived_thread_keeps_running(model_dirs, reap_children):
+    """PR_SET_PDEATHSIG follows the forking thread: this node used to die with its thread."""
+    import threading
+
+    with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2, overrides=["shadow.enabled=false"]) as c:
+        thread = threading.Thread(target=c.restart, args=("worker1",))
+        thread.start()
+        thread.join()
+        time.sleep(2)
+        assert c.node("worker1").process.poll() is None
