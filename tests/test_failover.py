@@ -173,7 +173,8 @@ def test_a_node_restarted_from_a_short_lived_thread_keeps_running(model_dirs, re
     """PR_SET_PDEATHSIG follows the forking thread: this node used to die with its thread."""
     import threading
 
-    with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2, overrides=["shadow.enabled=false"]) as c:
+    words = ["shadow.enabled=false"]
+    with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2, overrides=words) as c:
         thread = threading.Thread(target=c.restart, args=("worker1",))
         thread.start()
         thread.join()
