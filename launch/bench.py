@@ -5,6 +5,7 @@
     odmoe-bench suite=ablation          # Fig. 8: cases 1-6, spread over repeated requests
     odmoe-bench suite=grid              # Table 2: odmoe vs three baselines; simulator validation
     odmoe-bench suite=timeline          # Fig. 2/5: Chrome trace + timing diagram of a few iterations
+    odmoe-bench suite=compression       # lossless expert store: ratios, decompression GB/s, decode tokens/s
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -39,7 +40,7 @@ def to_bench_config(raw: DictConfig) -> BenchConfig:
 
 def run_suites(cfg: BenchConfig) -> None:
     from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import ablation, alignment, grid, recall, timeline
+    from odmoe.benchmarks.suites import ablation, alignment, compression, grid, recall, timeline
     from odmoe.benchmarks.workload import resolve_model
 
     suites = {
@@ -48,6 +49,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "ablation": ablation.run,
         "grid": grid.run,
         "timeline": timeline.run,
+        "compression": compression.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)

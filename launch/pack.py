@@ -38,7 +38,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="auto (as saved) | bfloat16 | float16 | float32; repeat for several packs (default auto)",
     )
     parser.add_argument("--chunk-elems", type=int, default=DEFAULT_CHUNK_ELEMS, help="elements per chunk")
-    parser.add_argument("--level", type=int, default=DEFAULT_LEVEL, help="zstd level of the exponent stream")
+    parser.add_argument(
+        "--level",
+        type=int,
+        default=DEFAULT_LEVEL,
+        help="zstd level of the exponent stream (default: odmoe's parameters, see compressed_tensor.py)",
+    )
     return parser.parse_args(argv)
 
 

@@ -26,7 +26,28 @@ import zstandard
 from odmoe.bitfields import byte_view, join_into, split
 
 DEFAULT_CHUNK_ELEMS = 1 << 16  # 64 Ki elements: 64 KiB of exponent per chunk, several chunks per expert
-DEFAULT_LEVEL = 3
+DEFAULT_LEVEL: int | None = None  # None: EXPONENT_PARAMS below; an int: that zstd level
+
+
+def exponent_compressor(level: int | None = DEFAULT_LEVEL) -> zstandard.ZstdCompressor:
+    """zstd for exponent bytes. An exponent stream is close to i.i.d. bytes of ~2.6 bits entropy: LZ
+    matches do not pay there, Huffman-coded literals do. zstd's optimal parser (btultra) finds that;
+    a short window and search keep it quick. Measured on the trained model's bf16 exponents (H = 2.55
+    bits), 64 Ki chunks: level 3 gives 3.18 bits/exponent and decodes at ~160 MB/s (its many short
+    matches are slow to decode), these parameters 2.63 bits at ~1 GB/s, compressing at ~10 MB/s
+    (level 19: 2.61 bits at 1 MB/s)."""
+    if level is not None:
+        return zstandard.ZstdCompressor(level=level)
+    params = zstandard.ZstdCompressionParameters(
+        window_log=16,
+        chain_log=6,
+        hash_log=6,
+        search_log=1,
+        min_match=7,
+        target_length=4,
+        strategy=zstandard.STRATEGY_BTULTRA,
+    )
+    return zstandard.ZstdCompressor(compression_params=params)
 
 
 class CorruptChunkError(ValueError):
@@ -117,14 +138,14 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 
 
 def compress(
-    t: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS, level: int = DEFAULT_LEVEL, base: int = 0
+    t: torch.Tensor, chunk_elems: int = DEFAULT_CHUNK_ELEMS, level: int | None = DEFAULT_LEVEL, base: int = 0
 ) -> tuple[CompressedTensor, bytes]:
     """t's layout (chunk offsets start at `base`) and its bytes. t: a bf16/fp16/fp32 CPU tensor."""
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be at least 1, got {chunk_elems}")
     t = t.detach().cpu().contiguous()
     exponent, rest = split(t)  # [n], [n, itemsize-1]
-    coder = zstandard.ZstdCompressor(level=level)
+    coder = exponent_compressor(level)
     parts, chunks, offset = [], [], base
     for start in range(0, exponent.shape[0], chunk_elems):  # over chunks, not elements
         exp = exponent[start : start + chunk_elems].tobytes()

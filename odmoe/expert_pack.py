@@ -97,7 +97,7 @@ def write_pack(
     out_dir: str | os.PathLike,
     dtype: torch.dtype,
     chunk_elems: int = DEFAULT_CHUNK_ELEMS,
-    level: int = DEFAULT_LEVEL,
+    level: int | None = DEFAULT_LEVEL,
     progress: Callable[[int, int, ExpertKey], None] | None = None,
 ) -> Path:
     """Compress every expert of every MoE layer at `dtype` into one pack file (written to a temporary
