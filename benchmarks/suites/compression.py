@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 import zstandard
 from transformers import AutoTokenizer
 
@@ -36,9 +37,9 @@ from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig, BenchLink
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, resolve_model
-from odmoe.bitfields import byte_view
+from odmoe.bitfields import byte_view, join_into, split
 from odmoe.checkpoint import Checkpoint
-from odmoe.compressed_tensor import MemoryBytes, compress
+from odmoe.compressed_tensor import DEFAULT_CHUNK_ELEMS, MemoryBytes, compress, exponent_compressor
 from odmoe.expert_pack import write_pack
 from odmoe.expert_sources import CompressedExpert
 
@@ -61,6 +62,9 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     for d in suite.dtypes:
         report["speed"][d] = speed(experts, getattr(torch, d), suite.threads, suite.speed_repeats)
     _print_speed(report["speed"])
+    report["coders"] = coders(experts)
+    report["chunk_stages_us"] = chunk_stages(experts)
+    _print_coders(report["coders"], report["chunk_stages_us"])
     if suite.systems:
         report["decode"] = decode(cfg, model_path)
         _print_decode(report["decode"], suite)
@@ -210,6 +214,67 @@ def _print_speed(rows: dict) -> None:
             z = r["zipnn_gbps"].get(n)
             zipnn = f"zipnn {z:.2f}" if z is not None else "zipnn -"
             print(f"{dtype:<10}{n} thread(s): odmoe {gbps:.2f}   {zipnn}")
+
+
+def coders(experts, sample: int = 8) -> dict[str, dict]:
+    """bf16 exponent streams of `sample` gate_up tensors in 64 Ki chunks: bits per exponent and
+    compress / decompress MB/s (of exponent bytes) of zstd level 3, level 19 and odmoe's parameters."""
+    streams = [split(t.to(torch.bfloat16).contiguous())[0].tobytes() for k, t in experts[: 2 * sample]]
+    chunks = [s[i : i + DEFAULT_CHUNK_ELEMS] for s in streams for i in range(0, len(s), DEFAULT_CHUNK_ELEMS)]
+    raw = sum(len(c) for c in chunks)
+    out = {}
+    for name, level in (("zstd level 3", 3), ("zstd level 19", 19), ("odmoe parameters", None)):
+        coder, decoder = exponent_compressor(level), zstandard.ZstdDecompressor()
+        start = time.perf_counter()
+        blobs = [coder.compress(c) for c in chunks]
+        packed = time.perf_counter() - start
+        start = time.perf_counter()
+        for b in blobs:
+            decoder.decompress(b)
+        unpacked = time.perf_counter() - start
+        out[name] = {
+            "bits_per_exponent": sum(len(b) for b in blobs) * 8 / raw,
+            "compress_mb_s": raw / packed / 1e6,
+            "decompress_mb_s": raw / unpacked / 1e6,
+        }
+    return out
+
+
+def chunk_stages(experts, repeats: int = 50) -> dict[str, float]:
+    """Microseconds per stage of one 64 Ki-element bf16 chunk: checksum, zstd, recombine."""
+    t = experts[0][1].to(torch.bfloat16).contiguous()
+    ct, data = compress(t)
+    c = ct.chunks[0]
+    chunk = data[c.offset : c.offset + c.nbytes]
+    decoder = zstandard.ZstdDecompressor()
+    exp = np.frombuffer(decoder.decompress(chunk[: c.exponent_len], max_output_size=c.elems), np.uint8)
+    rest = np.frombuffer(chunk[c.exponent_len :], np.uint8).reshape(c.elems, 1)
+    dest = byte_view(torch.empty_like(t))[: c.elems]
+    stages = {
+        "checksum": lambda: xxhash.xxh3_64_intdigest(chunk),
+        "zstd": lambda: decoder.decompress(chunk[: c.exponent_len], max_output_size=c.elems),
+        "recombine": lambda: join_into(dest, exp, rest, torch.bfloat16),
+    }
+    out = {"elems": c.elems}
+    for name, stage in stages.items():
+        start = time.perf_counter()
+        for _ in range(repeats):
+            stage()
+        out[name] = (time.perf_counter() - start) / repeats * 1e6
+    return out
+
+
+def _print_coders(rows: dict, stages: dict) -> None:
+    print("\nbf16 exponent streams, 64 Ki chunks: bits/exponent, compress / decompress MB/s (exponent bytes)")
+    for name, r in rows.items():
+        print(
+            f"{name:<18}{r['bits_per_exponent']:6.2f} bits  {r['compress_mb_s']:8.1f} MB/s  "
+            f"{r['decompress_mb_s']:8.1f} MB/s"
+        )
+    print(
+        f"one bf16 chunk of {stages['elems']} elements: checksum {stages['checksum']:.0f} us, "
+        f"zstd {stages['zstd']:.0f} us, recombine {stages['recombine']:.0f} us"
+    )
 
 
 # -- 3. decode tokens/s --------------------------------------------------------------------------
