@@ -48,6 +48,7 @@ class ExpertStore:
         self.threads = threads
         self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="odmoe-decompress")
         self.pack_path: str | None = None  # set by `build` when a pack file serves some experts
+        self.pack_missing: str | None = None  # set by `build`: where it looked for a pack and found none
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, layers: list[int], dtype: torch.dtype) -> ExpertStore:
@@ -93,6 +94,7 @@ class ExpertStore:
             experts[key] = source
         store = cls(experts, threads)
         store.pack_path = str(path) if pack is not None else None
+        store.pack_missing = str(path) if pack is None and kind != "memory" else None
         return store
 
     def keys(self) -> list[ExpertKey]:
@@ -139,6 +141,8 @@ class ExpertStore:
             if row["experts"]
         ]
         where = f", pack {self.pack_path}" if self.pack_path else ""
+        if self.pack_missing:
+            where = f", no pack file at {self.pack_missing} (odmoe-pack writes one)"
         return f"experts {', '.join(parts)}; {self.nbytes / 2**20:.1f} MiB in host memory{where}"
 
 
