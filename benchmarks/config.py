@@ -94,7 +94,7 @@ class CompressionSuite:
     bandwidth_gbps: float = 2.0
     latency_ms: float = 0.1
     new_tokens: int = 64
-    repeats: int = 3  # requests per system (different prompts), after one warm-up
+    repeats: int = 5  # requests per system (different prompts), after one warm-up
     lru_experts: int = 16
 
 
