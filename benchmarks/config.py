@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUITES = ("recall", "alignment", "ablation", "grid", "timeline", "compression", "quick")
+SUITES = ("recall", "alignment", "ablation", "grid", "timeline", "compression", "faults", "soak", "quick")
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
 GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
 
@@ -98,6 +98,36 @@ class CompressionSuite:
     lru_experts: int = 16
 
 
+class FaultsSuite:
+    # node:action; node = main | shadow | worker<i>, action = kill | stop
+    cases: list[str] = field(
+        default_factory=lambda: [
+            "worker1:kill",
+            "worker1:stop",
+            "shadow:kill",
+            "shadow:stop",
+            "main:kill",
+            "main:stop",
+        ]
+    )
+    new_tokens: int = 64
+    at_token: int = 24  # the decode iteration the fault fires at
+    resume_after_s: float = 3.0  # a frozen worker or shadow is resumed after this long
+
+
+@dataclass
+class SoakSuite:
+    requests: int = 1000
+    clients: int = 4  # concurrent clients
+    new_tokens: int = 8
+    prompts: int = 8  # distinct prompts, each checked against its reference
+    workers: int = 4
+    chaos_every_s: list[float] = field(default_factory=lambda: [2.0, 5.0])  # a random fault this often
+    down_s: list[float] = field(default_factory=lambda: [0.5, 2.0])  # how long a node stays killed/frozen
+    warmup_requests: int = 100  # RSS is compared from here on
+    seed: int = 0
+
+
 @dataclass
 class BenchConfig:
     suite: str = "quick"
@@ -114,6 +144,8 @@ class BenchConfig:
     grid: GridSuite = field(default_factory=GridSuite)
     timeline: TimelineSuite = field(default_factory=TimelineSuite)
     compression: CompressionSuite = field(default_factory=CompressionSuite)
+    faults: FaultsSuite = field(default_factory=FaultsSuite)
+    soak: SoakSuite = field(default_factory=SoakSuite)
     log_level: str = "WARNING"
 
 
@@ -144,5 +176,13 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError(f"compression dtypes: {bad} not among bfloat16, float16, float32")
     if not c.threads or min(c.threads) < 1 or c.repeats < 1 or c.speed_repeats < 1:
         raise ValueError("compression.threads, repeats and speed_repeats must be at least 1")
+    for case in cfg.faults.cases:
+        node, _, action = case.partition(":")
+        if action not in ("kill", "stop") or not (node in ("main", "shadow") or node.startswith("worker")):
+            raise ValueError(f"faults.cases: {case!r} is not <main|shadow|worker<i>>:<kill|stop>")
+    if not 1 <= cfg.faults.at_token < cfg.faults.new_tokens - 4:
+        raise ValueError("faults.at_token must lie in 1 .. new_tokens - 5 (gaps after it are measured)")
+    if cfg.soak.clients < 1 or cfg.soak.requests < cfg.soak.clients:
+        raise ValueError("soak.clients must be >= 1 and soak.requests >= soak.clients")
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")

@@ -277,4 +277,46 @@ def compression(report: dict, out: Path, subtitle: str) -> None:
         decode.set_ylabel("decode tokens/s")
         decode.set_title("decode, storage-bound link")
     fig.suptitle(f"lossless compressed expert store — {subtitle}", fontsize=9)
+
+
+def faults(rows: list[dict], out: Path, subtitle: str) -> None:
+    """Inter-token latency of one stream around each failure (a dashed line where it fired)."""
+    cols = min(len(rows), 2)
+    lines = math.ceil(len(rows) / cols)
+    fig, axes = plt.subplots(lines, cols, figsize=(6 * cols, 2.6 * lines), squeeze=False, sharey=False)
+    for ax, row in zip(axes.flat, rows, strict=False):
+        gaps = [g * 1e3 for g in row["gaps_s"]]
+        ax.plot(range(1, len(gaps) + 1), gaps, ".-", lw=1, ms=3)
+        ax.axvline(row["fired_at_token"], color="C3", ls="--", lw=1)
+        ax.set_yscale("log")
+        detect = "n/a" if row["detect_s"] is None else f"{row['detect_s']:.2f} s"
+        ax.set_title(
+            f"{row['node']} {row['action']}: detected {detect}, tokens "
+            f"{'identical' if row['tokens_equal'] else 'DIFFER'}",
+            fontsize=9,
+        )
+        ax.set_xlabel("token index", fontsize=8)
+        ax.set_ylabel("inter-token ms", fontsize=8)
+    for ax in list(axes.flat)[len(rows) :]:
+        ax.axis("off")
+    fig.suptitle(f"Inter-token latency around a failure\n{subtitle}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, out)
+
+
+def soak(samples: list[dict], events: list[dict], out: Path, subtitle: str) -> None:
+    """Requests completed and each node's RSS over the soak, with the injected faults marked."""
+    fig, (done, rss) = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True)
+    t = [s["t_s"] for s in samples]
+    done.plot(t, [s["completed"] for s in samples], color="C0")
+    done.set_ylabel("requests completed")
+    for e in events:
+        done.axvline(e["t_s"], color="C3" if e["action"] == "kill" else "C1", lw=0.5, alpha=0.6)
+    for name in sorted({k for s in samples for k in s["rss_mib"]}):
+        rss.plot(t, [s["rss_mib"].get(name) for s in samples], label=name, lw=1)
+    rss.set_ylabel("RSS MiB")
+    rss.set_xlabel("seconds (red: kill, orange: freeze)")
+    rss.legend(fontsize=7, ncol=4)
+    fig.suptitle(f"Soak\n{subtitle}", fontsize=10)
+    fig.tight_layout()
     _save(fig, out)

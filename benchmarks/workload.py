@@ -64,3 +64,14 @@ def prompt_ids(tokenizer, i: int, length: int) -> list[int]:
     while len(ids) < length:
         ids = ids + ids
     return ids[:length]
+
+
+def reference_tokens(model_path: str, ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' own greedy generate() in this process: what every cluster must reproduce."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path)
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new_tokens)
+    return out[0, len(ids) :].tolist()

@@ -6,6 +6,8 @@
     odmoe-bench suite=grid              # Table 2: odmoe vs three baselines; simulator validation
     odmoe-bench suite=timeline          # Fig. 2/5: Chrome trace + timing diagram of a few iterations
     odmoe-bench suite=compression       # lossless expert store: ratios, decompression GB/s, decode tokens/s
+    odmoe-bench suite=faults            # losing a worker / the shadow / main: detect, stall, recovery
+    odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -40,7 +42,7 @@ def to_bench_config(raw: DictConfig) -> BenchConfig:
 
 def run_suites(cfg: BenchConfig) -> None:
     from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import ablation, alignment, compression, grid, recall, timeline
+    from odmoe.benchmarks.suites import ablation, alignment, compression, faults, grid, recall, soak, timeline
     from odmoe.benchmarks.workload import resolve_model
 
     suites = {
@@ -50,10 +52,12 @@ def run_suites(cfg: BenchConfig) -> None:
         "grid": grid.run,
         "timeline": timeline.run,
         "compression": compression.run,
+        "faults": faults.run,
+        "soak": soak.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)
-    names = list(suites) if cfg.suite == "quick" else [cfg.suite]
+    names = [n for n in suites if n != "soak"] if cfg.suite == "quick" else [cfg.suite]
     for name in names:
         start = time.perf_counter()
         print(f"\n== suite {name} on {model_path}", flush=True)

@@ -8,6 +8,13 @@ Nodes bind port 0 and report their address through a ready file. Why the cleanup
 `stop()` terminates then kills every child (also after a child fails or the wait times out); an
 atexit hook covers an interpreter that exits without `stop()`; and each child is started with
 PR_SET_PDEATHSIG so that even a SIGKILLed launcher leaves no orphan behind.
+
+Failures on purpose (tests, odmoe-bench suite=faults, the soak): `kill(name)`, `freeze(name)` /
+`resume(name)` (SIGSTOP / SIGCONT) and `restart(name)` act on a node by name ("main", "main1" for
+the first standby, "shadow", "worker<i>"). A restarted worker or shadow binds a new port and
+announces itself to every main (`cluster.main_addresses`); a restarted main is given the workers'
+and the shadow's current addresses. `standby_mains=n` starts n more mains with the same config; the
+cluster's client knows them all and fails over along them.
 """
 
 from __future__ import annotations
@@ -84,6 +91,7 @@ class LocalCluster:
         overrides: list[str] | tuple[str, ...] = (),
         ready_timeout_s: float | None = None,
         place: Callable[[str], NodePlacement] | None = None,
+        standby_mains: int = 0,
     ):
         words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
         if model_path is not None:
@@ -99,6 +107,9 @@ class LocalCluster:
         self.ready_timeout_s = ready_timeout_s or self.cfg.worker.ready_timeout_s
         self.nodes: list[NodeProcess] = []
         self.address = ""
+        self.main_addresses: list[str] = []  # the active main first, then the standbys
+        self.worker_addresses: list[str] = []
+        self.standby_mains = standby_mains
         self.shadow_info: dict = {}
         self._client: Client | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="odmoe-cluster-"))
@@ -111,26 +122,88 @@ class LocalCluster:
         try:
             n = self.cfg.cluster.workers
             shadow = [self._spawn("shadow", ["role=shadow"])] if self.cfg.shadow.enabled else []
-            workers = [self._spawn(f"worker{i}", ["role=worker", f"worker.index={i}"]) for i in range(n)]
+            workers = [self._spawn(f"worker{i}", self._worker_args(i)) for i in range(n)]
             ready = self._wait_ready(shadow + workers)
-            addresses = [info["address"] for info in ready[len(shadow) :]]
-            main_args = ["role=main", f"cluster.worker_addresses=[{','.join(addresses)}]"]
+            self.worker_addresses = [info["address"] for info in ready[len(shadow) :]]
             if shadow:
                 self.shadow_info = ready[0]
-                main_args += [
-                    f"cluster.shadow_address={ready[0]['address']}",
-                    f"cluster.shadow_pub_address={ready[0]['pub_address']}",
-                ]
-            (info,) = self._wait_ready([self._spawn("main", main_args)])
-            self.address = info["address"]
+            names = ["main"] + [f"main{i}" for i in range(1, self.standby_mains + 1)]
+            mains = [self._spawn(name, self._main_args(name)) for name in names]
+            self.main_addresses = [info["address"] for info in self._wait_ready(mains)]
+            self.address = self.main_addresses[0]
         except BaseException:
             self.stop()
             raise
         log.info("local cluster up: main %s, %d workers", self.address, self.cfg.cluster.workers)
         return self
 
-    def _spawn(self, name: str, role_args: list[str]) -> NodeProcess:
-        ready, log_file = self._dir / f"{name}.ready.json", self._dir / f"{name}.log"
+    def _worker_args(self, index: int) -> list[str]:
+        return ["role=worker", f"worker.index={index}"]
+
+    def _main_args(self, name: str) -> list[str]:
+        args = ["role=main", f"cluster.worker_addresses=[{','.join(self.worker_addresses)}]"]
+        if self.shadow_info:
+            args += [
+                f"cluster.shadow_address={self.shadow_info['address']}",
+                f"cluster.shadow_pub_address={self.shadow_info['pub_address']}",
+            ]
+        if name != "main":
+            args.append("fault.node=")  # a fault meant for main must not also hit the standby
+        return args
+
+    # -- failures on purpose ------------------------------------------------------------------
+    def node(self, name: str) -> NodeProcess:
+        for node in self.nodes:
+            if node.name == name:
+                return node
+        raise KeyError(f"no node named {name!r} (nodes: {[n.name for n in self.nodes]})")
+
+    def kill(self, name: str) -> None:
+        node = self.node(name)
+        if node.process.poll() is None:
+            node.process.kill()
+        node.process.wait()
+
+    def freeze(self, name: str) -> None:
+        self.node(name).process.send_signal(signal.SIGSTOP)
+
+    def resume(self, name: str) -> None:
+        self.node(name).process.send_signal(signal.SIGCONT)
+
+    def restart(self, name: str) -> NodeProcess:
+        """Start a node of this name again (after it was killed): a worker or the shadow announces
+        itself to every main; a main gets the current addresses. Returns once it serves."""
+        old = self.node(name)
+        if old.process.poll() is None:
+            old.process.kill()
+        old.process.wait()
+        self.nodes.remove(old)
+        old.ready_file.unlink(missing_ok=True)
+        again = ["fault.node=", f"cluster.main_addresses=[{','.join(self.main_addresses)}]"]
+        if name.startswith("worker"):
+            args = self._worker_args(int(name.removeprefix("worker")))
+        elif name == "shadow":
+            args = ["role=shadow"]
+        else:
+            args = self._main_args(name)
+        (info,) = self._wait_ready([self._spawn(name, [*args, *again], log_suffix=".restarted")])
+        if name.startswith("worker"):
+            self.worker_addresses[int(name.removeprefix("worker"))] = info["address"]
+        elif name == "shadow":
+            self.shadow_info = info
+        else:
+            old_address = self._main_address(name)
+            self.main_addresses[self.main_addresses.index(old_address)] = info["address"]
+            if self._client is not None:
+                self._client.replace_address(old_address, info["address"])
+        return self.node(name)
+
+    def _main_address(self, name: str) -> str:
+        index = 0 if name == "main" else int(name.removeprefix("main"))
+        return self.main_addresses[index]
+
+    def _spawn(self, name: str, role_args: list[str], log_suffix: str = "") -> NodeProcess:
+        ready, log_file = self._dir / f"{name}.ready.json", self._dir / f"{name}{log_suffix}.log"
         where = self.place(name)
         args = [
             *self.overrides,
@@ -139,7 +212,7 @@ class LocalCluster:
             *role_args,
             f"ready_file={ready}",
         ]
-        with open(log_file, "wb") as out:
+        with open(log_file, "ab") as out:
             process = subprocess.Popen(
                 [*where.prefix, sys.executable, "-m", "odmoe.launch.cli", *args],
                 stdout=out,
@@ -175,6 +248,7 @@ class LocalCluster:
             self._client = None
         for node in self.nodes:
             if node.process.poll() is None:
+                node.process.send_signal(signal.SIGCONT)  # a frozen node cannot act on SIGTERM
                 node.process.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         for node in self.nodes:
@@ -192,7 +266,7 @@ class LocalCluster:
         if not self.address:
             raise RuntimeError("the cluster is not running; use it as a context manager or call start()")
         if self._client is None:
-            self._client = Client(self.address)
+            self._client = Client(self.main_addresses, keepalive_s=self.cfg.failover.client_keepalive_s)
         return self._client
 
     @property

@@ -7,6 +7,12 @@ announce readiness, serve until SIGINT/SIGTERM.
 Requests are validated on the gRPC thread that receives them (bad input fails at once with
 INVALID_ARGUMENT) and then queued; a single engine thread serves them in arrival order, because the
 workers' device slots and the ZeroMQ sockets are shared by every request.
+
+Failover: the engine thread also keeps the membership (between requests and every
+`IDLE_MAINTAIN_S` while idle): lost workers are probed, announced ones (gRPC `Join`) checked and
+taken back, a re-announced shadow reconnected. A request whose client has gone (cancelled or
+disconnected) stops within one decode iteration, or is skipped if it had not started. A standby
+main is just another main started with the same config: clients fail over to it and resume.
 """
 
 from __future__ import annotations
@@ -26,7 +32,10 @@ from odmoe.alignment import AlignmentSchedule
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine
+from odmoe.faults import FaultTrigger
+from odmoe.heartbeat import Heartbeat
 from odmoe.main_model import build_main_model, resolve_dtype
+from odmoe.membership import Membership
 from odmoe.nodes.ready import announce_ready
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
@@ -35,6 +44,13 @@ from odmoe.trace import Tracer
 
 log = logging.getLogger("odmoe.main")
 _END = object()
+IDLE_MAINTAIN_S = 0.2  # while no request runs, look after the membership this often
+# Clients' keepalive pings (how they notice a frozen main) must be allowed, however often they come.
+SERVER_OPTIONS = [
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 100),
+    ("grpc.http2.max_ping_strikes", 0),
+]
 
 
 class PortInUse(RuntimeError):
@@ -47,23 +63,37 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.checkpoint = Checkpoint(model_path)
         main = build_main_model(self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+        heartbeat = Heartbeat(cfg.failover.heartbeat_interval_s, cfg.failover.heartbeat_timeout_s)
         shadow = None
         if cfg.shadow.enabled and cfg.cluster.shadow_address:
             shadow = ShadowLink(
-                cfg.cluster.shadow_address, cfg.cluster.shadow_pub_address, self.checkpoint.moe_layers
+                cfg.cluster.shadow_address,
+                cfg.cluster.shadow_pub_address,
+                self.checkpoint.moe_layers,
+                heartbeat,
             )
-        self.experts = RemoteExperts(
+            if not shadow.wait_up(cfg.worker.ready_timeout_s):
+                log.warning("shadow %s is not reachable: requests run without it", shadow.address)
+        members = Membership(
             cfg.cluster.worker_addresses,
             cfg.topology,
+            self.checkpoint.moe_layers,
+            heartbeat,
+            cfg.failover.probe_interval_s,
+        )
+        self.experts = RemoteExperts(
+            members,
             self.checkpoint.num_experts,
             main.kernel,
             reply_timeout_s=cfg.worker.reply_timeout_s,
-            spread_prefill=not cfg.worker.only_own_layers,
             shadow=shadow,
             prefill=cfg.prefill,
             tracer=Tracer("main", cfg.trace_dir),
         )
-        self.pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, self.checkpoint.moe_layers)
+        self.experts.fault = FaultTrigger(cfg.fault, "main")
+        self.experts.ping_all(cfg.worker.ready_timeout_s)
+        self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
+        self.heartbeat = heartbeat
         schedule = AlignmentSchedule(
             cfg.alignment.token_period, cfg.alignment.kv_period, cfg.alignment.prefill_kv
         )
@@ -76,19 +106,50 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
     # -- the engine thread -------------------------------------------------------------------
     def run_engine(self) -> None:
         while not self.stopped.is_set():
-            job = self.jobs.get()
+            try:
+                job = self.jobs.get(timeout=IDLE_MAINTAIN_S)
+            except queue.Empty:
+                self._maintain()
+                continue
             if job is _END:
                 return
             request, replies, cancelled = job
-            try:
-                for event in self.engine.generate(request):
-                    replies.put(event)
-                    if cancelled.is_set():
-                        break
-            except Exception as exc:  # reported to that client; the engine serves the next request
-                log.exception("request %s failed", request.request_id)
-                replies.put(exc)
+            if not cancelled.is_set():  # its client left while it waited: skip it
+                self._maintain()
+                self._serve(request, replies, cancelled)
             replies.put(_END)
+
+    def _serve(self, request: GenerateRequest, replies: queue.Queue, cancelled: threading.Event) -> None:
+        events = self.engine.generate(request)
+        try:
+            for event in events:
+                replies.put(event)
+                if cancelled.is_set():
+                    log.info("request %s cancelled by its client", request.request_id)
+                    break
+        except Exception as exc:  # reported to that client; the engine serves the next request
+            log.exception("request %s failed", request.request_id)
+            replies.put(exc)
+        finally:
+            events.close()  # a cancelled request's shadow and worker state go now
+
+    def _maintain(self) -> None:
+        """Membership upkeep, on the engine thread (it owns every ZeroMQ socket)."""
+        while not self.shadow_joins.empty():
+            address, pub_address = self.shadow_joins.get()
+            self._adopt_shadow(address, pub_address)
+        self.experts.members.maintain()
+
+    def _adopt_shadow(self, address: str, pub_address: str) -> None:
+        shadow = self.experts.shadow
+        if shadow is None:
+            shadow = ShadowLink(address, pub_address, self.checkpoint.moe_layers, self.heartbeat)
+            self.experts.shadow = shadow
+        elif (shadow.address, shadow.pub_address) != (address, pub_address) or not shadow.up:
+            shadow.replace(address, pub_address)
+        if shadow.wait_up(self.cfg.worker.ready_timeout_s):
+            log.info("shadow at %s is back: the next request uses it", address)
+        self.experts.members.broadcast(shadow_pub=pub_address)
 
     # -- gRPC handlers -----------------------------------------------------------------------
     def Generate(self, request, context):
@@ -97,6 +158,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             token_ids=tuple(request.token_ids),
             max_new_tokens=request.max_new_tokens,
             return_logits=request.return_logits,
+            resume_ids=tuple(request.resume_ids),
             **({"request_id": request.request_id} if request.request_id else {}),
         )
         try:
@@ -126,12 +188,24 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 )
 
     def Info(self, request, context):
+        members = self.experts.members
+        shadow = self.experts.shadow
         info = {
             "moe_layers": self.checkpoint.moe_layers,
             "kernel": self.engine.main.kernel,
             "workers": [
-                {"index": p.worker, "layers": p.layers, "store_bytes": p.store_bytes} for p in self.pongs
+                {
+                    "index": i,
+                    "address": members.addresses[i],
+                    "live": i in members.live,
+                    "layers": self.checkpoint.moe_layers
+                    if i not in members.pongs
+                    else members.pongs[i].layers,
+                }
+                for i in range(self.cfg.cluster.workers)
             ],
+            "live_workers": sorted(members.live),
+            "shadow": None if shadow is None else {"address": shadow.address, "up": shadow.control.connected},
         }
         return odmoe_pb2.InfoReply(
             model_path=self.model_path,
@@ -141,9 +215,28 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             info_json=json.dumps(info),
         )
 
+    def Join(self, request, context):
+        if request.role == "worker":
+            if not 0 <= request.index < self.cfg.cluster.workers:
+                context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"worker index {request.index} is outside 0..{self.cfg.cluster.workers - 1}",
+                )
+            self.experts.members.join(request.index, request.address)
+            detail = f"worker {request.index} at {request.address} will be checked and taken back"
+        elif request.role == "shadow":
+            if not self.cfg.shadow.enabled:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this main runs with shadow.enabled=false")
+            self.shadow_joins.put((request.address, request.pub_address))
+            detail = f"shadow at {request.address} will be used from the next request"
+        else:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role {request.role!r} cannot join")
+        log.info("join: %s", detail)
+        return odmoe_pb2.JoinReply(detail=detail)
+
     # -- lifecycle ---------------------------------------------------------------------------
     def serve(self, ready_file: str | None = None) -> None:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16))
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
         odmoe_pb2_grpc.add_InferenceServicer_to_server(self, server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -11,6 +11,12 @@ PUB socket (predictions), announce readiness, then serve requests one after anot
   3) End (or a new Begin) stops it. A shadow that is wrong or late never changes main's output.
 
 `shadow.mode=random` publishes uniformly random experts instead (ablation case 5) and loads no model.
+
+Every control frame is untrusted: one that does not decode, a Begin whose prompt the model cannot
+take, an Align whose K/V rows do not fit the cache - each is dropped (the request it belongs to is
+abandoned) with a rate-limited log line, and the shadow serves the next Begin. With
+`cluster.main_addresses` set it announces itself to main on start, so a restarted shadow is used
+again.
 """
 
 from __future__ import annotations
@@ -25,8 +31,12 @@ from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
 from odmoe.alignment import AlignmentSchedule
+from odmoe.announce import announce
+from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
+from odmoe.dropped import DropLog
 from odmoe.families import family_of
+from odmoe.faults import FaultTrigger
 from odmoe.kv_rows import overwrite_newest_rows
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
@@ -63,6 +73,8 @@ class ShadowNode:
             cfg.alignment.token_period, cfg.alignment.kv_period, cfg.alignment.prefill_kv
         )
         config = AutoConfig.from_pretrained(model_path)
+        self.vocab_size = int(config.vocab_size)
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.family = family_of(config)
         self.num_experts = int(getattr(config, self.family.num_experts_field))
         self.top_k = int(getattr(config, self.family.top_k_field))
@@ -100,6 +112,9 @@ class ShadowNode:
         self.tracer = Tracer("shadow", cfg.trace_dir)
         self._layer_since_us = 0.0  # when the current layer's computation began (timeline only)
         self.pending: list = []  # control messages read ahead while waiting
+        self.main_addresses = cfg.cluster.main_addresses
+        self.fault = FaultTrigger(cfg.fault, "shadow")
+        self.dropped = DropLog(log, "shadow")
 
     def _router_layers(self, config) -> list[int]:
         if self.model is not None:
@@ -118,6 +133,7 @@ class ShadowNode:
             request, iteration = self.step
             if iteration < 1:
                 return  # prefill: nothing to predict
+            self.fault.at(request, iteration, layer)
             logits = output[0][-1].float()  # the newest token's router logits [E]
             probs, candidates = torch.softmax(logits, dim=-1).topk(min(self.top_k + 1, self.num_experts))
             experts = output[2][-1].tolist()
@@ -159,12 +175,19 @@ class ShadowNode:
 
     # -- control -----------------------------------------------------------------------------
     def _next_control(self, block: bool):
+        """The next control message (Begin / Align / End); frames that are not one are dropped."""
         if self.pending:
             return self.pending.pop(0)
-        if not block and not self.control.poll(0):
-            return None
-        message, tensors = from_frames(self.control.recv_multipart(copy=False))
-        return message, tensors
+        while block or self.control.poll(0):
+            try:
+                message, tensors = from_frames(self.control.recv_multipart(copy=False))
+            except CodecError as exc:
+                self.dropped.drop(exc)
+                continue
+            if isinstance(message, BeginRequest | Align | EndRequest):
+                return message, tensors
+            self.dropped.drop(f"{message.kind} is not a control message")
+        return None
 
     def _await_align(self, request: str, iteration: int) -> tuple[Align, list[torch.Tensor]]:
         while True:
@@ -198,6 +221,7 @@ class ShadowNode:
             pub_address=self.pub_address,
             weight_bytes=self.weight_bytes,
         )
+        announce(self.main_addresses, "shadow", self.address, pub_address=self.pub_address)
         log.info(
             "shadow (%s) serving: control %s, predictions %s", self.scfg.mode, self.address, self.pub_address
         )
@@ -205,11 +229,25 @@ class ShadowNode:
             message, _ = self._next_control(block=True)
             if isinstance(message, BeginRequest):
                 try:
+                    self._check_begin(message)
                     self.run_request(message)
                 except Interrupted:
                     pass
+                except Exception as exc:  # a bad Begin or Align: abandon that request, keep serving
+                    self.dropped.drop(
+                        f"request {message.request!r:.40} abandoned: {type(exc).__name__}: {exc}"
+                    )
                 self.step = ("", 0)
                 self.tracer.flush()
+
+    def _check_begin(self, begin: BeginRequest) -> None:
+        ids = begin.prompt_ids
+        if not ids or any(not 0 <= i < self.vocab_size for i in ids):
+            raise ValueError(f"prompt ids must be a non-empty list in [0, {self.vocab_size})")
+        if begin.max_new_tokens < 1 or (
+            self.max_positions and len(ids) + begin.max_new_tokens > self.max_positions
+        ):
+            raise ValueError(f"max_new_tokens={begin.max_new_tokens} does not fit the context")
 
     @torch.inference_mode()
     def run_request(self, begin: BeginRequest) -> None:
@@ -231,6 +269,10 @@ class ShadowNode:
                 if self.schedule.align_token(iteration) and align.token >= 0:
                     token = align.token
                 if self.schedule.align_kv(iteration) and align.kv:
+                    if len(tensors) != 2 or any(
+                        t.dim() != 4 or t.shape[0] != len(cache.layers) for t in tensors
+                    ):
+                        raise ValueError("an Align's K/V rows do not fit the cache")
                     overwrite_newest_rows(cache, tensors[0], tensors[1])
             else:
                 self._check_interrupt(request)

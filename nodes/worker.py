@@ -12,8 +12,16 @@ expert is evicted: no cache. Preloads the request did not use are dropped when m
 layer (it does after every decode layer, to every worker of the group). The result is the same
 either way; only time differs.
 
-A failure inside one request (an expert it does not hold, a bad message) is answered with an error
-result instead of killing the process, so main can report it with the worker named.
+A failure inside one request (an expert it does not hold, rows of the wrong shape) is answered
+with an error result instead of killing the process, so main can report it with the worker named.
+Every incoming frame is untrusted: one that does not decode, or whose handling fails, is dropped
+with a rate-limited log line and the worker goes on serving (`DropLog`).
+
+Failover: main tells every live worker who is live (`Membership`); the worker deals predictions
+over those workers by main's own rule, and subscribes to the prediction topics of every group
+whose layers it stores (it may serve them when their own group is lost). With
+`cluster.main_addresses` set it announces itself to main on start, so a worker restarted on
+another port is taken back.
 """
 
 from __future__ import annotations
@@ -21,33 +29,40 @@ from __future__ import annotations
 import heapq
 import logging
 import time
+from collections import OrderedDict
 
 import torch
 import zmq
 
+from odmoe.announce import announce
 from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
-from odmoe.expert_math import expert_forward
+from odmoe.dropped import DropLog
+from odmoe.expert_math import KERNELS, expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
+from odmoe.faults import FaultTrigger
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import parse_bytes, peak_rss_bytes
 from odmoe.messages import (
     ComputeExpert,
+    EndRequest,
     ExpertResult,
+    Membership,
     Ping,
     Pong,
     Prediction,
     Release,
-    Shutdown,
     from_frames,
     to_frames,
 )
 from odmoe.nodes.ready import announce_ready
+from odmoe.placement import LayerUnavailable
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.worker")
 Position = tuple[int, int]  # (iteration, layer): the order main visits layers in
+MAX_OPEN_BATCHES = 64  # prefill batches still missing parts; beyond this the oldest is dropped
 
 
 def compute_device(name: str) -> torch.device:
@@ -64,8 +79,7 @@ class WorkerNode:
         self.hidden_act = checkpoint.config.hidden_act
         dtype = resolve_dtype(cfg.model.dtype, checkpoint)
         layers = checkpoint.moe_layers
-        if cfg.worker.only_own_layers:
-            layers = self.topology.layers_of_worker(self.index, layers)
+        layers = self.topology.stored_layers(self.index, layers)
         start = time.perf_counter()
         w = cfg.worker
         self.store = ExpertStore.build(
@@ -105,39 +119,52 @@ class WorkerNode:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{cfg.cluster.host}")
         self.address = f"tcp://{cfg.cluster.host}:{port}"
+        self.main_addresses = cfg.cluster.main_addresses
         self.predictions: zmq.Socket | None = None
+        self.shadow_pub = ""
+        self.live: list[int] | None = None  # None until main says: every worker
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.request = ""  # the request predictions and preloads belong to
         self.done: Position = (-1, -1)  # the last (iteration, layer) main has finished with us
         self.preloads: list[tuple[int, int, int]] = []  # heap of (iteration, layer, expert)
         self.served: set[tuple[int, int, int]] = set()  # (iteration, layer, expert) main already asked for
-        self.batch: list[torch.Tensor] = []  # prefill mini-batches of the expert now being assembled
+        # prefill batches being assembled, by (peer, step, expert): parts by part number
+        self.batches: OrderedDict[tuple, dict[int, torch.Tensor]] = OrderedDict()
+        self.hidden_size = self.store.gate_up_shape[-1]
         self.tracer = Tracer(f"worker{self.index}", cfg.trace_dir)
+        self.fault = FaultTrigger(cfg.fault, f"worker{self.index}")
+        self.dropped = DropLog(log, f"worker {self.index}")
 
     def _subscribe(self, address: str) -> None:
-        if self.predictions is not None or not address or self.resident:
+        """Follow the shadow's predictions at `address` (again, when the shadow moved)."""
+        if address == self.shadow_pub or not address or self.resident:
             return
+        if self.predictions is not None:
+            self.poller.unregister(self.predictions)
+            self.predictions.close(0)
+        self.shadow_pub = address
         self.predictions = self.ctx.socket(zmq.SUB)
         self.predictions.setsockopt(zmq.LINGER, 0)
-        self.predictions.setsockopt(zmq.SUBSCRIBE, f"g{self.topology.group_of_worker(self.index)}".encode())
+        for group in self.topology.prediction_topics(self.index):
+            self.predictions.setsockopt(zmq.SUBSCRIBE, f"g{group}".encode())
         self.predictions.connect(address)
         self.poller.register(self.predictions, zmq.POLLIN)
 
     def serve(self, ready_file: str | None = None) -> None:
         announce_ready(ready_file, role="worker", index=self.index, address=self.address)
+        announce(self.main_addresses, "worker", self.address, index=self.index)
         log.info("worker %d serving on %s", self.index, self.address)
         try:
             while True:
                 can_preload = bool(self.preloads) and self.slots.free > 0
                 ready = dict(self.poller.poll(0 if can_preload else 1000))
                 if self.sock in ready:  # main's requests first: they are on the critical path
-                    if not self._serve_request():
-                        return
+                    self._serve_request()
                 elif self.predictions is not None and self.predictions in ready:
-                    self._take_prediction()
+                    self._guarded(self._take_prediction)
                 elif can_preload:
-                    self._preload_next()
+                    self._guarded(self._preload_next)
                 elif not ready:
                     self.tracer.flush()  # idle: a good moment to write the timeline out
         finally:
@@ -146,25 +173,37 @@ class WorkerNode:
             if self.predictions is not None:
                 self.predictions.close(0)
 
-    def _serve_request(self) -> bool:
+    def _guarded(self, handler, *args):
+        """Run one message's handler; whatever it raises drops that message, never the worker."""
+        try:
+            return handler(*args)
+        except Exception as exc:
+            self.dropped.drop(f"{type(exc).__name__}: {exc}")
+            return None
+
+    def _serve_request(self) -> None:
         peer, *frames = self.sock.recv_multipart(copy=False)
         try:
             message, tensors = from_frames(frames)
         except CodecError as exc:
-            log.warning("worker %d dropped a malformed message: %s", self.index, exc)
-            return True
-        if isinstance(message, Shutdown):
-            log.info("worker %d shutting down", self.index)
-            return False
-        if isinstance(message, Release):
-            self._finish(message.step.request, (message.step.iteration, message.step.layer))
-            return True
-        reply = self.handle(message, tensors)
+            self.dropped.drop(exc)
+            return
+        reply = self._guarded(self.handle, message, tensors, peer.bytes)
         if reply is not None:  # a mini-batch that only completes a batch gets no answer of its own
             self.sock.send_multipart([peer, *reply], copy=False)
-        return True
 
-    def handle(self, message, tensors: list[torch.Tensor]) -> list | None:
+    def handle(self, message, tensors: list[torch.Tensor], peer: bytes = b"") -> list | None:
+        if isinstance(message, Release):
+            self._finish(message.step.request, (message.step.iteration, message.step.layer))
+            return None
+        if isinstance(message, EndRequest):
+            if message.request == self.request:
+                self._switch_request("")  # cancelled or over: nothing it preloaded is wanted
+            return None
+        if isinstance(message, Membership):
+            self.live = sorted(w for w in message.live if 0 <= w < self.topology.workers)
+            self._subscribe(message.shadow_pub)
+            return None
         if isinstance(message, Ping):
             self._subscribe(message.shadow_pub)
             link = self.slots.link
@@ -179,7 +218,8 @@ class WorkerNode:
             )
             return to_frames(pong)
         if isinstance(message, ComputeExpert):
-            return self.compute(message, tensors[0])
+            self.fault.at(message.step.request, message.step.iteration, message.step.layer, message.part)
+            return self.compute(message, tensors[0], peer)
         raise CodecError(f"worker cannot handle {message.kind}")
 
     # -- predictions and preloading ----------------------------------------------------------
@@ -198,7 +238,10 @@ class WorkerNode:
         self._switch_request(step.request)
         if (step.iteration, step.layer) <= self.done:
             return  # main is already past this layer: too late to help
-        placement = self.topology.decode_placement(step.layer, prediction.experts)
+        try:
+            placement = self.topology.decode_placement(step.layer, prediction.experts, self.live)
+        except LayerUnavailable:
+            return
         for expert, worker in placement.items():
             position = (step.iteration, step.layer, expert)
             if worker == self.index and (step.layer, expert) in self.store and position not in self.served:
@@ -261,10 +304,12 @@ class WorkerNode:
         self.slots.evict(slot)
 
     # -- computing ---------------------------------------------------------------------------
-    def compute(self, request: ComputeExpert, hidden: torch.Tensor) -> list | None:
+    def compute(self, request: ComputeExpert, hidden: torch.Tensor, peer: bytes = b"") -> list | None:
         """Rows in one message, or prefill mini-batches: the expert loads when the first part arrives
         (overlapping the rest of the transfer) and, bit-exact by default, computes once all are in."""
         step = request.step
+        if problem := self._check(request, hidden):
+            return to_frames(self._result(request, 0.0, 0.0, 0, error=problem), [hidden[:0]])
         key, tag = (step.layer, request.expert), (step.request, step.iteration)
         self._serving(step, request.expert)
         self.tracer.message("compute", "compute", step, request.expert, sent=False)
@@ -279,12 +324,13 @@ class WorkerNode:
                 slot = load(key, tag=tag)
             except (KeyError, RuntimeError) as exc:
                 return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
-        last = request.part == request.parts - 1
-        if not request.per_part:
-            self.batch.append(hidden)
-            if not last:
+        last = True
+        if request.parts > 1 and not request.per_part:
+            hidden = self._assemble((peer, step, request.expert), request, hidden)
+            if hidden is None:
                 return None
-            hidden, self.batch = (torch.cat(self.batch) if len(self.batch) > 1 else self.batch[0]), []
+        else:
+            last = request.part == request.parts - 1
         slot.wait_filled()
         waited_s = time.perf_counter() - arrived  # this message waited on the expert's load
         try:
@@ -313,6 +359,29 @@ class WorkerNode:
         result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s)
         self.tracer.message("compute", "result", step, request.expert, sent=True)
         return to_frames(result, [y])
+
+    def _check(self, request: ComputeExpert, hidden: torch.Tensor) -> str:
+        """What is wrong with a compute request, or "" (an untrusted peer may send anything)."""
+        if request.kernel not in KERNELS:
+            return f"unknown experts kernel {request.kernel!r:.40}"
+        if not 0 <= request.part < request.parts:
+            return f"part {request.part} of {request.parts}"
+        if hidden.dim() != 2 or hidden.shape[1] != self.hidden_size:
+            return f"rows of shape {list(hidden.shape)}, expected [n, {self.hidden_size}]"
+        if hidden.dtype != self.store.dtype:
+            return f"rows of {hidden.dtype}, the experts are {self.store.dtype}"
+        return ""
+
+    def _assemble(self, key: tuple, request: ComputeExpert, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Collect one expert's prefill mini-batches; the whole batch once every part is in."""
+        parts = self.batches.setdefault(key, {})
+        parts[request.part] = hidden
+        if len(parts) < request.parts:
+            while len(self.batches) > MAX_OPEN_BATCHES:  # parts that will never complete (a lost main)
+                self.batches.popitem(last=False)
+            return None
+        del self.batches[key]
+        return torch.cat([parts[i] for i in range(request.parts)])
 
     def _result(
         self,

@@ -8,16 +8,30 @@
 A prompt string is tokenized by main exactly as `tokenizer(prompt)` (no chat template); a list of
 ints is sent as token ids. Errors arrive as `grpc.RpcError` with INVALID_ARGUMENT,
 FAILED_PRECONDITION or UNAVAILABLE and a readable message.
+
+Failover (main's loss): give several main addresses, the active one first and standbys after
+(`Client(["10.0.0.1:50051", "10.0.0.2:50051"])`). A killed main breaks the stream at once; a
+frozen one is noticed when no reply came for `keepalive_s` and main then fails to answer a gRPC
+health check within `2 * keepalive_s` (gRPC's own keepalive took a minute here: its ping policy
+throttles pings on a stream). A busy main answers health checks from its gRPC threads, so slowness
+alone is not a loss. The client then resumes on the next main by sending the prompt
+plus the tokens it already received (`resume_ids`), and that main replays them and streams the
+rest. With greedy decoding the whole sequence equals the single-process reference. A stream that
+keeps failing without a new token after every main was tried raises the last error.
 """
 
 from __future__ import annotations
 
 import json
+import queue
+import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
 import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 
@@ -36,31 +50,126 @@ class GenerateResult:
     final_logits: torch.Tensor | None = None  # [vocab] fp32 when asked for (return_logits=True)
 
 
-class Client:
-    def __init__(self, address: str, timeout_s: float | None = None):
-        self.address = address
-        self.timeout_s = timeout_s
-        self._channel = grpc.insecure_channel(address)
-        self._stub = odmoe_pb2_grpc.InferenceStub(self._channel)
+# What a lost main looks like from here: the connection dropped or its keepalive went unanswered.
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
 
-    def _request(self, prompt: str | list[int], max_new_tokens: int, return_logits: bool, request_id: str):
-        if isinstance(prompt, str):
-            return odmoe_pb2.GenerateRequest(
-                prompt=prompt,
-                max_new_tokens=max_new_tokens,
-                return_logits=return_logits,
-                request_id=request_id,
-            )
-        return odmoe_pb2.GenerateRequest(
-            token_ids=list(prompt),
+
+class StreamBroken(RuntimeError):
+    """A stream ended without its final reply, or its main stopped answering: it is lost."""
+
+
+_END = object()
+
+
+class Client:
+    def __init__(self, address: str | list[str], timeout_s: float | None = None, keepalive_s: float = 1.0):
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("Client needs at least one main address")
+        self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
+        self.keepalive_ms = max(int(keepalive_s * 1000), 100)
+        self._channels: dict[int, grpc.Channel] = {}
+        self.current = 0  # the main used now; moves on when one is lost
+        self.failovers = 0
+        self.failover_log: list[dict] = []  # {at_us, lost, to, reason}: when and why it moved on
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.current]
+
+    def replace_address(self, old: str, new: str) -> None:
+        """A main came back at another address (restarted): fail over to it from now on."""
+        i = self.addresses.index(old)
+        self.addresses[i] = new
+        channel = self._channels.pop(i, None)
+        if channel is not None:
+            channel.close()
+
+    def _stub(self) -> odmoe_pb2_grpc.InferenceStub:
+        channel = self._channels.get(self.current)
+        if channel is None:
+            options = [
+                ("grpc.keepalive_time_ms", self.keepalive_ms),
+                ("grpc.keepalive_timeout_ms", self.keepalive_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
+            ]
+            channel = self._channels[self.current] = grpc.insecure_channel(self.address, options=options)
+        return odmoe_pb2_grpc.InferenceStub(channel)
+
+    def _request(self, prompt, max_new_tokens: int, return_logits: bool, request_id: str, resume: list[int]):
+        fields = dict(
             max_new_tokens=max_new_tokens,
             return_logits=return_logits,
             request_id=request_id,
+            resume_ids=resume,
         )
+        if isinstance(prompt, str):
+            return odmoe_pb2.GenerateRequest(prompt=prompt, **fields)
+        return odmoe_pb2.GenerateRequest(token_ids=list(prompt), **fields)
 
     def _replies(self, prompt, max_new_tokens, return_logits=False, request_id=""):
-        request = self._request(prompt, max_new_tokens, return_logits, request_id)
-        return self._stub.Generate(request, timeout=self.timeout_s)
+        """The stream of replies, resumed on the next main whenever the current one is lost."""
+        received: list[int] = []
+        failures = 0  # consecutive, without a new token in between
+        while True:
+            request = self._request(prompt, max_new_tokens, return_logits, request_id, received)
+            call = self._stub().Generate(request, timeout=self.timeout_s)
+            try:
+                for reply in self._watched(call):
+                    if reply.WhichOneof("kind") == "token":
+                        received.append(reply.token.token_id)
+                        failures = 0
+                    yield reply
+                    if reply.WhichOneof("kind") == "done":
+                        return
+                raise StreamBroken(f"main {self.address} ended the stream without its final reply")
+            except (grpc.RpcError, StreamBroken) as error:
+                exc = error
+                code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                failures += 1
+                if code not in FAILOVER_CODES or failures >= len(self.addresses) + 1:
+                    raise
+            finally:
+                call.cancel()  # no-op once done; when the caller stops reading, main stops too
+            lost = self.address
+            self._channels.pop(self.current).close()
+            self.current = (self.current + 1) % len(self.addresses)
+            self.failovers += 1
+            self.failover_log.append(
+                {"at_us": time.time() * 1e6, "lost": lost, "to": self.address, "reason": str(exc)[:200]}
+            )
+
+    def _watched(self, call) -> Iterator:
+        """`call`'s replies; while none comes for keepalive_s, main must pass a health check."""
+        replies: queue.Queue = queue.Queue()
+
+        def pump() -> None:
+            try:
+                for reply in call:
+                    replies.put(reply)
+                replies.put(_END)
+            except grpc.RpcError as exc:
+                replies.put(exc)
+
+        threading.Thread(target=pump, name="odmoe-client-stream", daemon=True).start()
+        health = health_pb2_grpc.HealthStub(self._channels[self.current])
+        while True:
+            try:
+                item = replies.get(timeout=self.keepalive_s)
+            except queue.Empty:
+                try:
+                    health.Check(health_pb2.HealthCheckRequest(), timeout=2 * self.keepalive_s)
+                except grpc.RpcError as exc:
+                    raise StreamBroken(f"main {self.address} stopped answering ({exc.code().name})") from None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
 
     def stream(self, prompt: str | list[int], max_new_tokens: int = 32) -> Iterator[Piece]:
         for reply in self._replies(prompt, max_new_tokens):
@@ -88,7 +197,7 @@ class Client:
         return result
 
     def info(self) -> dict:
-        reply = self._stub.Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s)
+        reply = self._stub().Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s)
         return {
             "model_path": reply.model_path,
             "family": reply.family,
@@ -98,7 +207,9 @@ class Client:
         }
 
     def close(self) -> None:
-        self._channel.close()
+        for channel in self._channels.values():
+            channel.close()
+        self._channels = {}
 
     def __enter__(self) -> Client:
         return self

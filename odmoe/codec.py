@@ -16,6 +16,9 @@ import msgpack
 import torch
 
 _TENSORS = "_tensors"
+# A header is a few hundred bytes (a BeginRequest's prompt ids are the largest); a bigger one is a
+# malformed or hostile peer, refused before msgpack allocates anything for it.
+MAX_HEADER_BYTES = 16 * 2**20
 _DTYPES = {
     str(dt).removeprefix("torch."): dt
     for dt in (
@@ -59,31 +62,47 @@ def _buffer(frame) -> memoryview:
 
 
 def decode(frames: list) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    """Every frame is untrusted: anything that is not exactly this wire format raises CodecError
+    (and nothing else), so a node can drop it with one log line and go on."""
+    if not frames:
+        raise CodecError("empty message")
+    head = _buffer(frames[0])
+    if head.nbytes > MAX_HEADER_BYTES:
+        raise CodecError(f"header frame of {head.nbytes} bytes exceeds {MAX_HEADER_BYTES}")
     try:
-        header = msgpack.unpackb(_buffer(frames[0]))
-        meta = header.pop(_TENSORS)
+        header = msgpack.unpackb(head)
     except Exception as exc:  # a malformed peer must not kill the node
         raise CodecError(f"bad header frame: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CodecError(f"header is a {type(header).__name__}, not a map")
+    meta = header.pop(_TENSORS, None)
+    if not isinstance(meta, list):
+        raise CodecError(f"header's {_TENSORS!r} is not a list")
     if len(meta) != len(frames) - 1:
         raise CodecError(f"header names {len(meta)} tensors but {len(frames) - 1} frames follow")
-    tensors = []
-    for (name, shape), frame in zip(meta, frames[1:], strict=True):
-        dtype = _DTYPES.get(name)
-        if dtype is None:
-            raise CodecError(f"unknown dtype {name!r}")
-        buf = _buffer(frame)
-        expected = dtype.itemsize * _numel(shape)
-        if buf.nbytes != expected:
-            raise CodecError(f"tensor frame has {buf.nbytes} bytes, {name}{shape} needs {expected}")
-        if expected == 0:
-            tensors.append(torch.empty(shape, dtype=dtype))
-            continue
-        with warnings.catch_warnings():
-            # frombuffer warns that the frame is read-only; read-only is this module's contract.
-            warnings.simplefilter("ignore", UserWarning)
-            flat = torch.frombuffer(buf, dtype=torch.uint8)
-        tensors.append(flat.view(dtype).view(shape))
-    return header, tensors
+    return header, [_tensor(entry, frame) for entry, frame in zip(meta, frames[1:], strict=True)]
+
+
+def _tensor(entry, frame) -> torch.Tensor:
+    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+        raise CodecError(f"tensor entry {entry!r:.80} is not [dtype, shape]")
+    name, shape = entry
+    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    if dtype is None:
+        raise CodecError(f"unknown dtype {name!r:.40}")
+    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40 for s in shape):
+        raise CodecError(f"bad shape {shape!r:.80}")
+    buf = _buffer(frame)
+    expected = dtype.itemsize * _numel(shape)
+    if buf.nbytes != expected:
+        raise CodecError(f"tensor frame has {buf.nbytes} bytes, {name}{shape} needs {expected}")
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    with warnings.catch_warnings():
+        # frombuffer warns that the frame is read-only; read-only is this module's contract.
+        warnings.simplefilter("ignore", UserWarning)
+        flat = torch.frombuffer(buf, dtype=torch.uint8)
+    return flat.view(dtype).view(shape)
 
 
 def _numel(shape: list[int]) -> int:

@@ -36,7 +36,10 @@ class ClusterConfig:
     # LAN use: main connects to these, index i = worker i ("tcp://10.0.0.7:5600"); filled by the
     # local launcher with the ports its workers bound.
     worker_addresses: list[str] = field(default_factory=list)
-    main_address: str = ""  # clients: "host:port" of main's gRPC server
+    # "host:port" of every main's gRPC server (the active one and standbys). A worker or shadow
+    # that (re)starts announces itself to each (so a node restarted on a new port is taken back);
+    # clients take the same list and fail over along it.
+    main_addresses: list[str] = field(default_factory=list)
     shadow_port: int = 0  # role=shadow: control port (main -> shadow); the prediction port is +1 if set
     shadow_address: str = ""  # main connects here to align the shadow ("tcp://host:port")
     shadow_pub_address: str = ""  # predictions are published here; main and workers subscribe
@@ -57,11 +60,16 @@ class WorkerConfig:
     device: str = "auto"  # "auto": cuda when present, else cpu
     slots: int = 2  # experts a worker may hold on the device at once (one computing, one loading)
     only_own_layers: bool = False  # store only the layers of this worker's group (less memory)
+    # With only_own_layers: each layer is stored by this many groups (its own + the next R-1), so the
+    # loss of a whole group is survived when R >= 2. Ignored otherwise (every worker stores every layer).
+    replicas: int = 1
     # Benchmark baseline, not OD-MoE: keep every expert on the device (no loads): the cost of being
     # cacheless, isolated. Predictions are then ignored.
     resident: bool = False
     ready_timeout_s: float = 120.0  # how long the launcher waits for a node to come up
-    reply_timeout_s: float = 60.0  # how long main waits for one expert result
+    # Per-call deadline: a worker alive by heartbeat that has not answered a call for this long (a
+    # frozen process) is counted as lost and its calls re-sent. Loads over a slow link must fit in it.
+    reply_timeout_s: float = 60.0
     link: LinkConfig = field(default_factory=LinkConfig)
     # Where experts rest (odmoe.expert_store): memory (decompressed in host memory) | compressed
     # (lossless: entropy-coded exponents + raw sign/mantissa, in host memory) | disk (read on each load:
@@ -104,6 +112,32 @@ class AlignmentConfig:
 
 
 @dataclass
+class FailoverConfig:
+    heartbeat_interval_s: float = 0.2  # ZeroMQ heartbeat on main's connections to workers and shadow
+    heartbeat_timeout_s: float = 1.0  # no traffic this long after a heartbeat: the peer is lost
+    probe_interval_s: float = 1.0  # how often main re-pings where a lost worker may be back
+    client_keepalive_s: float = 1.0  # gRPC keepalive: a frozen main is noticed in about twice this
+
+
+FAULT_ACTIONS = ("kill", "stop")
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection (tests, odmoe-bench suite=faults): the node named here kills or freezes
+    itself when it reaches the given point, so a failure lands exactly there."""
+
+    node: str = ""  # "main" | "shadow" | "worker<i>"; "" = no fault
+    action: str = "kill"  # kill (SIGKILL) | stop (SIGSTOP)
+    request: int = 1  # the node's n-th request (1-based)
+    iteration: int = 1  # 0 = prefill, n = the n-th decode iteration
+    layer: int = -1  # MoE layer; -1 = the first one the node reaches in that iteration
+    part: int = 0  # worker, prefill mini-batches: fire on this part (earlier parts are in)
+    resume_after_s: float = 0.0  # stop: SIGCONT after this long (0: stays frozen)
+    record: str = ""  # append one JSON line {node, action, at_us, ...} here as it fires
+
+
+@dataclass
 class OdmoeConfig:
     role: RoleConfig = field(default_factory=RoleConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -112,6 +146,8 @@ class OdmoeConfig:
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
+    failover: FailoverConfig = field(default_factory=FailoverConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)
     results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32
@@ -121,13 +157,20 @@ class OdmoeConfig:
 
     @property
     def topology(self) -> Topology:
-        return Topology(self.cluster.workers, self.cluster.group_size)
+        replicas = self.worker.replicas if self.worker.only_own_layers else 0
+        return Topology(self.cluster.workers, self.cluster.group_size, replicas)
 
 
 def validate(cfg: OdmoeConfig) -> None:
     if cfg.role.name not in ROLES:
         raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
-    Topology(cfg.cluster.workers, cfg.cluster.group_size)  # raises on a workers/group_size mismatch
+    if cfg.worker.replicas < 1:
+        raise ValueError(f"worker.replicas must be at least 1, got {cfg.worker.replicas}")
+    cfg.topology  # noqa: B018 - raises on a workers/group_size mismatch or too many replicas
+    if cfg.fault.node and cfg.fault.action not in FAULT_ACTIONS:
+        raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")
+    if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
+        raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
     if cfg.worker.slots < 1:
         raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
     from odmoe.expert_store import STORES

@@ -5,10 +5,17 @@ Contract: `MainEngine.generate(request)` yields `TokenEvent`s as tokens are chos
 the `RemoteExperts` attached to the model sends them. Greedy decoding, same inputs as
 `transformers`' `generate()` (DynamicCache, attention mask of ones, `logits_to_keep=1`, stop at EOS or
 `max_new_tokens`), so the tokens equal a single-process `generate(do_sample=False)`.
+
+Resuming (`resume_ids`: the tokens a client already received from a main that was lost): they are
+replayed one decode iteration each, exactly as they were first computed, and not streamed again;
+a one-shot prefill of prompt + resumed tokens would differ from the reference in the last bits.
+Whatever way a request ends (done, failed, cancelled by closing the generator), the shadow and the
+workers are told, so nothing stays loaded or running for it.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +29,9 @@ from odmoe.kv_rows import newest_rows
 from odmoe.main_model import MainModel
 from odmoe.memory import peak_rss_bytes
 from odmoe.remote_experts import RemoteExperts
+from odmoe.trace import now_us
+
+log = logging.getLogger("odmoe.main")
 
 
 class InvalidRequest(ValueError):
@@ -34,6 +44,7 @@ class GenerateRequest:
     token_ids: tuple[int, ...] = ()
     max_new_tokens: int = 32
     return_logits: bool = False  # send the last position's logits back (fidelity checks)
+    resume_ids: tuple[int, ...] = ()  # new tokens already sent by a main that was lost: replayed
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -59,7 +70,6 @@ class MainEngine:
         pace_shadow: bool = False,
     ):
         self.main, self.tokenizer, self.experts = main, tokenizer, experts
-        self.shadow = experts.shadow
         self.schedule = schedule or AlignmentSchedule()
         self.pace_shadow = pace_shadow  # send an Align every iteration even when nothing is aligned
         main.attach(experts)
@@ -79,6 +89,15 @@ class MainEngine:
             raise InvalidRequest(f"token ids must lie in [0, {vocab})")
         if request.max_new_tokens < 1:
             raise InvalidRequest(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        resume = request.resume_ids
+        if len(resume) > request.max_new_tokens:
+            raise InvalidRequest(
+                f"{len(resume)} resumed tokens exceed max_new_tokens={request.max_new_tokens}"
+            )
+        if any(not 0 <= i < vocab for i in resume):
+            raise InvalidRequest(f"resume_ids must lie in [0, {vocab})")
+        if set(resume[:-1]) & self.eos_ids:
+            raise InvalidRequest("resume_ids continue past an end-of-sequence token")
         if self.max_positions and len(ids) + request.max_new_tokens > self.max_positions:
             raise InvalidRequest(
                 f"{len(ids)} prompt tokens + max_new_tokens={request.max_new_tokens} exceed the model's "
@@ -86,12 +105,21 @@ class MainEngine:
             )
         return ids
 
+    @property
+    def shadow(self):
+        return self.experts.shadow
+
     @torch.inference_mode()
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
-        start = time.perf_counter()
+        start, start_us = time.perf_counter(), now_us()
         # 1) tokens in: exactly tokenizer(prompt), no chat template.
         ids = torch.tensor([self.prompt_ids(request)])
-        prompt_len = ids.shape[1]
+        prompt_len, resumed = ids.shape[1], list(request.resume_ids)
+        if len(resumed) == request.max_new_tokens or set(resumed[-1:]) & self.eos_ids:
+            # the lost main had streamed every token and died before its final reply
+            stats = {"request_id": request.request_id, "new_tokens": 0, "resumed_tokens": len(resumed)}
+            yield DoneEvent(stats)
+            return
         model, cache = self.main.model, DynamicCache(config=self.main.model.config)
         self.experts.traffic = type(self.experts.traffic)()
         new_ids: list[int] = []
@@ -99,38 +127,68 @@ class MainEngine:
         step_input, first_token_at = ids, 0.0
         if self.shadow is not None:
             self.shadow.begin(request.request_id, ids[0].tolist(), request.max_new_tokens)
-        # 2) prefill (iteration 0) then 3) one decode iteration per new token.
-        for iteration in range(request.max_new_tokens):
-            self.experts.begin(request.request_id, iteration)
-            mask = torch.ones(1, prompt_len + len(new_ids), dtype=torch.long)
-            logits = (
-                model(
-                    input_ids=step_input,
-                    attention_mask=mask,
-                    past_key_values=cache,
-                    use_cache=True,
-                    logits_to_keep=1,
+        try:
+            # 2) prefill (iteration 0) then 3) one decode iteration per new token; the first
+            #    len(resumed) tokens are replayed as they were chosen before, not streamed again.
+            for iteration in range(request.max_new_tokens):
+                self.experts.begin(request.request_id, iteration)
+                mask = torch.ones(1, prompt_len + len(new_ids), dtype=torch.long)
+                logits = (
+                    model(
+                        input_ids=step_input,
+                        attention_mask=mask,
+                        past_key_values=cache,
+                        use_cache=True,
+                        logits_to_keep=1,
+                    )
+                    .logits[:, -1, :]
+                    .float()
                 )
-                .logits[:, -1, :]
-                .float()
-            )
-            token = int(logits.argmax(dim=-1))
-            new_ids.append(token)
-            if iteration == 0:
-                first_token_at = time.perf_counter()
-            finished = token in self.eos_ids or iteration + 1 == request.max_new_tokens
-            if not finished:
-                self._align_shadow(iteration + 1, token, cache, rows=step_input.shape[1])
-            yield TokenEvent(token, text.add(token))
-            if finished:
-                break
-            step_input = torch.tensor([[token]])
-        if self.shadow is not None:
-            self.shadow.end()
+                token = int(logits.argmax(dim=-1))
+                replayed = iteration < len(resumed)
+                if replayed:
+                    if token != resumed[iteration]:
+                        log.warning(
+                            "request %s: resumed token %d is %d, this main would pick %d (is it the same "
+                            "model and dtype as the main that was lost?)",
+                            request.request_id,
+                            iteration,
+                            resumed[iteration],
+                            token,
+                        )
+                    token = resumed[iteration]
+                new_ids.append(token)
+                if not replayed and not first_token_at:
+                    first_token_at = time.perf_counter()
+                finished = token in self.eos_ids or iteration + 1 == request.max_new_tokens
+                if not finished:
+                    self._align_shadow(iteration + 1, token, cache, rows=step_input.shape[1])
+                piece = text.add(token)
+                if not replayed:
+                    yield TokenEvent(token, piece)
+                if finished:
+                    break
+                step_input = torch.tensor([[token]])
+        finally:  # also when the client went away and the generator is closed mid-way
+            if self.shadow is not None:
+                self.shadow.end()
+            self.experts.end_request()
         end = time.perf_counter()
         self.experts.tracer.flush()
         stats = self._stats(request, prompt_len, new_ids, start, first_token_at, end)
+        stats["resumed_tokens"] = len(resumed)
+        stats["failover"] = self._failover_stats(start_us)
         yield DoneEvent(stats, logits[0].clone() if request.return_logits else None)
+
+    def _failover_stats(self, since_us: float) -> dict:
+        events = [e for e in self.experts.members.events if e.at_us >= since_us]
+        return {
+            "live_workers": sorted(self.experts.members.live),
+            "resent_calls": self.experts.traffic.resent,
+            "events": [
+                {"worker": e.worker, "event": e.event, "at_us": e.at_us, "reason": e.reason} for e in events
+            ],
+        }
 
     def _align_shadow(self, iteration: int, token: int, cache: DynamicCache, rows: int) -> None:
         """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1."""
@@ -143,6 +201,7 @@ class MainEngine:
 
     def _stats(self, request, prompt_len, new_ids, start, first_token_at, end) -> dict:
         traffic = self.experts.traffic
+        new_ids = new_ids[len(request.resume_ids) :]  # what this main streamed
         decode_tokens = len(new_ids) - 1
         decode_s = end - first_token_at
         return {
@@ -199,8 +258,12 @@ class MainEngine:
         }
 
     def _shadow_stats(self) -> dict:
-        if self.shadow is None:
-            return {"shadow": False}
+        if self.shadow is not None and self.shadow.lost_at_us:
+            lost = {"shadow_lost_at_us": self.shadow.lost_at_us}
+        else:
+            lost = {}
+        if self.shadow is None or not self.shadow.active:
+            return {"shadow": False, **lost}
         seen = self.shadow.seen
         ahead, late, forward = seen.lookahead_layers, seen.late_departure_s, seen.forward_s
         idle = seen.alignment_wait_s
@@ -211,6 +274,7 @@ class MainEngine:
             "lookahead_layers_mean": sum(ahead) / len(ahead) if ahead else None,
             "late_departure_s": sum(late.values()),
             "late_departure_s_mean": sum(late.values()) / len(late) if late else None,
+            **lost,
         }
 
 

@@ -3,11 +3,17 @@
 Every message names its `(request, iteration, layer)` so that predictions, retries after a worker
 is replaced, and timelines can all be matched to the decode step they belong to. `to_frames` /
 `from_frames` go through codec; the message kind travels in the header.
+
+Every received frame is untrusted: `from_frames` checks each field's type against the dataclass
+(and how many tensors the kind carries) and raises only `CodecError`, so a node drops a bad frame
+and stays up. Unknown extra keys are ignored (a newer peer may add fields).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+import functools
+import typing
+from dataclasses import asdict, dataclass, field
 
 import torch
 
@@ -140,8 +146,14 @@ class Pong:
 
 
 @dataclass(frozen=True)
-class Shutdown:
-    kind: str = "shutdown"
+class Membership:
+    """main -> every live worker: the workers main now counts as live, and where the shadow
+    publishes. Workers deal predictions over these (the same rule main places by), so after a
+    worker is lost or rejoins the preloads land where main will send the rows."""
+
+    live: list[int]
+    shadow_pub: str = ""
+    kind: str = "membership"
 
 
 _ALL = (
@@ -149,13 +161,13 @@ _ALL = (
     ExpertResult,
     Ping,
     Pong,
-    Shutdown,
     Release,
     Prediction,
     ShadowIteration,
     BeginRequest,
     Align,
     EndRequest,
+    Membership,
 )
 _KINDS = {cls.kind: cls for cls in _ALL}
 Message = (
@@ -163,14 +175,17 @@ Message = (
     | ExpertResult
     | Ping
     | Pong
-    | Shutdown
     | Release
     | Prediction
     | ShadowIteration
     | BeginRequest
     | Align
     | EndRequest
+    | Membership
 )
+# Kinds whose tensors are part of their meaning (an Align carries 0 or 2: the shadow checks; a
+# result 1: main checks, since an error result is sent without rows in tests).
+_TENSORS = {"compute": 1}
 
 
 def to_frames(message: Message, tensors: list[torch.Tensor] = ()) -> list:
@@ -179,10 +194,45 @@ def to_frames(message: Message, tensors: list[torch.Tensor] = ()) -> list:
 
 def from_frames(frames: list) -> tuple[Message, list[torch.Tensor]]:
     header, tensors = decode(frames)
-    cls = _KINDS.get(header.get("kind"))
+    cls = _KINDS.get(header.get("kind")) if isinstance(header.get("kind"), str) else None
     if cls is None:
-        raise CodecError(f"unknown message kind {header.get('kind')!r}")
-    values = {f.name: header[f.name] for f in fields(cls) if f.name in header}
-    if "step" in values:
-        values["step"] = Step(**values["step"])
-    return cls(**values), tensors
+        raise CodecError(f"unknown message kind {header.get('kind')!r:.40}")
+    if cls.kind in _TENSORS and len(tensors) != _TENSORS[cls.kind]:
+        raise CodecError(f"{cls.kind} carries {len(tensors)} tensors, expected {_TENSORS[cls.kind]}")
+    values = {}
+    for name, hint in _hints(cls).items():
+        if name in header:
+            values[name] = _checked(header[name], hint, f"{cls.kind}.{name}")
+    try:
+        return cls(**values), tensors
+    except TypeError as exc:  # a required field is missing
+        raise CodecError(f"{cls.kind}: {exc}") from exc
+
+
+@functools.cache
+def _hints(cls) -> dict[str, object]:
+    return typing.get_type_hints(cls)
+
+
+def _checked(value, hint, where: str):
+    """`value` as the field's type, or CodecError: msgpack gives ints, floats, str, lists, dicts."""
+    if hint is Step:
+        if not isinstance(value, dict) or set(value) != {"request", "iteration", "layer"}:
+            raise CodecError(f"{where} is not a step")
+        return Step(
+            _checked(value["request"], str, f"{where}.request"),
+            _checked(value["iteration"], int, f"{where}.iteration"),
+            _checked(value["layer"], int, f"{where}.layer"),
+        )
+    if typing.get_origin(hint) is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list):
+            raise CodecError(f"{where} is not a list")
+        return [_checked(v, item, where) for v in value]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is int and isinstance(value, bool):
+        raise CodecError(f"{where} is a bool, not an int")
+    if not isinstance(value, hint):
+        raise CodecError(f"{where} is {type(value).__name__}, not {hint.__name__}")
+    return value

@@ -1,22 +1,36 @@
-"""Which worker computes which expert: pure functions of the cluster's shape.
+"""Which worker computes which expert: pure functions of the cluster's shape and who is alive.
 
 Workers are numbered 0..N-1 and split into G = N / group_size round-robin groups; worker w belongs
 to group w // group_size. MoE layer l belongs to group l mod G (paper §3.1), so while one group
 computes layer l the next groups are already loading layers l+1, l+2, ... Main, the shadow and the
-workers all call these functions, so they agree on placement without exchanging it.
+workers all call these functions, so they agree on placement without exchanging it; the only thing
+main sends is the set of live workers (`Membership`), so that predictions are dealt the same way
+on both sides after a worker is lost.
+
+Who stores what (`replicas`): 0 (the default) = every worker stores every layer, so the cluster
+serves as long as one worker lives. R >= 1 (`worker.only_own_layers=true`) = layer l is stored by
+the workers of groups l mod G, l+1 mod G, ..., l+R-1 mod G: its own group first, then R-1 backups.
+A layer is served by the live members of the first of those groups that has any; when none holds
+it, `LayerUnavailable` names the layer.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 WorkerId = int
+
+
+class LayerUnavailable(RuntimeError):
+    """No live worker stores this layer: the request cannot go on until one (re)joins."""
 
 
 @dataclass(frozen=True)
 class Topology:
     workers: int
     group_size: int
+    replicas: int = 0  # 0: every worker stores every layer; R: each layer on R groups (own + R-1 next)
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -26,6 +40,10 @@ class Topology:
         if self.workers % self.group_size:
             raise ValueError(
                 f"cluster.workers={self.workers} is not divisible by cluster.group_size={self.group_size}"
+            )
+        if not 0 <= self.replicas <= self.groups:
+            raise ValueError(
+                f"worker.replicas={self.replicas} must lie in 1..{self.groups} (the number of groups)"
             )
 
     @property
@@ -42,45 +60,119 @@ class Topology:
         return list(range(group * self.group_size, (group + 1) * self.group_size))
 
     def layers_of_worker(self, worker: WorkerId, layers: list[int]) -> list[int]:
+        """The layers of this worker's own group (round-robin)."""
         group = self.group_of_worker(worker)
         return [layer for layer in layers if self.group_of_layer(layer) == group]
 
-    def decode_placement(self, layer: int, experts: list[int]) -> dict[int, WorkerId]:
-        """The layer's experts, ascending, dealt round-robin over its group (one each when k == g)."""
-        members = self.workers_of_group(self.group_of_layer(layer))
+    # -- who stores and who serves a layer ---------------------------------------------------
+    def holding_groups(self, layer: int) -> list[int]:
+        """The groups that store `layer`, in the order they serve it: its own group first."""
+        first = self.group_of_layer(layer)
+        count = self.replicas or self.groups
+        return [(first + j) % self.groups for j in range(count)]
+
+    def stores(self, worker: WorkerId, layer: int) -> bool:
+        return self.group_of_worker(worker) in self.holding_groups(layer)
+
+    def stored_layers(self, worker: WorkerId, layers: list[int]) -> list[int]:
+        return [layer for layer in layers if self.stores(worker, layer)]
+
+    def holders(self, layer: int, live: Collection[WorkerId] | None = None) -> list[WorkerId]:
+        """Every live worker that stores the layer, ascending."""
+        return sorted(
+            w
+            for g in self.holding_groups(layer)
+            for w in self.workers_of_group(g)
+            if live is None or w in live
+        )
+
+    def live_holders(self, layer: int, live: Collection[WorkerId] | None = None) -> list[WorkerId]:
+        """`holders`, or LayerUnavailable naming the layer when none is live (prefill's workers)."""
+        holders = self.holders(layer, live)
+        if not holders:
+            self.serving_group(layer, live)  # raises, naming the layer
+        return holders
+
+    def serving_group(self, layer: int, live: Collection[WorkerId] | None = None) -> list[WorkerId]:
+        """The live members of the first group holding the layer that has any (decode's workers)."""
+        for group in self.holding_groups(layer):
+            members = [w for w in self.workers_of_group(group) if live is None or w in live]
+            if members:
+                return members
+        raise LayerUnavailable(
+            f"no live worker holds layer {layer} (stored by workers "
+            f"{self.holders(layer)}; live: {sorted(live or [])})"
+        )
+
+    def prediction_topics(self, worker: WorkerId) -> list[int]:
+        """The groups whose layers this worker may serve: the prediction topics it subscribes to."""
+        return sorted({g for g in range(self.groups) if self.group_of_worker(worker) in self._backed_by(g)})
+
+    def _backed_by(self, group: int) -> list[int]:
+        count = self.replicas or self.groups
+        return [(group + j) % self.groups for j in range(count)]
+
+    # -- placements ---------------------------------------------------------------------------
+    def decode_placement(
+        self, layer: int, experts: list[int], live: Collection[WorkerId] | None = None
+    ) -> dict[int, WorkerId]:
+        """The layer's experts, ascending, dealt round-robin over its serving group (one each when
+        k == g)."""
+        members = self.serving_group(layer, live)
         return {e: members[i % len(members)] for i, e in enumerate(sorted(experts))}
 
     def prefill_placement(
-        self, tokens_per_expert: dict[int, int], rule: str = "modulo"
+        self,
+        tokens_per_expert: dict[int, int],
+        rule: str = "modulo",
+        workers: list[WorkerId] | None = None,
     ) -> dict[int, WorkerId]:
-        """Prefill hits nearly every expert: spread them over all workers.
+        """Prefill hits nearly every expert: spread them over `workers` (default: all).
 
-        "modulo": expert e on worker e mod N. "balanced": largest token batch first onto the worker
+        "modulo": expert e on workers[e mod n]. "balanced": largest token batch first onto the worker
         with the fewest tokens so far (ties: lowest id), so no worker gets the two busiest experts.
         """
+        pool = sorted(workers) if workers is not None else list(range(self.workers))
+        if not pool:
+            raise LayerUnavailable("no live worker to spread the prompt over")
         if rule == "modulo":
-            return {e: e % self.workers for e in tokens_per_expert}
+            return {e: pool[e % len(pool)] for e in tokens_per_expert}
         if rule != "balanced":
             raise ValueError(f"prefill.placement={rule!r} is not one of modulo, balanced")
-        load = [0] * self.workers
+        load = dict.fromkeys(pool, 0)
         placement = {}
         for e in sorted(tokens_per_expert, key=lambda e: (-tokens_per_expert[e], e)):
-            worker = min(range(self.workers), key=lambda w: (load[w], w))
+            worker = min(pool, key=lambda w: (load[w], w))
             placement[e] = worker
             load[worker] += tokens_per_expert[e]
         return placement
 
-    def repair_placement(self, layer: int, predicted: list[int], activated: list[int]) -> dict[int, WorkerId]:
+    def repair_placement(
+        self,
+        layer: int,
+        predicted: list[int],
+        activated: list[int],
+        live: Collection[WorkerId] | None = None,
+    ) -> dict[int, WorkerId]:
         """Where main sends the activated experts when the shadow predicted `predicted`.
 
         A correctly predicted expert goes to the worker that preloaded it. A missed one goes to a
         worker whose preloaded expert turned out unused (it must evict and reload anyway), else to
         its own round-robin place: the output is the same either way, only the load is late.
         """
-        preloaded = self.decode_placement(layer, predicted)
+        preloaded = self.decode_placement(layer, predicted, live)
         placement = {e: preloaded[e] for e in activated if e in preloaded}
         idle = [preloaded[e] for e in sorted(preloaded) if e not in placement]
-        fallback = self.decode_placement(layer, activated)
+        fallback = self.decode_placement(layer, activated, live)
         for e in sorted(set(activated) - set(placement)):
             placement[e] = idle.pop(0) if idle else fallback[e]
         return placement
+
+    def replace_lost(
+        self, layer: int, lost: dict[int, WorkerId], live: Collection[WorkerId], spread: bool
+    ) -> dict[int, WorkerId]:
+        """New workers for experts whose calls were outstanding on workers now dead: the layer's
+        serving group over the live workers (decode), or every live holder of the layer (prefill)."""
+        if spread:
+            return self.prefill_placement(dict.fromkeys(lost, 1), "modulo", self.live_holders(layer, live))
+        return self.decode_placement(layer, list(lost), live)

@@ -5,40 +5,47 @@ returns exactly what transformers' experts module would have returned, computed 
 It is attached to the main model (main_model.MainModel.attach) and called once per MoE layer of
 every forward pass; `begin(request, iteration)` labels the calls that follow.
 
-Failure policy: a worker that does not answer within `reply_timeout_s`, or answers with an error,
-raises `WorkerUnavailable` naming it. Nothing is retried here yet; a later failover step can
-re-place the expert on another worker because every request is self-contained (rows + names).
+Failure policy: every call is self-contained (rows + the name `(request, iteration, layer,
+expert)`), so a call outstanding on a worker that is lost (Membership reports it, or it stays
+silent past `reply_timeout_s`: the per-call deadline for a frozen process) is re-sent, rows and
+all, to a live worker that stores the layer, placed by the same pure rules over the live workers.
+An answer is taken only from the worker the call is currently placed on, once per part, so a late
+or duplicated answer is never combined twice. When no live worker stores the layer the request
+fails at once with `WorkerUnavailable` naming the layer; a worker that answers with an error
+(e.g. it lacks that expert) raises `WorkerFailed`. Frames that do not decode are dropped.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
 import torch
-import zmq
 
+from odmoe.codec import CodecError
 from odmoe.config import PrefillConfig
+from odmoe.dropped import DropLog
 from odmoe.expert_math import combine, split_by_expert
+from odmoe.faults import FaultTrigger
+from odmoe.membership import Membership, WorkerUnavailable
 from odmoe.messages import (
     ComputeExpert,
+    EndRequest,
     ExpertResult,
-    Ping,
     Pong,
     Release,
-    Shutdown,
     Step,
     from_frames,
     to_frames,
 )
-from odmoe.placement import Topology
+from odmoe.placement import LayerUnavailable
 from odmoe.recall import RecallCounter
 from odmoe.shadow_link import ShadowLink
 from odmoe.trace import Tracer, now_us
 
-
-class WorkerUnavailable(RuntimeError):
-    """A worker did not answer in time (dead, unreachable or overloaded)."""
+log = logging.getLogger("odmoe.main")
+__all__ = ["ExpertTraffic", "RemoteExperts", "WorkerFailed", "WorkerUnavailable"]
 
 
 class WorkerFailed(RuntimeError):
@@ -62,6 +69,7 @@ class ExpertTraffic:
     # Predictions as they stood when main needed them (late = missing): what the workers could use.
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
+    resent: int = 0  # calls re-sent to another worker after theirs was lost
 
     # decode iterations only: what the pipeline model needs (main's own time = decode time - wait)
     decode: dict = field(
@@ -111,45 +119,52 @@ class ExpertTraffic:
         self.worker_peak_rss[result.worker] = max(self.worker_peak_rss.get(result.worker, 0), result.peak_rss)
 
 
+@dataclass
+class _Call:
+    """One expert's rows of one step, and where they are now."""
+
+    worker: int
+    rows: torch.Tensor  # [n, H]
+    expected: int  # answers to wait for (mini-batch parts computed one by one, else 1)
+    parts: dict[int, torch.Tensor] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return len(self.parts) == self.expected
+
+
 class RemoteExperts:
     def __init__(
         self,
-        addresses: list[str],
-        topology: Topology,
+        members: Membership,
         num_experts: int,
         kernel: str,
         reply_timeout_s: float = 60.0,
-        spread_prefill: bool = True,
         shadow: ShadowLink | None = None,
         prefill: PrefillConfig | None = None,
         tracer: Tracer | None = None,
     ):
-        if len(addresses) != topology.workers:
-            raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
-        self.topology, self.num_experts, self.kernel = topology, num_experts, kernel
-        # Spreading prefill over every worker needs every worker to hold every layer.
-        self.spread_prefill = spread_prefill
+        self.members, self.topology = members, members.topology
+        self.num_experts, self.kernel = num_experts, kernel
         self.shadow = shadow
-        self.emulated_links: dict[int, list[float]] = {}  # worker -> [Gbit/s, ms], from its pong
         self.prefill = prefill or PrefillConfig()
-        self.timeout_ms = int(reply_timeout_s * 1000)
-        self.ctx = zmq.Context.instance()
-        self.addresses = addresses
-        self.sockets = [self._connect(a) for a in addresses]
-        self.poller = zmq.Poller()
-        for s in self.sockets:
-            self.poller.register(s, zmq.POLLIN)
+        self.timeout_s = reply_timeout_s
         self.request, self.iteration = "", 0
         self.traffic = ExpertTraffic()
-        self.device_bytes: dict[int, int] = {}  # worker -> bytes its experts take on its device
         self.tracer = tracer or Tracer("main")
+        self.fault: FaultTrigger | None = None  # fault injection at a chosen layer (tests, benchmarks)
+        self.dropped = DropLog(log, "main")
         self._main_since_us = 0.0  # when main last got its rows back (its own work runs from there)
 
-    def _connect(self, address: str) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        return sock
+    @property
+    def emulated_links(self) -> dict[int, list[float]]:
+        """worker -> [Gbit/s, ms] of its emulated load link (from its pong; absent when off)."""
+        return {w: p.link for w, p in sorted(self.members.pongs.items()) if p.link}
+
+    @property
+    def device_bytes(self) -> dict[int, int]:
+        """worker -> bytes its experts take on its device."""
+        return {w: p.device_bytes for w, p in sorted(self.members.pongs.items())}
 
     def begin(self, request: str, iteration: int) -> None:
         now = now_us()
@@ -160,10 +175,18 @@ class RemoteExperts:
         self.request, self.iteration = request, iteration
         self._main_since_us = now
 
+    def end_request(self) -> None:
+        """The request is over (finished, failed or cancelled): workers drop what they hold for it."""
+        message = to_frames(EndRequest(self.request))
+        for worker in self.members.live:
+            self.members.send(worker, message)
+
     def __call__(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         step = Step(self.request, self.iteration, layer)
+        if self.fault is not None:
+            self.fault.at(step.request, step.iteration, layer)
         entered_us = 0.0
         if self.tracer.enabled:
             entered_us = now_us()
@@ -176,17 +199,9 @@ class RemoteExperts:
             predicted = prediction.experts if prediction is not None else None
             self.traffic.timely_recall.add(self.iteration, layer, predicted, experts)
             self.traffic.activated[(self.iteration, layer)] = experts
-            placement = self.topology.repair_placement(layer, predicted or [], experts)
-        elif hidden.shape[0] > 1 and self.spread_prefill:
-            counts = {rows.expert: len(rows.token_idx) for rows in groups}
-            placement = self.topology.prefill_placement(counts, self.prefill.placement)
-        else:
-            placement = self.topology.decode_placement(layer, experts)
+        placement = self._place(step, groups, hidden.shape[0], predicted if decode else None)
         start = time.perf_counter()
-        expected = 0
-        for rows in groups:
-            expected += self._send_rows(step, rows.expert, hidden[rows.token_idx], placement[rows.expert])
-        outputs = self._gather(step, placement, expected)
+        outputs = self._exchange(step, {rows.expert: hidden[rows.token_idx] for rows in groups}, placement)
         waited = time.perf_counter() - start
         self.traffic.wait_s += waited
         if self.tracer.enabled:
@@ -198,57 +213,136 @@ class RemoteExperts:
             self.traffic.decode["wait_s"] += waited
             self.traffic.decode["layers"] += 1
             # whatever the group preloaded for this layer and did not use is now stale
-            for worker in self.topology.workers_of_group(self.topology.group_of_layer(layer)):
-                self.sockets[worker].send_multipart(to_frames(Release(step)))
+            release = to_frames(Release(step))
+            for worker in self._serving(layer):
+                self.members.send(worker, release)
         else:
             self.traffic.note_prefill_layer(layer, waited, len(groups))
         return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
 
-    def _send_rows(self, step: Step, expert: int, x: torch.Tensor, worker: int) -> int:
-        """Send one expert's rows, in prefill mini-batches when configured; returns replies to expect."""
-        size = self.prefill.mini_batch if step.iteration == 0 and self.prefill.mini_batch > 0 else x.shape[0]
-        chunks = torch.split(x, max(size, 1))
-        per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
-        for part, chunk in enumerate(chunks):
-            message = ComputeExpert(
-                step=step, expert=expert, kernel=self.kernel, part=part, parts=len(chunks), per_part=per_part
-            )
-            self.sockets[worker].send_multipart(to_frames(message, [chunk]), copy=False)
-        self.tracer.message("main", "compute", step, expert, sent=True)
-        return len(chunks) if per_part else 1
-
-    def _gather(self, step: Step, placement: dict[int, int], expected: int) -> dict[int, torch.Tensor]:
-        parts: dict[int, dict[int, torch.Tensor]] = {}
-        received = 0
-        layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
-        deadline = time.monotonic() + self.timeout_ms / 1000
-        while received < expected:
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            ready = dict(self.poller.poll(max(remaining_ms, 0))) if remaining_ms > 0 else {}
-            if not ready:
-                waiting = sorted({placement[e] for e in placement if e not in parts})
-                raise WorkerUnavailable(
-                    f"no answer from worker(s) {waiting} ({', '.join(self.addresses[w] for w in waiting)}) "
-                    f"for layer {step.layer} within {self.timeout_ms / 1000:.0f}s"
+    def _place(self, step: Step, groups, tokens: int, predicted: list[int] | None) -> dict[int, int]:
+        """Decode: where the shadow's prediction preloaded (repair the misses); prefill: spread over
+        every live worker storing the layer; all over the live workers only."""
+        live, layer = self.members.live, step.layer
+        experts = [rows.expert for rows in groups]
+        try:
+            if step.iteration >= 1:
+                return self.topology.repair_placement(layer, predicted or [], experts, live)
+            if tokens > 1:
+                counts = {rows.expert: len(rows.token_idx) for rows in groups}
+                return self.topology.prefill_placement(
+                    counts, self.prefill.placement, self.topology.live_holders(layer, live)
                 )
-            for sock in ready:
-                result, tensors = from_frames(sock.recv_multipart(copy=False))
-                if not isinstance(result, ExpertResult) or result.step != step:
-                    continue  # a late answer to an earlier, abandoned step
-                if result.error:
-                    raise WorkerFailed(f"worker {result.worker} failed on layer {step.layer}: {result.error}")
-                self.tracer.message("main", "result", step, result.expert, sent=False)
-                self.traffic.add(result)
-                if step.iteration >= 1:
-                    self.traffic.preloaded += result.preloaded
-                    self.traffic.reloads += not result.preloaded
+            return self.topology.decode_placement(layer, experts, live)
+        except LayerUnavailable as exc:
+            raise WorkerUnavailable(str(exc)) from None
+
+    def _serving(self, layer: int) -> list[int]:
+        try:
+            return self.topology.serving_group(layer, self.members.live)
+        except LayerUnavailable:
+            return []
+
+    def _exchange(
+        self, step: Step, rows: dict[int, torch.Tensor], placement: dict[int, int]
+    ) -> dict[int, torch.Tensor]:
+        """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
+        calls = {e: self._send(step, e, x, placement[e]) for e, x in rows.items()}
+        layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
+        deadline = time.monotonic() + self.timeout_s
+        while not all(c.done for c in calls.values()):
+            received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
+            for worker, frames in received:
+                result = self._take(step, calls, worker, frames)
+                if result is not None and step.iteration >= 1:
                     layer_stall = max(layer_stall, result.waited_s)
-                parts.setdefault(result.expert, {})[result.part] = tensors[0]
-                received += 1
+            if lost:
+                self._resend(step, calls, set(lost))
+            if time.monotonic() >= deadline and not all(c.done for c in calls.values()):
+                # the per-call deadline: alive by heartbeat, yet silent (a frozen process)
+                silent = {c.worker for c in calls.values() if not c.done}
+                for worker in silent:
+                    self.members.mark_lost(
+                        worker, f"no answer for layer {step.layer} within {self.timeout_s:g}s"
+                    )
+                self._resend(step, calls, silent)
+                deadline = time.monotonic() + self.timeout_s
         if step.iteration >= 1:
             stall = self.traffic.stall_s_per_layer
             stall[step.layer] = stall.get(step.layer, 0.0) + layer_stall
-        return {e: torch.cat([p[i] for i in sorted(p)]) if len(p) > 1 else p[0] for e, p in parts.items()}
+        return {
+            e: torch.cat([c.parts[i] for i in sorted(c.parts)]) if len(c.parts) > 1 else c.parts[0]
+            for e, c in calls.items()
+        }
+
+    def _send(self, step: Step, expert: int, x: torch.Tensor, worker: int) -> _Call:
+        """Send one expert's rows, in prefill mini-batches when configured. A worker that cannot
+        take them is lost, and the rows go to its replacement."""
+        size = self.prefill.mini_batch if step.iteration == 0 and self.prefill.mini_batch > 0 else x.shape[0]
+        chunks = torch.split(x, max(size, 1))
+        per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
+        while True:
+            sent = True
+            for part, chunk in enumerate(chunks):
+                message = ComputeExpert(
+                    step=step,
+                    expert=expert,
+                    kernel=self.kernel,
+                    part=part,
+                    parts=len(chunks),
+                    per_part=per_part,
+                )
+                sent = sent and self.members.send(worker, to_frames(message, [chunk]), copy=False)
+            if sent:
+                break
+            self.members.mark_lost(worker, "cannot take messages")
+            worker = self._replacement(step, {expert: worker})[expert]
+        self.tracer.message("main", "compute", step, expert, sent=True)
+        return _Call(worker, x, len(chunks) if per_part else 1)
+
+    def _replacement(self, step: Step, lost: dict[int, int]) -> dict[int, int]:
+        try:
+            return self.topology.replace_lost(step.layer, lost, self.members.live, spread=step.iteration == 0)
+        except LayerUnavailable as exc:
+            raise WorkerUnavailable(f"{exc}; request {step.request} cannot go on") from None
+
+    def _resend(self, step: Step, calls: dict[int, _Call], lost: set[int]) -> None:
+        owed = {e: c.worker for e, c in calls.items() if not c.done and c.worker in lost}
+        if not owed:
+            return
+        new = self._replacement(step, owed)
+        for e in owed:
+            calls[e] = self._send(step, e, calls[e].rows, new[e])
+            self.traffic.resent += 1
+        log.info(
+            "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
+        )
+
+    def _take(self, step: Step, calls: dict[int, _Call], worker: int, frames) -> ExpertResult | None:
+        """Record one answer if it is one this step is waiting for, from the worker it is placed on."""
+        try:
+            result, tensors = from_frames(frames)
+        except CodecError as exc:
+            self.dropped.drop(f"from worker {worker}: {exc}")
+            return None
+        if not isinstance(result, ExpertResult) or result.step != step:
+            return None  # a Pong, or a late answer to an earlier, abandoned step
+        call = calls.get(result.expert)
+        if call is None or call.worker != worker or result.worker != worker or result.part in call.parts:
+            return None  # re-sent elsewhere since, or a duplicate
+        if result.error:
+            raise WorkerFailed(f"worker {worker} failed on layer {step.layer}: {result.error}")
+        n = call.rows.shape[0] if call.expected == 1 else None
+        if len(tensors) != 1 or tensors[0].dim() != 2 or (n is not None and tensors[0].shape[0] != n):
+            self.dropped.drop(f"worker {worker} answered expert {result.expert} with malformed rows")
+            return None
+        self.tracer.message("main", "result", step, result.expert, sent=False)
+        self.traffic.add(result)
+        if step.iteration >= 1:
+            self.traffic.preloaded += result.preloaded
+            self.traffic.reloads += not result.preloaded
+        call.parts[result.part] = tensors[0]
+        return result
 
     def recall(self, wait_s: float = 1.0) -> RecallCounter:
         """Recall as the paper defines it (accuracy of every prediction, whenever it arrived): waits up to
@@ -262,42 +356,13 @@ class RemoteExperts:
             counter.add(iteration, layer, prediction.experts if prediction else None, experts)
         return counter
 
-    def ping_all(self, timeout_s: float, layers: list[int]) -> list[Pong]:
+    def ping_all(self, timeout_s: float) -> list[Pong]:
         """Check every worker is up, is the worker its address says, and holds what it will be asked.
 
         Raises WorkerUnavailable naming the workers that stay silent or are misconfigured.
         """
         shadow_pub = self.shadow.pub_address if self.shadow is not None else ""
-        for sock in self.sockets:
-            sock.send_multipart(to_frames(Ping(shadow_pub=shadow_pub)))
-        pongs: dict[int, Pong] = {}
-        deadline = time.monotonic() + timeout_s
-        while len(pongs) < len(self.sockets):
-            remaining_ms = int((deadline - time.monotonic()) * 1000)
-            ready = dict(self.poller.poll(remaining_ms)) if remaining_ms > 0 else {}
-            if not ready:
-                silent = [i for i in range(len(self.sockets)) if i not in pongs]
-                raise WorkerUnavailable(f"worker(s) {silent} did not answer a ping within {timeout_s:.0f}s")
-            for sock in ready:
-                message, _ = from_frames(sock.recv_multipart(copy=False))
-                if isinstance(message, Pong):
-                    pongs[self.sockets.index(sock)] = message
-        for i, pong in sorted(pongs.items()):
-            if pong.worker != i:
-                raise WorkerUnavailable(
-                    f"{self.addresses[i]} answers as worker {pong.worker}, expected worker {i}"
-                )
-            needed = layers if self.spread_prefill else self.topology.layers_of_worker(i, layers)
-            if missing := sorted(set(needed) - set(pong.layers)):
-                raise WorkerUnavailable(f"worker {i} does not hold layers {missing}")
-        self.emulated_links = {i: p.link for i, p in pongs.items() if p.link}
-        self.device_bytes = {i: p.device_bytes for i, p in pongs.items()}
-        return [pongs[i] for i in range(len(self.sockets))]
-
-    def shutdown_workers(self) -> None:
-        for sock in self.sockets:
-            sock.send_multipart(to_frames(Shutdown()))
+        return self.members.ping_all(timeout_s, shadow_pub)
 
     def close(self) -> None:
-        for sock in self.sockets:
-            sock.close(0)
+        self.members.close()

@@ -58,17 +58,16 @@ def test_bad_requests_get_invalid_argument(model_dirs, reap_children):
         assert len(cluster.client.generate("def f():", max_new_tokens=3).token_ids) == 3
 
 
-def test_dead_worker_gives_unavailable_naming_it(model_dirs, reap_children):
-    with LocalCluster(
-        model_dirs["mixtral"], workers=2, group_size=2, overrides=["worker.reply_timeout_s=3"]
-    ) as cluster:
-        worker1 = next(n for n in cluster.nodes if n.name == "worker1")
-        worker1.process.kill()
-        worker1.process.wait()
+def test_no_live_worker_gives_unavailable_naming_the_layer_at_once(model_dirs, reap_children):
+    with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2) as cluster:
+        for name in ("worker0", "worker1"):
+            cluster.kill(name)
+        start = time.monotonic()
         with pytest.raises(grpc.RpcError) as err:
             cluster.client.generate("def f():", max_new_tokens=4)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "worker(s) [1]" in err.value.details()
+        assert "no live worker holds layer 0" in err.value.details()
+        assert time.monotonic() - start < 10  # not the 60 s reply deadline
 
 
 def test_port_in_use_is_reported(model_dirs, reap_children):

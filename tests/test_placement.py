@@ -42,3 +42,57 @@ def test_repair_placement_keeps_hits_and_reuses_wrongly_loaded_workers():
     assert topo.repair_placement(1, predicted=[3, 5], activated=[3, 5]) == {3: 2, 5: 3}
     assert topo.repair_placement(1, predicted=[3, 5], activated=[5, 6]) == {5: 3, 6: 2}
     assert topo.repair_placement(1, predicted=[], activated=[0, 6]) == {0: 2, 6: 3}
+
+
+# -- placement over live workers (failover) -----------------------------------------------------
+from odmoe.placement import LayerUnavailable  # noqa: E402
+
+
+def test_a_lost_group_member_leaves_the_layer_to_the_others():
+    topo = Topology(workers=4, group_size=2)
+    assert topo.decode_placement(layer=1, experts=[7, 2], live={0, 1, 3}) == {2: 3, 7: 3}
+    # every worker stores every layer by default: a whole lost group falls to the next group
+    assert topo.decode_placement(layer=1, experts=[7, 2], live={0, 1}) == {2: 0, 7: 1}
+    assert topo.serving_group(1, live={1}) == [1]
+
+
+def test_only_own_layers_with_one_replica_cannot_survive_a_lost_group():
+    topo = Topology(workers=4, group_size=2, replicas=1)
+    assert topo.stored_layers(2, [0, 1, 2, 3]) == [1, 3]
+    assert topo.decode_placement(layer=1, experts=[7, 2], live={0, 1, 2}) == {2: 2, 7: 2}
+    with pytest.raises(LayerUnavailable, match="layer 1"):
+        topo.decode_placement(layer=1, experts=[7, 2], live={0, 1})
+
+
+def test_two_replicas_survive_a_lost_group():
+    topo = Topology(workers=6, group_size=2, replicas=2)  # groups 0, 1, 2
+    assert topo.holding_groups(1) == [1, 2]
+    assert topo.stored_layers(4, [0, 1, 2, 3]) == [1, 2]  # worker 4 is group 2: layers 1 (backup) and 2
+    assert topo.decode_placement(layer=1, experts=[3, 5], live={0, 1, 4, 5}) == {3: 4, 5: 5}
+    assert topo.prediction_topics(4) == [1, 2]
+    with pytest.raises(LayerUnavailable):
+        topo.decode_placement(layer=1, experts=[3], live={0, 1})
+    with pytest.raises(ValueError, match="replicas"):
+        Topology(workers=4, group_size=2, replicas=3)
+
+
+def test_prefill_and_repair_use_only_live_workers():
+    topo = Topology(workers=4, group_size=2)
+    assert topo.prefill_placement(dict.fromkeys(range(5), 1), workers=topo.holders(0, {0, 2, 3})) == {
+        0: 0,
+        1: 2,
+        2: 3,
+        3: 0,
+        4: 2,
+    }
+    # predicted experts were dealt over the live members only, so hits stay hits
+    assert topo.repair_placement(1, predicted=[3, 5], activated=[3, 6], live={2}) == {3: 2, 6: 2}
+
+
+def test_calls_of_a_lost_worker_are_replaced_over_live_holders():
+    topo = Topology(workers=4, group_size=2)
+    # decode: the layer's serving group; prefill (spread): every live holder
+    assert topo.replace_lost(1, {2: 3, 7: 3}, live={0, 1, 2}, spread=False) == {2: 2, 7: 2}
+    assert topo.replace_lost(1, {2: 3, 7: 3}, live={0, 1, 2}, spread=True) == {2: 2, 7: 1}
+    with pytest.raises(LayerUnavailable):
+        Topology(4, 2, replicas=1).replace_lost(1, {2: 3}, live={0, 1}, spread=False)

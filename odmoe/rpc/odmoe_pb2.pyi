@@ -7,18 +7,20 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "token_ids", "max_new_tokens", "request_id", "return_logits")
+    __slots__ = ("prompt", "token_ids", "max_new_tokens", "request_id", "return_logits", "resume_ids")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     RETURN_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_IDS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     request_id: str
     return_logits: bool
-    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: _Optional[bool] = ...) -> None: ...
+    resume_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: _Optional[bool] = ..., resume_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
     __slots__ = ("token", "done")
@@ -61,3 +63,21 @@ class InfoReply(_message.Message):
     group_size: int
     info_json: str
     def __init__(self, model_path: _Optional[str] = ..., family: _Optional[str] = ..., workers: _Optional[int] = ..., group_size: _Optional[int] = ..., info_json: _Optional[str] = ...) -> None: ...
+
+class JoinRequest(_message.Message):
+    __slots__ = ("role", "index", "address", "pub_address")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUB_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    index: int
+    address: str
+    pub_address: str
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., pub_address: _Optional[str] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("detail",)
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    detail: str
+    def __init__(self, detail: _Optional[str] = ...) -> None: ...

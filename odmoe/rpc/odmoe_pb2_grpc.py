@@ -44,6 +44,11 @@ class InferenceStub:
                 request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.InfoRequest.SerializeToString,
                 response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.InfoReply.FromString,
                 _registered_method=True)
+        self.Join = channel.unary_unary(
+                '/odmoe.rpc.Inference/Join',
+                request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.JoinRequest.SerializeToString,
+                response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.JoinReply.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -63,6 +68,13 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Join(self, request, context):
+        """A worker or shadow that (re)started announces where it serves; main checks it, then uses it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +87,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.Info,
                     request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.InfoRequest.FromString,
                     response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.InfoReply.SerializeToString,
+            ),
+            'Join': grpc.unary_unary_rpc_method_handler(
+                    servicer.Join,
+                    request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.JoinRequest.FromString,
+                    response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.JoinReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +148,33 @@ class Inference:
             '/odmoe.rpc.Inference/Info',
             odmoe_dot_rpc_dot_odmoe__pb2.InfoRequest.SerializeToString,
             odmoe_dot_rpc_dot_odmoe__pb2.InfoReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Join(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odmoe.rpc.Inference/Join',
+            odmoe_dot_rpc_dot_odmoe__pb2.JoinRequest.SerializeToString,
+            odmoe_dot_rpc_dot_odmoe__pb2.JoinReply.FromString,
             options,
             channel_credentials,
             insecure,

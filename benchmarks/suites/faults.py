@@ -1,0 +1,122 @@
+"""Suite `faults`: what losing each kind of node costs one streamed request, and that it costs no token.
+
+For each case (a worker, the shadow, main; killed or frozen) one local cluster streams
+`faults.new_tokens` tokens of one prompt while the node's own fault trigger fires at decode
+iteration `faults.at_token` (main's case runs a standby main beside it). From the fault's own
+record (wall clock) and the stream's arrival times it reports:
+- detect_s: fault -> the loss noticed (main's membership event for a worker, main's shadow link
+  for the shadow, the client's failover for main);
+- stall_s: the inter-token gap across the fault minus the median gap before it;
+- recovery_s: fault -> the token after which `3` gaps in a row are within 1.5x the median before;
+- tokens_equal: the stream equals transformers' own greedy generate().
+A frozen worker or shadow is resumed after `faults.resume_after_s` (it then rejoins); a frozen
+main stays frozen (the client has moved on).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import odmoe
+from odmoe.benchmarks import plots
+from odmoe.benchmarks.cluster_runs import cluster_words
+from odmoe.benchmarks.config import BenchConfig
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+
+PROMPT_TOKENS = 32
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    suite = cfg.faults
+    from transformers import AutoTokenizer
+
+    prompt = prompt_ids(AutoTokenizer.from_pretrained(model_path), 0, PROMPT_TOKENS)
+    want = reference_tokens(model_path, prompt, suite.new_tokens)
+    print(
+        f"{'node':<9}{'action':<7}{'detect s':>9}{'stall s':>9}{'recovery s':>11}"
+        f"{'gap before ms':>14}{'tokens equal':>13}",
+        flush=True,
+    )
+    rows = []
+    for case in suite.cases:
+        node, action = case.split(":")
+        row = _one(cfg, model_path, prompt, want, node, action)
+        rows.append(row)
+        print(
+            f"{node:<9}{action:<7}{_s(row['detect_s'])}{_s(row['stall_s'])}{_s(row['recovery_s'], 11)}"
+            f"{row['median_gap_before_s'] * 1e3:14.1f}{str(row['tokens_equal']):>13}",
+            flush=True,
+        )
+    report = {"new_tokens": suite.new_tokens, "at_token": suite.at_token, "rows": rows}
+    out.write("faults", "faults", report)
+    plots.faults(rows, out.path("faults", "png"), out.describe(suite.new_tokens))
+    return report
+
+
+def _one(cfg: BenchConfig, model_path: str, prompt: list[int], want: list[int], node: str, action: str):
+    suite = cfg.faults
+    with tempfile.TemporaryDirectory(prefix="odmoe-faults-") as scratch:
+        record = Path(scratch) / "fault.jsonl"
+        resume = suite.resume_after_s if action == "stop" and node != "main" else 0.0
+        words = cluster_words(
+            cfg,
+            f"fault.node={node}",
+            f"fault.action={action}",
+            f"fault.iteration={suite.at_token}",
+            f"fault.resume_after_s={resume}",
+            f"fault.record={record}",
+        )
+        standby = 1 if node == "main" else 0
+        with odmoe.LocalCluster(model_path, overrides=words, standby_mains=standby) as cluster:
+            arrivals, tokens, stats = [], [], {}
+            for reply in cluster.client._replies(prompt, suite.new_tokens):
+                if reply.WhichOneof("kind") == "token":
+                    arrivals.append(time.time() * 1e6)
+                    tokens.append(reply.token.token_id)
+                else:
+                    stats = json.loads(reply.done.stats_json)
+            fired = json.loads(record.read_text().splitlines()[0])
+            failovers = list(cluster.client.failover_log)
+    return _measure(node, action, fired, arrivals, tokens == want, stats, failovers)
+
+
+def _measure(node, action, fired, arrivals, equal, stats, failovers) -> dict:
+    at = fired["at_us"]
+    if node == "main":
+        detected = failovers[0]["at_us"] if failovers else None
+    elif node == "shadow":
+        detected = stats.get("shadow_lost_at_us")
+    else:
+        lost = [e for e in stats.get("failover", {}).get("events", []) if e["event"] == "lost"]
+        detected = lost[0]["at_us"] if lost else None
+    gaps = [(b - a) / 1e6 for a, b in zip(arrivals, arrivals[1:], strict=False)]
+    after = next((i for i, t in enumerate(arrivals) if t > at), len(arrivals))  # first token after
+    before = gaps[: max(after - 2, 1)]
+    median = statistics.median(before) if before else 0.0
+    stall = gaps[after - 1] - median if 0 < after <= len(gaps) else None
+    recovery = None
+    for i in range(after, len(gaps) - 2):
+        if all(g <= 1.5 * median for g in gaps[i : i + 3]):
+            recovery = (arrivals[i] - at) / 1e6
+            break
+    return {
+        "node": node,
+        "action": action,
+        "fired_at_token": after,
+        "detect_s": None if detected is None else (detected - at) / 1e6,
+        "stall_s": stall,
+        "recovery_s": recovery,
+        "median_gap_before_s": median,
+        "tokens_equal": equal,
+        "gaps_s": gaps,
+        "resumed_tokens": stats.get("resumed_tokens", 0),
+    }
+
+
+def _s(x: float | None, width: int = 9) -> str:
+    return f"{'n/a':>{width}}" if x is None else f"{x:{width}.3f}"
