@@ -98,6 +98,7 @@ class CompressionSuite:
     lru_experts: int = 16
 
 
+@dataclass
 class FaultsSuite:
     # node:action; node = main | shadow | worker<i>, action = kill | stop
     cases: list[str] = field(
