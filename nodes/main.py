@@ -44,7 +44,8 @@ from odmoe.trace import Tracer
 
 log = logging.getLogger("odmoe.main")
 _END = object()
-IDLE_MAINTAIN_S = 0.2  # while no request runs, look after the membership this often
+IDLE_MAINTAIN_S = 0.2
+ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
 # Clients' keepalive pings (how they notice a frozen main) must be allowed, however often they come.
 SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
@@ -147,7 +148,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             self.experts.shadow = shadow
         elif (shadow.address, shadow.pub_address) != (address, pub_address) or not shadow.up:
             shadow.replace(address, pub_address)
-        if shadow.wait_up(self.cfg.worker.ready_timeout_s):
+        # briefly: requests wait meanwhile, and a shadow that is gone again only costs speed
+        if shadow.wait_up(ADOPT_SHADOW_WAIT_S):
             log.info("shadow at %s is back: the next request uses it", address)
         self.experts.members.broadcast(shadow_pub=pub_address)
 

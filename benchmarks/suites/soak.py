@@ -4,8 +4,9 @@ One local cluster (`soak.workers` workers, the shadow) serves `soak.requests` re
 `soak.clients` client threads, each a prompt drawn from `soak.prompts` whose reference tokens are
 known. Meanwhile a chaos thread, every `chaos_every_s` (random in that range), picks a worker or the
 shadow that is up and kills it (restarting it after `down_s`) or freezes it (resuming it after
-`down_s`); several nodes may be down at once, but never every worker, so every layer keeps a live
-holder (every worker stores every layer here). Reported:
+`down_s`); several nodes may be down at once, but a worker is taken down only while another one is
+live in main's own view (a restarted or resumed worker counts as down until main has taken it
+back), so every layer keeps a live holder (every worker stores every layer here). Reported:
 requests lost (failed), requests whose tokens differ, faults injected, and each node's RSS growth
 after `warmup_requests` (main and the nodes that lived through the whole run; a restarted node is a
 new process). The picture shows throughput and RSS over time with the faults marked.
@@ -90,18 +91,29 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
                     cluster.freeze(name)
                     time.sleep(seconds)
                     cluster.resume(name)
+                if name.startswith("worker"):  # down until main has taken it back
+                    index, deadline = int(name.removeprefix("worker")), time.monotonic() + 60
+                    while index not in live_workers() and time.monotonic() < deadline:
+                        time.sleep(0.2)
             finally:
                 with lock:
                     down.discard(name)
+
+        info_lock = threading.Lock()
+
+        def live_workers() -> list[int]:
+            with info_lock:  # cluster.client is this thread's and fail()'s only
+                return cluster.client.info()["live_workers"]
 
         def chaos() -> None:
             nodes = [f"worker{i}" for i in range(suite.workers)] + ["shadow"]
             recovering = []
             while not stop.wait(rng.uniform(*suite.chaos_every_s)):
+                live = live_workers()
                 with lock:
-                    workers_down = sum(n.startswith("worker") for n in down)
                     up = [n for n in nodes if n not in down]
-                    if workers_down >= suite.workers - 1:  # one worker always serves every layer
+                    serving = [w for w in live if f"worker{w}" not in down]
+                    if len(serving) < 2:  # main must keep a live worker for every layer
                         up = [n for n in up if not n.startswith("worker")]
                     if not up:
                         continue
@@ -126,6 +138,8 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
                     done = results["completed"]
                 if done >= suite.warmup_requests and not warm_rss:
                     warm_rss.update(rss)
+                if samples and done // 50 > samples[-1]["completed"] // 50:  # progress on long runs
+                    print(f"  soak: {done}/{suite.requests} requests, {len(events)} faults", flush=True)
                 samples.append({"t_s": time.monotonic() - start, "completed": done, "rss_mib": rss})
 
         threads = [threading.Thread(target=client, args=(k,)) for k in range(suite.clients)]
