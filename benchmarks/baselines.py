@@ -105,13 +105,15 @@ def timed_generate(model, ids: list[int], new_tokens: int) -> dict:
     }
 
 
-def build(system: str, path: str, lru_experts: int, link: Link):
-    """The model to generate with, its device bytes, and the LRU cache when there is one."""
+def build(system: str, path: str, lru_experts: int, link: Link, dtype: str = "auto"):
+    """The model to generate with (at `dtype`, "auto": as saved), its device bytes, and the LRU cache
+    when there is one."""
     if system == "single_process":
-        model = AutoModelForCausalLM.from_pretrained(path).eval()
+        kwargs = {} if dtype == "auto" else {"dtype": resolve_dtype(dtype, Checkpoint(path))}
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
         return model, sum(p.numel() * p.element_size() for p in model.parameters()), None
     ckpt = Checkpoint(path)
-    main = build_main_model(ckpt, resolve_dtype("auto", ckpt))
+    main = build_main_model(ckpt, resolve_dtype(dtype, ckpt))
     store = ExpertStore.from_checkpoint(ckpt, ckpt.moe_layers, main.dtype)
     lru = LruExperts(store, lru_experts, link, main.kernel, ckpt.config.hidden_act, ckpt.num_experts)
     main.attach(lru)
@@ -128,13 +130,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--lru-experts", type=int, default=16)
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
+    parser.add_argument("--dtype", default="auto", help="auto (as saved) | bfloat16 | float16 | float32")
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     link = Link(args.bandwidth_gbps, args.latency_ms)
-    model, device_bytes, lru = build(args.system, args.model, args.lru_experts, link)
+    model, device_bytes, lru = build(args.system, args.model, args.lru_experts, link, args.dtype)
     cells = json.loads(open(args.cells).read())
     timed_generate(model, cells[0]["prompts"][0], 4)  # warm-up, as the clusters get
     results = []

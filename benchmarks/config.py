@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUITES = ("recall", "alignment", "ablation", "grid", "timeline", "faults", "soak", "quick")
+SUITES = ("recall", "alignment", "ablation", "grid", "timeline", "compression", "faults", "soak", "quick")
+COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
 GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
 
 
@@ -79,6 +80,25 @@ class TimelineSuite:
 
 
 @dataclass
+class CompressionSuite:
+    # Ratios of odmoe's store against zipnn, whole-tensor zstd / lz4 and the exponent's Shannon bound,
+    # on every expert of the model at each dtype; then decompression GB/s per thread count.
+    dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float16", "float32"])
+    threads: list[int] = field(default_factory=lambda: [1, 2])
+    speed_repeats: int = 3  # decompress every expert this many times per thread count; the median counts
+    random_init: bool = True  # also the ratios of random-init weights (the tiny model) beside the model's
+    # Decode tokens/s with worker.store=<system> (bf16 model, pack file present for compressed/disk)
+    # against the LRU offloader, all over this storage-bound link (2 Gbit/s: a SATA SSD).
+    systems: list[str] = field(default_factory=lambda: list(COMPRESSION_SYSTEMS))
+    dtype: str = "bfloat16"
+    bandwidth_gbps: float = 2.0
+    latency_ms: float = 0.1
+    new_tokens: int = 64
+    repeats: int = 5  # requests per system (different prompts), after one warm-up
+    lru_experts: int = 16
+
+
+@dataclass
 class FaultsSuite:
     # node:action; node = main | shadow | worker<i>, action = kill | stop
     cases: list[str] = field(
@@ -124,6 +144,7 @@ class BenchConfig:
     ablation: AblationSuite = field(default_factory=AblationSuite)
     grid: GridSuite = field(default_factory=GridSuite)
     timeline: TimelineSuite = field(default_factory=TimelineSuite)
+    compression: CompressionSuite = field(default_factory=CompressionSuite)
     faults: FaultsSuite = field(default_factory=FaultsSuite)
     soak: SoakSuite = field(default_factory=SoakSuite)
     log_level: str = "WARNING"
@@ -149,6 +170,13 @@ def validate(cfg: BenchConfig) -> None:
             raise ValueError(f"{name}.repeats must be at least 1")
     if cfg.grid.lru_experts < 1:
         raise ValueError("grid.lru_experts must be at least 1")
+    c = cfg.compression
+    if bad := sorted(set(c.systems) - set(COMPRESSION_SYSTEMS)):
+        raise ValueError(f"compression.systems: {bad} not among {', '.join(COMPRESSION_SYSTEMS)}")
+    if bad := sorted(set([*c.dtypes, c.dtype]) - {"bfloat16", "float16", "float32"}):
+        raise ValueError(f"compression dtypes: {bad} not among bfloat16, float16, float32")
+    if not c.threads or min(c.threads) < 1 or c.repeats < 1 or c.speed_repeats < 1:
+        raise ValueError("compression.threads, repeats and speed_repeats must be at least 1")
     for case in cfg.faults.cases:
         node, _, action = case.partition(":")
         if action not in ("kill", "stop") or not (node in ("main", "shadow") or node.startswith("worker")):

@@ -237,6 +237,48 @@ def _layer_of(name: str) -> int | None:
     return None
 
 
+def compression(report: dict, out: Path, subtitle: str) -> None:
+    """The compression suite: stored/raw per method and dtype, decompression GB/s, decode tokens/s."""
+    panels = 3 if report.get("decode") else 2
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4.2))
+    ratio, speed = axes[0], axes[1]
+    by_dtype = report["ratios"]["model"]
+    methods = ["odmoe", "zipnn", "zstd", "lz4", "bound"]
+    width = 0.8 / len(methods)
+    for m, method in enumerate(methods):
+        values = [by_dtype[d]["all"][method] for d in by_dtype]
+        xs = [i + m * width for i in range(len(by_dtype))]
+        ratio.bar(xs, [v * 100 if v is not None else 0 for v in values], width, label=method)
+    ratio.set_xticks([i + 0.4 - width / 2 for i in range(len(by_dtype))], list(by_dtype))
+    ratio.set_ylabel("stored / raw bytes (%)")
+    ratio.set_title("every expert of the model")
+    ratio.legend(fontsize=7)
+    for d, row in report["speed"].items():
+        threads = sorted(row["odmoe_gbps"], key=int)
+        odmoe = [row["odmoe_gbps"][n] for n in threads]
+        speed.plot([int(n) for n in threads], odmoe, "o-", label=f"odmoe {d}")
+        if row["zipnn_gbps"]:
+            zipnn = [row["zipnn_gbps"][n] for n in threads]
+            speed.plot([int(n) for n in threads], zipnn, "x--", label=f"zipnn {d}")
+    speed.set_xlabel("threads")
+    speed.set_ylabel("decompressed GB/s")
+    speed.set_title("decompression speed")
+    speed.legend(fontsize=7)
+    if panels == 3:
+        decode = axes[2]
+        rows = report["decode"]
+        decode.bar(
+            range(len(rows)),
+            [r["decode_tokens_per_s"]["mean"] for r in rows.values()],
+            yerr=[r["decode_tokens_per_s"]["stdev"] for r in rows.values()],
+            color="C2",
+        )
+        decode.set_xticks(range(len(rows)), list(rows), fontsize=8)
+        decode.set_ylabel("decode tokens/s")
+        decode.set_title("decode, storage-bound link")
+    fig.suptitle(f"lossless compressed expert store — {subtitle}", fontsize=9)
+
+
 def faults(rows: list[dict], out: Path, subtitle: str) -> None:
     """Inter-token latency of one stream around each failure (a dashed line where it fired)."""
     cols = min(len(rows), 2)

@@ -5,6 +5,7 @@
     odmoe-bench suite=ablation          # Fig. 8: cases 1-6, spread over repeated requests
     odmoe-bench suite=grid              # Table 2: odmoe vs three baselines; simulator validation
     odmoe-bench suite=timeline          # Fig. 2/5: Chrome trace + timing diagram of a few iterations
+    odmoe-bench suite=compression       # lossless expert store: ratios, decompression GB/s, decode tokens/s
     odmoe-bench suite=faults            # losing a worker / the shadow / main: detect, stall, recovery
     odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
@@ -41,7 +42,7 @@ def to_bench_config(raw: DictConfig) -> BenchConfig:
 
 def run_suites(cfg: BenchConfig) -> None:
     from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import ablation, alignment, faults, grid, recall, soak, timeline
+    from odmoe.benchmarks.suites import ablation, alignment, compression, faults, grid, recall, soak, timeline
     from odmoe.benchmarks.workload import resolve_model
 
     suites = {
@@ -50,6 +51,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "ablation": ablation.run,
         "grid": grid.run,
         "timeline": timeline.run,
+        "compression": compression.run,
         "faults": faults.run,
         "soak": soak.run,
     }

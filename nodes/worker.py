@@ -43,7 +43,7 @@ from odmoe.expert_math import KERNELS, expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
 from odmoe.faults import FaultTrigger
 from odmoe.main_model import resolve_dtype
-from odmoe.memory import peak_rss_bytes
+from odmoe.memory import parse_bytes, peak_rss_bytes
 from odmoe.messages import (
     ComputeExpert,
     EndRequest,
@@ -81,12 +81,16 @@ class WorkerNode:
         layers = checkpoint.moe_layers
         layers = self.topology.stored_layers(self.index, layers)
         start = time.perf_counter()
-        self.store = ExpertStore.from_checkpoint(checkpoint, layers, dtype)
+        w = cfg.worker
+        self.store = ExpertStore.build(
+            checkpoint, layers, dtype, w.store, parse_bytes(w.host_memory), w.pack_dir, w.decompress_threads
+        )
         log.info(
-            "worker %d: %d layers, %.1f MiB of experts in host memory (%.1fs)",
+            "worker %d: %d layers, store=%s: %s (%.1fs)",
             self.index,
             len(layers),
-            self.store.nbytes / 2**20,
+            w.store,
+            self.store.describe(),
             time.perf_counter() - start,
         )
         link = Link(cfg.worker.link.bandwidth_gbps, cfg.worker.link.latency_ms)

@@ -71,6 +71,15 @@ class WorkerConfig:
     # frozen process) is counted as lost and its calls re-sent. Loads over a slow link must fit in it.
     reply_timeout_s: float = 60.0
     link: LinkConfig = field(default_factory=LinkConfig)
+    # Where experts rest (odmoe.expert_store): memory (decompressed in host memory) | compressed
+    # (lossless: entropy-coded exponents + raw sign/mantissa, in host memory) | disk (read on each load:
+    # the pack file when there is one, else the checkpoint's safetensors).
+    store: str = "memory"
+    # Bound on expert bytes held in host memory, e.g. "512MiB" or 1073741824 ("" or 0: no bound);
+    # experts beyond it are read from disk on each load.
+    host_memory: str = ""
+    pack_dir: str = ""  # where odmoe-pack wrote its file ("": MODEL/odmoe-pack)
+    decompress_threads: int = 2  # thread pool that decompresses a compressed expert's chunks
 
 
 SHADOW_MODES = ("emulate", "random")
@@ -164,6 +173,17 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
     if cfg.worker.slots < 1:
         raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
+    from odmoe.expert_store import STORES
+    from odmoe.memory import parse_bytes
+
+    if cfg.worker.store not in STORES:
+        raise ValueError(f"worker.store={cfg.worker.store!r} is not one of {', '.join(STORES)}")
+    try:
+        parse_bytes(cfg.worker.host_memory)
+    except ValueError as exc:
+        raise ValueError(f"worker.host_memory: {exc}") from None
+    if cfg.worker.decompress_threads < 1:
+        raise ValueError(f"worker.decompress_threads must be at least 1, got {cfg.worker.decompress_threads}")
     if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:
         raise ValueError(f"worker.index={cfg.worker.index} is outside 0..{cfg.cluster.workers - 1}")
     if cfg.role.name == "main" and len(cfg.cluster.worker_addresses) != cfg.cluster.workers:

@@ -1,46 +1,101 @@
-"""A worker's experts: a host-memory store and a fixed set of device slots.
+"""A worker's experts: a store (host memory and disk) and a fixed set of device slots.
 
-Contract: `ExpertStore` keeps every expert the worker serves in host memory (never on the
-accelerator). `DeviceSlots` owns `slots` preallocated buffers on the compute device; `load` copies
-one expert into a free slot (the just-in-time load the paper hides behind computation) and
-`evict` frees it. There is deliberately no cache: an expert is evicted right after it computes.
+Contract: `ExpertStore` knows where every expert the worker serves rests — decompressed or losslessly
+compressed in host memory within `worker.host_memory`, or on disk (`worker.store`) — never on the
+accelerator, and writes one into given tensors bit for bit (`load_into`). `DeviceSlots` owns
+`slots` preallocated buffers on the compute device; `load` moves one expert into a free slot (the
+just-in-time load the paper hides behind computation) and `evict` frees it.
+There is deliberately no cache: an expert is evicted right after it computes.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from odmoe.checkpoint import Checkpoint, ExpertWeights
+from odmoe.compressed_tensor import MemoryBytes, compress
+from odmoe.expert_pack import PACK_DIR, ExpertPack, PackError, pack_path
+from odmoe.expert_sources import FORMS, CheckpointExpert, CompressedExpert, HostExpert
+
+ExpertSource = HostExpert | CompressedExpert | CheckpointExpert
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
 
+STORES = ("memory", "compressed", "disk")
+
+
 class ExpertStore:
-    def __init__(self, experts: dict[ExpertKey, ExpertWeights]):
+    """Every expert this worker serves, each where it rests (odmoe.expert_sources): decompressed or
+    compressed in host memory, or on disk. `load_into` moves one into a device slot's tensors and
+    returns the bytes moved; compressed chunks decompress on the store's own small thread pool."""
+
+    def __init__(self, experts: dict[ExpertKey, ExpertWeights | ExpertSource], threads: int = 2):
         if not experts:
             raise ValueError("a worker's expert store is empty")
-        self._experts = experts
-        first = next(iter(experts.values()))
-        self.gate_up_shape, self.down_shape, self.dtype = (
-            first.gate_up.shape,
-            first.down.shape,
-            first.gate_up.dtype,
-        )
+        if threads < 1:
+            raise ValueError(f"decompression threads must be at least 1, got {threads}")
+        self._experts: dict[ExpertKey, ExpertSource] = {
+            k: HostExpert(v) if isinstance(v, ExpertWeights) else v for k, v in experts.items()
+        }
+        self.gate_up_shape, self.down_shape, self.dtype = _shapes(next(iter(self._experts.values())))
+        self.threads = threads
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="odmoe-decompress")
+        self.pack_path: str | None = None  # set by `build` when a pack file serves some experts
+        self.pack_missing: str | None = None  # set by `build`: where it looked for a pack and found none
 
     @classmethod
     def from_checkpoint(cls, checkpoint: Checkpoint, layers: list[int], dtype: torch.dtype) -> ExpertStore:
-        experts = {}
-        for layer in layers:
-            for e in range(checkpoint.num_experts):
-                w = checkpoint.expert(layer, e)
-                experts[(layer, e)] = ExpertWeights(
-                    w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous()
-                )
-        return cls(experts)
+        """Every expert decompressed in host memory (`worker.store=memory` without a budget)."""
+        return cls.build(checkpoint, layers, dtype)
+
+    @classmethod
+    def build(
+        cls,
+        checkpoint: Checkpoint,
+        layers: list[int],
+        dtype: torch.dtype,
+        kind: str = "memory",
+        host_memory: int = 0,
+        pack_dir: str | None = None,
+        threads: int = 2,
+    ) -> ExpertStore:
+        """The store of `worker.store=kind`. Experts are taken in (layer, expert) order and kept in host
+        memory in the kind's form while `host_memory` bytes last (0: no limit); the rest, and every
+        expert of `disk`, are read on each load: from the pack file when `pack_dir` (default
+        MODEL/odmoe-pack) holds one for this dtype and the kind compresses (compressed, disk), else
+        from the checkpoint's safetensors. `memory` never reads the pack: it is the uncompressed path."""
+        if kind not in STORES:
+            raise ValueError(f"worker.store={kind!r} is not one of {', '.join(STORES)}")
+        keys = [(layer, e) for layer in layers for e in range(checkpoint.num_experts)]
+        path = pack_path(Path(pack_dir) if pack_dir else checkpoint.path / PACK_DIR, dtype)
+        pack = ExpertPack(path, checkpoint) if kind != "memory" and path.is_file() else None
+        if pack is not None and (missing := [k for k in keys if k not in pack]):
+            raise PackError(f"{path} lacks experts {missing[:4]}...; re-run odmoe-pack")
+        budget = host_memory if host_memory > 0 else float("inf")
+        lock = threading.Lock()
+        probe = checkpoint.expert(*keys[0])
+        raw_bytes = (probe.gate_up.numel() + probe.down.numel()) * dtype.itemsize  # one expert at `dtype`
+        held, experts = 0, {}
+        for key in keys:
+            source = _held_source(checkpoint, key, dtype, kind, pack, budget - held, raw_bytes)
+            if source is None and pack is not None:  # beyond the budget: read on each load
+                packed = pack[key]
+                source = CompressedExpert(packed.gate_up, packed.down, pack.bytes, True, f"expert {key}")
+            elif source is None:
+                source = CheckpointExpert(checkpoint, key, dtype, lock, raw_bytes)
+            held += source.host_bytes
+            experts[key] = source
+        store = cls(experts, threads)
+        store.pack_path = str(path) if pack is not None else None
+        store.pack_missing = str(path) if pack is None and kind != "memory" else None
+        return store
 
     def keys(self) -> list[ExpertKey]:
         return list(self._experts)
@@ -49,7 +104,15 @@ class ExpertStore:
         return key in self._experts
 
     def __getitem__(self, key: ExpertKey) -> ExpertWeights:
-        return self._experts[key]
+        """The expert decompressed (a new copy unless it is held decompressed)."""
+        return self._experts[key].weights_now(self.pool)
+
+    def load_into(self, key: ExpertKey, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        """Write expert `key`'s exact bits into the two slot tensors; returns the bytes moved."""
+        return self._experts[key].load_into(gate_up, down, self.pool)
+
+    def form(self, key: ExpertKey) -> str:
+        return self._experts[key].form
 
     @property
     def layers(self) -> list[int]:
@@ -57,7 +120,64 @@ class ExpertStore:
 
     @property
     def nbytes(self) -> int:
-        return sum(w.nbytes for w in self._experts.values())
+        """Bytes of expert weights held in host memory (decompressed or compressed)."""
+        return sum(s.host_bytes for s in self._experts.values())
+
+    def holdings(self) -> dict[str, dict[str, int]]:
+        """Per form (decompressed / compressed / disk): experts, bytes held in host memory, bytes stored."""
+        out = {form: {"experts": 0, "host_bytes": 0, "stored_bytes": 0} for form in FORMS}
+        for s in self._experts.values():
+            row = out[s.form]
+            row["experts"] += 1
+            row["host_bytes"] += s.host_bytes
+            row["stored_bytes"] += s.stored_bytes
+        return out
+
+    def describe(self) -> str:
+        """One log line: what is held in each form."""
+        parts = [
+            f"{row['experts']} {form} ({row['stored_bytes'] / 2**20:.1f} MiB)"
+            for form, row in self.holdings().items()
+            if row["experts"]
+        ]
+        where = f", pack {self.pack_path}" if self.pack_path else ""
+        if self.pack_missing:
+            where = f", no pack file at {self.pack_missing} (odmoe-pack writes one)"
+        return f"experts {', '.join(parts)}; {self.nbytes / 2**20:.1f} MiB in host memory{where}"
+
+
+def _shapes(source: ExpertSource) -> tuple[torch.Size, torch.Size, torch.dtype]:
+    if isinstance(source, HostExpert):
+        w = source.weights
+        return w.gate_up.shape, w.down.shape, w.gate_up.dtype
+    if isinstance(source, CompressedExpert):
+        return torch.Size(source.gate_up.shape), torch.Size(source.down.shape), source.gate_up.dtype
+    w = source.weights_now()
+    return w.gate_up.shape, w.down.shape, w.gate_up.dtype
+
+
+def _held_source(checkpoint, key, dtype, kind, pack, room: float, raw_bytes: int) -> ExpertSource | None:
+    """Expert `key` kept in host memory in `kind`'s form, or None: `disk`, or not within `room` bytes."""
+    if kind == "memory" and raw_bytes <= room:
+        w = checkpoint.expert(*key)
+        return HostExpert(ExpertWeights(w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous()))
+    if kind == "compressed" and pack is not None and pack[key].nbytes <= room:
+        data, packed = pack.read_expert(key)
+        expert = CompressedExpert(packed.gate_up, packed.down, MemoryBytes(data), False, f"expert {key}")
+        expert.verify()  # read once from disk: check every chunk now, not at its first load
+        return expert
+    if kind == "compressed" and pack is None and room > 0:
+        expert = _compress_expert(checkpoint, key, dtype)
+        return expert if expert.host_bytes <= room else None
+    return None
+
+
+def _compress_expert(checkpoint: Checkpoint, key: ExpertKey, dtype: torch.dtype) -> CompressedExpert:
+    """No pack file: compress this expert now, in memory (what odmoe-pack would have written)."""
+    w = checkpoint.expert(*key)
+    gate_up, a = compress(w.gate_up.to(dtype))
+    down, b = compress(w.down.to(dtype), base=len(a))
+    return CompressedExpert(gate_up, down, MemoryBytes(a + b), False, f"expert {key}")
 
 
 Tag = tuple[str, int]  # (request, iteration) a preloaded expert was predicted for
@@ -146,17 +266,17 @@ class DeviceSlots:
     def fill(self, slot: Slot) -> None:
         start = time.perf_counter()
         slot.load_started_us = time.time() * 1e6
-        weights = self.store[slot.holds]
-        slot.gate_up.copy_(weights.gate_up, non_blocking=True)
-        slot.down.copy_(weights.down, non_blocking=True)
+        moved = self.store.load_into(slot.holds, slot.gate_up, slot.down)  # stored bytes: compressed or not
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         if self.link.enabled:
-            time.sleep(max(self.link.seconds(weights.nbytes) - (time.perf_counter() - start), 0.0))
-        slot.load_s, slot.nbytes = time.perf_counter() - start, weights.nbytes
+            # The link carries what was moved; decompression overlaps the transfer (chunk by chunk), so
+            # a load takes the longer of the two.
+            time.sleep(max(self.link.seconds(moved) - (time.perf_counter() - start), 0.0))
+        slot.load_s, slot.nbytes = time.perf_counter() - start, moved
         c = self.counters
         c.loads += 1
-        c.bytes_loaded += weights.nbytes
+        c.bytes_loaded += moved
         c.load_s += slot.load_s
 
     def load(self, key: ExpertKey, tag: Tag | None = None) -> Slot:

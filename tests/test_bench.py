@@ -143,3 +143,22 @@ def test_bench_sweep_runs_a_cluster_per_job(model_dirs, tmp_path, reap_children)
     )  # fmt: skip
     written = sorted(p.name for p in out.glob("timeline-link*.json"))
     assert len(written) == 2 and "bandwidth_gbps_1" in written[0] and "bandwidth_gbps_8" in written[1]
+
+
+def test_compression_suite_bound_and_ratios():
+    import numpy as np
+
+    from odmoe.benchmarks.suites.compression import exponent_counts, ratios, shannon_bound
+
+    # two exponent values, equally often: H = 1 bit, so bf16's bound is (1 + 8) / 16
+    t = torch.tensor([1.0, 2.0] * 500, dtype=torch.bfloat16)
+    counts = exponent_counts(t)
+    assert counts[127] == counts[128] == 500 and counts.sum() == 1000
+    bound, entropy = shannon_bound(counts, torch.bfloat16)
+    assert entropy == pytest.approx(1.0) and bound == pytest.approx(9 / 16)
+    assert shannon_bound(np.eye(1, 256, 127, dtype=np.int64)[0] * 7, torch.float32)[1] == 0.0
+    g = torch.Generator().manual_seed(0)
+    experts = [(kind, torch.randn(96, 80, generator=g) * 0.02) for kind in ("gate_up", "down") * 3]
+    rows = ratios(experts, torch.bfloat16)
+    assert rows["all"]["raw_bytes"] == 6 * 96 * 80 * 2
+    assert rows["all"]["bound"] <= rows["all"]["odmoe"] < rows["all"]["zstd"] < 1.0
