@@ -322,7 +322,7 @@ class WorkerNode:
                 # The first of several mini-batches loads in the background while the rest arrive.
                 load = self.slots.load_async if request.parts > 1 else self.slots.load
                 slot = load(key, tag=tag)
-            except (KeyError, RuntimeError) as exc:
+            except (KeyError, RuntimeError, ValueError) as exc:  # ValueError: a corrupt stored chunk
                 return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
         last = True
         if request.parts > 1 and not request.per_part:
@@ -331,7 +331,11 @@ class WorkerNode:
                 return None
         else:
             last = request.part == request.parts - 1
-        slot.wait_filled()
+        try:
+            slot.wait_filled()
+        except Exception as exc:  # the background load failed (e.g. a corrupt chunk): say so to main
+            self.slots.evict(slot)
+            return to_frames(self._result(request, 0.0, 0.0, 0, error=f"loading failed: {exc}"), [hidden[:0]])
         waited_s = time.perf_counter() - arrived  # this message waited on the expert's load
         try:
             start, start_us = time.perf_counter(), now_us()

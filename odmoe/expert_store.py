@@ -220,8 +220,10 @@ class Slot:
         if self.filling is None:
             return 0.0
         start = time.perf_counter()
-        self.filling.result()
-        self.filling = None
+        try:
+            self.filling.result()  # re-raises what the load raised (e.g. a corrupt chunk)
+        finally:
+            self.filling = None
         return time.perf_counter() - start
 
 
@@ -281,7 +283,11 @@ class DeviceSlots:
 
     def load(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
         slot = self.reserve(key, tag)
-        self.fill(slot)
+        try:
+            self.fill(slot)
+        except Exception:
+            slot.holds, slot.tag = None, None  # a failed load must not keep its slot
+            raise
         return slot
 
     def load_async(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
@@ -290,8 +296,12 @@ class DeviceSlots:
         return slot
 
     def evict(self, slot: Slot) -> None:
-        slot.wait_filled()  # a copy in flight cannot be abandoned: it still writes the buffers
-        slot.holds, slot.tag = None, None
+        try:
+            slot.wait_filled()  # a copy in flight cannot be abandoned: it still writes the buffers
+        except Exception:
+            pass  # a failed load leaves nothing to keep; a compute that needed it reported the error
+        finally:
+            slot.holds, slot.tag = None, None
 
     def find(self, key: ExpertKey, tag: Tag) -> Slot | None:
         return next((s for s in self._slots if s.holds == key and s.tag == tag), None)

@@ -40,3 +40,24 @@ def test_asking_for_a_layer_ends_every_earlier_one(worker):
     _compute(worker, 2, 6)  # main is at iteration 1, layer 2: layer 0 of iteration 1 is over
     assert worker.preloads == [(2, 0, 1)]
     assert worker.done == (1, 1)
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_a_load_that_fails_is_an_error_answer_and_frees_its_slot(worker, monkeypatch, parts):
+    """A corrupt stored chunk used to escape the compute (dropped: main waited for its deadline)
+    and to keep its slot forever."""
+
+    def corrupt(key, gate_up, down):
+        raise ValueError(f"chunk 0 of expert {key} fails its checksum")
+
+    monkeypatch.setattr(worker.store, "load_into", corrupt)
+    hidden = torch.randn(1, worker.store.gate_up_shape[1])
+    frames = None
+    for part in range(parts):
+        message = ComputeExpert(step=Step("r", 0, 0), expert=3, kernel="eager", part=part, parts=parts)
+        frames = worker.compute(message, hidden)
+    from odmoe.messages import from_frames
+
+    result, _ = from_frames(frames)
+    assert "checksum" in result.error
+    assert worker.slots.free == 2
