@@ -26,6 +26,7 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.launch.local_cluster import ClusterStartError
 
 PROMPT_TOKENS = 16
 
@@ -40,7 +41,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     print(
         f"requests {report['completed']}/{suite.requests} completed, lost {report['lost']}, "
         f"tokens differ {report['differ']}, faults {len(report['events'])} "
-        f"({report['kills']} kills, {report['freezes']} freezes) in {report['seconds']:.0f} s",
+        f"({report['kills']} kills, {report['freezes']} freezes, {report['died']} died by themselves) "
+        f"in {report['seconds']:.0f} s",
         flush=True,
     )
     for name, growth in report["rss_growth"].items():
@@ -48,7 +50,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             f"  RSS {name}: {growth['warm_mib']:.0f} -> {growth['end_mib']:.0f} MiB ({growth['pct']:+.1f} %)"
         )
     out.write("soak", "soak", report)
-    plots.soak(report["samples"], report["events"], out.path("soak", "png"), out.describe(suite.new_tokens))
+    what = f"{suite.workers} workers in groups of 2 + shadow, {suite.clients} clients, {suite.new_tokens} tokens"
+    plots.soak(report["samples"], report["events"], out.path("soak", "png"), what)
     return report
 
 
@@ -83,10 +86,12 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
 
         def fail(name: str, action: str, seconds: float) -> None:
             try:
-                if action == "kill":
+                if action == "died":
+                    restart(name)
+                elif action == "kill":
                     cluster.kill(name)
                     time.sleep(seconds)
-                    cluster.restart(name)  # a new process on a new port: it announces itself
+                    restart(name)
                 else:
                     cluster.freeze(name)
                     time.sleep(seconds)
@@ -105,10 +110,28 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
             with info_lock:  # cluster.client is this thread's and fail()'s only
                 return cluster.client.info()["live_workers"]
 
+        def restart(name: str) -> None:
+            """A new process on a new port (it announces itself); tried again if it fails to start."""
+            for attempt in range(3):
+                try:
+                    cluster.restart(name)
+                    return
+                except ClusterStartError as exc:
+                    print(f"  soak: {name} failed to restart (attempt {attempt + 1}): {exc}", flush=True)
+
         def chaos() -> None:
             nodes = [f"worker{i}" for i in range(suite.workers)] + ["shadow"]
             recovering = []
             while not stop.wait(rng.uniform(*suite.chaos_every_s)):
+                for name in nodes:  # a node that died by itself (not ours to kill) is brought back
+                    with lock:
+                        dead = name not in down and cluster.node(name).process.poll() is not None
+                        if dead:
+                            down.add(name)
+                    if dead:
+                        events.append({"t_s": time.monotonic() - start, "node": name, "action": "died"})
+                        recovering.append(threading.Thread(target=fail, args=(name, "died", 0.0)))
+                        recovering[-1].start()
                 live = live_workers()
                 with lock:
                     up = [n for n in nodes if n not in down]
@@ -168,6 +191,7 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
         "events": events,
         "kills": sum(e["action"] == "kill" for e in events),
         "freezes": sum(e["action"] == "stop" for e in events),
+        "died": sum(e["action"] == "died" for e in events),
         "rss_growth": growth,
         "samples": samples,
     }
