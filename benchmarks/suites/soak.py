@@ -50,7 +50,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             f"  RSS {name}: {growth['warm_mib']:.0f} -> {growth['end_mib']:.0f} MiB ({growth['pct']:+.1f} %)"
         )
     out.write("soak", "soak", report)
-    what = f"{suite.workers} workers in groups of 2 + shadow, {suite.clients} clients, {suite.new_tokens} tokens"
+    what = f"{suite.workers} workers (groups of 2) + shadow"
+    what += f", {suite.clients} clients x {suite.new_tokens} tokens"
     plots.soak(report["samples"], report["events"], out.path("soak", "png"), what)
     return report
 
