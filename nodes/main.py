@@ -171,7 +171,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         cancelled = threading.Event()
         context.add_callback(cancelled.set)
         self.jobs.put((req, replies, cancelled))
-        while (event := replies.get()) is not _END:
+        while (event := self._next_reply(replies, context)) is not _END:
             if isinstance(event, WorkerUnavailable):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(event))
             if isinstance(event, WorkerFailed):
@@ -188,6 +188,16 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 yield odmoe_pb2.GenerateReply(
                     token=odmoe_pb2.TokenPiece(token_id=event.token_id, text=event.text)
                 )
+
+    def _next_reply(self, replies: queue.Queue, context):
+        """The engine's next event for this request; UNAVAILABLE once main is shutting down (the
+        engine will not answer any more, and a waiting handler thread would keep main alive)."""
+        while True:
+            try:
+                return replies.get(timeout=0.5)
+            except queue.Empty:
+                if self.stopped.is_set():
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "main is shutting down")
 
     def Info(self, request, context):
         members = self.experts.members
