@@ -180,3 +180,32 @@ def test_a_node_restarted_from_a_short_lived_thread_keeps_running(model_dirs, re
         thread.join()
         time.sleep(2)
         assert c.node("worker1").process.poll() is None
+
+
+def test_main_stopped_with_requests_waiting_exits_and_they_get_unavailable(model_dirs, reap_children):
+    """A handler waiting for a stopped engine used to keep main alive forever after SIGTERM."""
+    import signal
+    import threading
+
+    import odmoe
+
+    codes, words = [], ["shadow.enabled=false"]
+    with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2, overrides=words) as c:
+
+        def ask() -> None:
+            try:
+                with odmoe.Client(c.address) as client:
+                    client.generate(PROMPTS[0], max_new_tokens=200)
+            except grpc.RpcError as exc:
+                codes.append(exc.code())
+
+        threads = [threading.Thread(target=ask) for _ in range(2)]  # one runs, one waits in the queue
+        for t in threads:
+            t.start()
+        time.sleep(1.5)
+        main = c.node("main").process
+        main.send_signal(signal.SIGTERM)
+        main.wait(timeout=20)
+        for t in threads:
+            t.join(timeout=30)
+    assert grpc.StatusCode.UNAVAILABLE in codes
