@@ -92,13 +92,28 @@ def build_main_model(checkpoint: Checkpoint, dtype: torch.dtype) -> MainModel:
     missing = sorted(needed - state.keys())
     if missing:
         raise CheckpointError(f"{checkpoint.path} lacks tensors main needs: {missing[:5]}")
+    keep_fp32 = _keep_in_fp32(model)
     for key in sorted(needed):
-        _set_parameter(model, key, state[key].to(dtype))
+        _set_parameter(model, key, state[key].to(torch.float32 if keep_fp32(key) else dtype))
+    # Persistent buffers saved with the weights (DeepSeek-V3's router `e_score_correction_bias`)
+    # are real tensors already (zeros); put the checkpoint's in, in the dtype from_pretrained gives them.
+    for key, buffer in list(model.named_buffers()):
+        if key in state:
+            owner_name, _, attr = key.rpartition(".")
+            value = state[key].to(buffer.device, torch.float32 if keep_fp32(key) else dtype)
+            setattr(model.get_submodule(owner_name), attr, value)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model.set_experts_implementation(REMOTE)
     model.eval()
     return MainModel(model=model, kernel=kernel, moe_layers=checkpoint.moe_layers, dtype=dtype)
+
+
+def _keep_in_fp32(model: PreTrainedModel) -> Callable[[str], bool]:
+    """Whether from_pretrained keeps this tensor in fp32 whatever the dtype asked for
+    (`_keep_in_fp32_modules[_strict]`, e.g. DeepSeek-V3's `e_score_correction_bias`)."""
+    names = [*(model._keep_in_fp32_modules or []), *(model._keep_in_fp32_modules_strict or [])]
+    return lambda key: any(name in key.split(".") for name in names)
 
 
 def _set_parameter(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:
