@@ -134,6 +134,29 @@ def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Mod
     return sorted(found, key=lambda item: item[0])
 
 
+def choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The scores a router ranks experts by, for its logits [..., E]; top-k of these is its choice.
+
+    Softmax for every family but DeepSeek-V3, whose sigmoid scores plus `e_score_correction_bias`
+    decide (the bias moves the choice, not the weights). Where the router limits the choice to its
+    best `topk_group` of `n_group` expert groups (V3 always; V2 with `group_limited_greedy`), experts
+    of the other groups score -inf, so the top-(k+1) the shadow publishes are ones the router could
+    pick. Group ranking as transformers does it: V3 sums each group's best two, V2 takes the best.
+    """
+    logits = logits.float()
+    bias = getattr(router, "e_score_correction_bias", None)
+    scores = logits.sigmoid() + bias if bias is not None else logits.softmax(dim=-1)
+    groups = getattr(router, "num_group", None) or 1
+    limited = bias is not None or getattr(router, "topk_method", None) == "group_limited_greedy"
+    if groups <= 1 or not limited:
+        return scores
+    grouped = scores.reshape(*scores.shape[:-1], groups, -1)  # [..., G, E/G]
+    rank = grouped.topk(2, dim=-1).values.sum(-1) if bias is not None else grouped.max(-1).values
+    keep = torch.zeros_like(rank, dtype=torch.bool)
+    keep.scatter_(-1, rank.topk(router.topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(scores.shape)
+
+
 def model_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as stored (quantized tensors at their packed size)."""
     total = sum(
