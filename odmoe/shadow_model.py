@@ -67,6 +67,21 @@ def _linears(model: nn.Module):
                 yield module, child_name, child
 
 
+class FlatRows(nn.Module):
+    """A linear fed [..., in] with more than 3 dims sees [rows, in]: bitsandbytes' CPU int8 matmul
+    fails on 4-D inputs, which MLA gives its `kv_b_proj` ([B, 1, S, kv_lora_rank]). Row-wise
+    quantization does not depend on the batch shape, so the result is what a 2-D call gives."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() <= 3:
+            return self.linear(x)
+        return self.linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
 def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
     import bitsandbytes as bnb
 
@@ -92,7 +107,8 @@ def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
             q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
-        setattr(parent, name, q.to(lin.weight.device))
+        q = q.to(lin.weight.device)
+        setattr(parent, name, FlatRows(q) if name == "kv_b_proj" else q)
 
 
 def _to_dynamic_int8(model: PreTrainedModel) -> None:

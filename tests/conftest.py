@@ -17,6 +17,13 @@ FAMILY_NAMES = [
 DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
 
 
+def cluster_families() -> list:
+    """FAMILY_NAMES for the cluster tests, DeepSeek's marked slow: a DeepSeek cluster (16 experts,
+    top-4) takes 1.5-2 min here, so the default run covers DeepSeek with the focused cluster tests of
+    tests/test_deepseek.py and `-m ""` runs the whole matrix."""
+    return [pytest.param(f, marks=pytest.mark.slow) if f in DEEPSEEK_NAMES else f for f in FAMILY_NAMES]
+
+
 def _spec(family: str) -> ModelSpec:
     # DeepSeek's experts are many and small: 16 routed (4 groups, 2 usable), top-4, a quarter as wide.
     many = family in DEEPSEEK_NAMES
