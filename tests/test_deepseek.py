@@ -119,7 +119,11 @@ def test_shadow_choice_scores_rank_as_the_router_chooses(routing, tmp_path):
         assert limited_differs == (routing != "v2-greedy")
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],
+    ids=["fp32", "bf16"],
+)
 @pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
 def test_main_with_experts_computed_apart_equals_generate(family, dtype, model_dirs):
     """Main's model with the routed experts computed outside it (as workers do, from the checkpoint's
@@ -265,8 +269,8 @@ def test_quantized_checkpoint_is_refused(tmp_path, model_dirs):
         Checkpoint(path)
 
 
-# -- real clusters (the full matrix is in test_cluster_fidelity / test_prefill / test_shadow_cluster,
-#    marked slow for DeepSeek) ------------------------------------------------------------------
+# -- real clusters: V3 in the default run, V2 and the full matrix (test_cluster_fidelity,
+#    test_prefill, test_shadow_cluster) under `-m ""`
 
 ID_PROMPTS = [[7], [(7 * i + 11) % 1000 + 4 for i in range(100)]]
 
@@ -300,6 +304,7 @@ def test_downloaded_v3_is_served_exactly_with_a_quantized_shadow(downloaded_v3, 
     assert set(stats[1]["prefill"]["experts_per_layer"].values()) == {4}  # 1 token: exactly top-4
 
 
+@pytest.mark.slow  # ~80 s here: the default run keeps one DeepSeek cluster (V3, above)
 @pytest.mark.integration
 def test_v2_is_served_exactly_with_a_free_running_bf16_shadow(model_dirs, reap_children):
     overrides = [
