@@ -6,6 +6,13 @@ from disk: they stay on the `meta` device. Each experts module is registered und
 implementation "odmoe_remote", which forwards `(layer, hidden[T, H], top_k_index, top_k_weights)` to
 whatever `ExpertCall` is attached. The kernel transformers would have used for the reference is kept
 in `MainModel.kernel` so the remote side reproduces it exactly (see expert_math).
+
+Every family odmoe serves computes its routed experts through transformers' experts interface,
+DeepSeek-V2/V3 included, so the router's output (DeepSeek: float32 weights, already normalised
+and multiplied by `routed_scaling_factor` inside the router) reaches the remote call exactly as it
+would reach transformers' kernel. Persistent buffers (DeepSeek-V3's `e_score_correction_bias`) are
+loaded like parameters, and tensors transformers keeps in fp32 (`_keep_in_fp32_modules[_strict]`)
+stay fp32 whatever `dtype` is, as `from_pretrained` does.
 """
 
 from __future__ import annotations
