@@ -132,7 +132,8 @@ class SoakSuite:
 @dataclass
 class BenchConfig:
     suite: str = "quick"
-    # "trained": the trained benchmark model (made once, ~10 min, cached); "tiny": the random-init
+    # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
+    # DeepSeek-V3-shaped sibling (odmoe.training.TRAINED_DEEPSEEK_SPEC); "tiny": the random-init
     # demo model; anything else: a checkpoint directory.
     model: str = "trained"
     results_dir: str = "benchmarks/results"

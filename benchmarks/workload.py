@@ -16,19 +16,25 @@ from odmoe.model_factory import _SKIP_DIRS, corpus_files
 TRAINING_CORPUS_BYTES = 12_000_000  # odmoe.training.TrainSettings.corpus_bytes
 
 
+TRAINED = {"trained": "mixtral", "trained_deepseek": "deepseek_v3"}  # model= name -> family
+
+
 def resolve_model(name: str) -> str:
-    """ "trained" -> the trained benchmark model (trained once, cached); "tiny" -> the demo model."""
-    if name == "trained":
+    """ "trained" / "trained_deepseek" -> the Mixtral-style / DeepSeek-V3-shaped trained benchmark
+    model (trained once, cached); "tiny" -> the demo model."""
+    if name in TRAINED:
         from odmoe.training import ensure_trained_model
 
-        return str(ensure_trained_model())
+        return str(ensure_trained_model(family=TRAINED[name]))
     if name == "tiny":
         from odmoe.model_factory import ensure_default_model
 
         return str(ensure_default_model())
     path = Path(name).expanduser()
     if not path.is_dir():
-        raise ValueError(f"model={name!r}: neither 'trained', 'tiny' nor a checkpoint directory")
+        raise ValueError(
+            f"model={name!r}: neither 'trained', 'trained_deepseek', 'tiny' nor a checkpoint directory"
+        )
     return str(path.resolve())
 
 

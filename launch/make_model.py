@@ -1,6 +1,8 @@
 """`odmoe-make-model`: write a small random-init MoE checkpoint + tokenizer to a directory.
 
 odmoe-make-model --family qwen2_moe --out /tmp/qwen-tiny --layers 4 --experts 8 --top-k 2 --seed 1
+odmoe-make-model --family deepseek_v3 --out /tmp/ds3-tiny --experts 16 --top-k 4 --intermediate 32
+odmoe-make-model --train --family deepseek_v3 --out /tmp/ds3-trained   # the DeepSeek benchmark model
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--train",
         action="store_true",
-        help="train the benchmark model (Mixtral-style, ~15 M parameters) instead of random init; "
-        "the size options are then fixed, only --seed applies",
+        help="train a benchmark model instead of random init: --family mixtral (default; ~15 M "
+        "parameters) or deepseek_v3 (~8 M); the size options are then fixed, only --seed applies",
     )
     parser.add_argument(
-        "--steps", type=int, default=850, help="--train: optimizer steps (~10 min on 2 cores)"
+        "--steps",
+        type=int,
+        default=None,
+        help="--train: optimizer steps (default: mixtral 850, ~10 min on 2 cores; deepseek_v3 400)",
     )
     return parser.parse_args(argv)
 
@@ -42,9 +47,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"odmoe-make-model: {exc}", file=sys.stderr)
         return 2
     if args.train:
-        from odmoe.training import TRAINED_SPEC, TrainSettings, train_model
+        from dataclasses import replace
 
-        out = train_model(args.out, TRAINED_SPEC, TrainSettings(steps=args.steps, seed=args.seed))
+        from odmoe.training import TRAINED_SETTINGS, TRAINED_SPECS, train_model
+
+        if spec.family not in TRAINED_SPECS:
+            print(f"odmoe-make-model: --train makes {' or '.join(TRAINED_SPECS)} models", file=sys.stderr)
+            return 2
+        settings = replace(TRAINED_SETTINGS[spec.family], seed=args.seed)
+        if args.steps is not None:
+            settings = replace(settings, steps=args.steps)
+        spec = TRAINED_SPECS[spec.family]
+        out = train_model(args.out, spec, settings)
     else:
         out = make_model(spec, args.out, max_shard_size=args.max_shard_size)
     from odmoe.checkpoint import Checkpoint

@@ -51,7 +51,7 @@ from odmoe.messages import (
 )
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
-from odmoe.shadow_model import load_shadow_model, model_bytes, router_modules
+from odmoe.shadow_model import choice_scores, load_shadow_model, model_bytes, router_modules
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.shadow")
@@ -129,13 +129,13 @@ class ShadowNode:
             router.register_forward_hook(self._make_hook(layer))
 
     def _make_hook(self, layer: int):
-        def hook(_module, _inputs, output):
+        def hook(module, _inputs, output):
             request, iteration = self.step
             if iteration < 1:
                 return  # prefill: nothing to predict
             self.fault.at(request, iteration, layer)
-            logits = output[0][-1].float()  # the newest token's router logits [E]
-            probs, candidates = torch.softmax(logits, dim=-1).topk(min(self.top_k + 1, self.num_experts))
+            scores = choice_scores(module, output[0][-1])  # the newest token's, [E]
+            probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
             experts = output[2][-1].tolist()
             self.publish(layer, iteration, request, experts, candidates.tolist(), probs.tolist())
             if self.tracer.enabled:

@@ -4,11 +4,19 @@ Contract: nothing here loads a whole checkpoint. `Checkpoint` knows the config a
 (`model.safetensors.index.json`, or the single `model.safetensors`), and hands out either the
 non-expert tensors (what main needs) or one expert's three matrices (what a worker needs), read
 with `safe_open(...).get_slice` so other experts' bytes are never touched.
+
+What a real checkpoint may hold beyond the model transformers builds from its config: DeepSeek-V3's
+multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.{N}` and beyond
+for N = `num_hidden_layers`) are used only for speculative training/decoding, never by
+`generate()`; they are dropped from the weight map with a log line, so neither main nor any worker
+reads them. Quantized checkpoints (a `quantization_config`, e.g. DeepSeek-V3's FP8 weights with
+`weight_scale_inv` scales) are refused: workers compute on the raw tensors they read.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +25,8 @@ from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from odmoe.families import Family, UnsupportedModelError, family_of, is_expert_key, layer_of_key
+
+log = logging.getLogger("odmoe.checkpoint")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -49,7 +59,14 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has no config.json: not a Hugging Face checkpoint")
         self.config: PretrainedConfig = AutoConfig.from_pretrained(self.path)
         self.family: Family = family_of(self.config)
-        self.weight_map = self._read_weight_map()
+        quantization = getattr(self.config, "quantization_config", None)
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+            raise UnsupportedModelError(
+                f"{self.path} is a quantized checkpoint (quant_method {method!r}); odmoe serves "
+                "unquantized weights: convert it to bf16/fp16/fp32 safetensors first"
+            )
+        self.weight_map = self._without_extra_layers(self._read_weight_map())
         self.moe_layers = sorted({layer_of_key(k) for k in self.weight_map if is_expert_key(k)} - {None})
         if not self.moe_layers:
             raise UnsupportedModelError(f"{self.path} holds no routed-expert tensors")
@@ -72,6 +89,20 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
         with safe_open(single, "pt") as f:
             return {key: SINGLE_FILE for key in f.keys()}
+
+    def _without_extra_layers(self, weight_map: dict[str, str]) -> dict[str, str]:
+        """The weight map less layers the model does not have (DeepSeek-V3's MTP layers)."""
+        layers = int(self.config.num_hidden_layers)
+        extra = sorted({n for k in weight_map if (n := layer_of_key(k)) is not None and n >= layers})
+        if extra:
+            log.info(
+                "%s: skipping layers %s beyond num_hidden_layers=%d (multi-token-prediction layers; "
+                "generate() never runs them)",
+                self.path,
+                extra,
+                layers,
+            )
+        return {k: v for k, v in weight_map.items() if (layer_of_key(k) or 0) < layers}
 
     def _handle(self, key: str):
         if key not in self.weight_map:

@@ -58,6 +58,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2_moe": Family("qwen2_moe", num_experts_field="num_experts", **_MLP_STYLE),
     "qwen3_moe": Family("qwen3_moe", num_experts_field="num_experts", **_MLP_STYLE),
     "olmoe": Family("olmoe", num_experts_field="num_experts", **_MLP_STYLE),
+    # DeepSeek-V2 and V3 (MLA attention, dense first layers, shared experts, group-limited routing)
+    # save per-expert keys like Qwen; transformers 5.23 names the count `n_routed_experts` (aliased
+    # `num_experts` / `num_local_experts`). Layers at or beyond `num_hidden_layers` on disk are V3's
+    # multi-token-prediction layers, which `Checkpoint` skips.
+    "deepseek_v2": Family("deepseek_v2", num_experts_field="n_routed_experts", **_MLP_STYLE),
     "deepseek_v3": Family("deepseek_v3", num_experts_field="n_routed_experts", **_MLP_STYLE),
 }
 

@@ -2,6 +2,18 @@
 
 Both sides of the paper's KV alignment (§3.2) in one place, so the shadow node and the recall
 replay do exactly the same thing. Shapes: [layers, kv_heads, rows, head_dim].
+
+What a cache layer's "keys" and "values" are depends on the family's attention; these functions
+hand over whatever transformers' DynamicCache holds, which is all the state the next step reads:
+- Mixtral, Qwen, OLMoE: per-KV-head keys (after RoPE) and values, [kv_heads, rows, head_dim] each.
+- DeepSeek-V2/V3 (MLA): the cache stores the *compressed* latent, not per-head K/V. "keys" are the
+  normed KV latent `kv_a_layernorm(kv_a_proj_with_mqa(x)[:kv_lora_rank])`, [1, rows, kv_lora_rank];
+  "values" are the shared RoPE key part, after RoPE, [1, rows, qk_rope_head_dim]. Per-head keys and
+  values are re-expanded from them by `kv_b_proj` at every step, so overwriting these two tensors
+  aligns everything (tests/test_deepseek.py checks the next step is then bit-identical). The rows
+  are MLA's small ones: (kv_lora_rank + qk_rope_head_dim) numbers per layer and token.
+Dense first layers (DeepSeek's `first_k_dense_replace`) have attention and a cache like any other
+layer, so every layer is aligned, MoE or not.
 """
 
 from __future__ import annotations

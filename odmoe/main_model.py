@@ -6,6 +6,13 @@ from disk: they stay on the `meta` device. Each experts module is registered und
 implementation "odmoe_remote", which forwards `(layer, hidden[T, H], top_k_index, top_k_weights)` to
 whatever `ExpertCall` is attached. The kernel transformers would have used for the reference is kept
 in `MainModel.kernel` so the remote side reproduces it exactly (see expert_math).
+
+Every family odmoe serves computes its routed experts through transformers' experts interface,
+DeepSeek-V2/V3 included, so the router's output (DeepSeek: float32 weights, already normalised
+and multiplied by `routed_scaling_factor` inside the router) reaches the remote call exactly as it
+would reach transformers' kernel. Persistent buffers (DeepSeek-V3's `e_score_correction_bias`) are
+loaded like parameters, and tensors transformers keeps in fp32 (`_keep_in_fp32_modules[_strict]`)
+stay fp32 whatever `dtype` is, as `from_pretrained` does.
 """
 
 from __future__ import annotations
@@ -92,13 +99,28 @@ def build_main_model(checkpoint: Checkpoint, dtype: torch.dtype) -> MainModel:
     missing = sorted(needed - state.keys())
     if missing:
         raise CheckpointError(f"{checkpoint.path} lacks tensors main needs: {missing[:5]}")
+    keep_fp32 = _keep_in_fp32(model)
     for key in sorted(needed):
-        _set_parameter(model, key, state[key].to(dtype))
+        _set_parameter(model, key, state[key].to(torch.float32 if keep_fp32(key) else dtype))
+    # Persistent buffers saved with the weights (DeepSeek-V3's router `e_score_correction_bias`)
+    # are real tensors already (zeros); put the checkpoint's in, in the dtype from_pretrained gives them.
+    for key, buffer in list(model.named_buffers()):
+        if key in state:
+            owner_name, _, attr = key.rpartition(".")
+            value = state[key].to(buffer.device, torch.float32 if keep_fp32(key) else dtype)
+            setattr(model.get_submodule(owner_name), attr, value)
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model.set_experts_implementation(REMOTE)
     model.eval()
     return MainModel(model=model, kernel=kernel, moe_layers=checkpoint.moe_layers, dtype=dtype)
+
+
+def _keep_in_fp32(model: PreTrainedModel) -> Callable[[str], bool]:
+    """Whether from_pretrained keeps this tensor in fp32 whatever the dtype asked for
+    (`_keep_in_fp32_modules[_strict]`, e.g. DeepSeek-V3's `e_score_correction_bias`)."""
+    names = [*(model._keep_in_fp32_modules or []), *(model._keep_in_fp32_modules_strict or [])]
+    return lambda key: any(name in key.split(".") for name in names)
 
 
 def _set_parameter(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:

@@ -24,6 +24,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
     MixtralConfig,
     OlmoeConfig,
     PretrainedConfig,
@@ -34,13 +36,17 @@ from transformers import (
 
 log = logging.getLogger("odmoe.model_factory")
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 DTYPES = ("float32", "float16", "bfloat16")
 # Random routers give nearly uniform probabilities, so top-k would hinge on noise; scaling the
 # router weights makes the choices decisive, closer to a trained model's routing.
 ROUTER_SCALE = 8.0
+# DeepSeek-V3's aux-loss-free balancing bias, added to the sigmoid scores for the choice only. A
+# random-init model would have it all zero; the factory draws it (std E_BIAS_STD) so it matters.
+E_BIAS_STD = 0.05
 # Left out of the corpus: tests, vendored or generated tables that would dominate the merges.
 _SKIP_DIRS = {
     "test",
@@ -90,6 +96,12 @@ class ModelSpec:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
+        if self.family in DEEPSEEK:
+            groups, topk_group = deepseek_groups(self.experts)
+            if self.top_k > topk_group * (self.experts // groups):
+                raise ValueError(
+                    f"top_k={self.top_k} exceeds the {topk_group} of {groups} expert groups routing may use"
+                )
         if self.vocab < 256 + len(SPECIAL_TOKENS):
             raise ValueError(f"vocab={self.vocab} is too small for a byte-level tokenizer (>= 260)")
         if self.dtype not in DTYPES:
@@ -135,7 +147,60 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
             head_dim=spec.hidden // spec.heads,
             **common,
         )
+    if spec.family in DEEPSEEK:
+        return deepseek_config(spec, common)
     return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
+
+
+def deepseek_groups(experts: int) -> tuple[int, int]:
+    """(n_group, topk_group): 4 groups, 2 of which routing may use, where the experts allow it."""
+    if experts % 4 == 0 and experts >= 8:
+        return 4, 2
+    return 1, 1
+
+
+def deepseek_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
+    """DeepSeek-V2 / V3 in miniature, shaped like the real ones.
+
+    MLA attention (q and kv LoRA ranks, a decoupled RoPE part of the query/key heads), the first
+    layer dense (`first_k_dense_replace`), shared experts beside the routed ones, group-limited
+    routing. `intermediate` is one routed expert's width; the dense layer is twice that. V2 routes
+    with softmax + `group_limited_greedy` and scales the weights by 16 (as DeepSeek-V2 does); V3
+    with sigmoid scores + `e_score_correction_bias` (made non-zero in `make_model`), group-limited
+    top-k, `norm_topk_prob` and a scale of 2.5.
+    """
+    head = spec.hidden // spec.heads
+    groups, topk_group = deepseek_groups(spec.experts)
+    shape = dict(
+        common,
+        num_key_value_heads=spec.heads,  # MLA expands its latent to every head: no grouped K/V
+        intermediate_size=2 * spec.intermediate,
+        moe_intermediate_size=spec.intermediate,
+        n_routed_experts=spec.experts,
+        first_k_dense_replace=1 if spec.layers > 1 else 0,
+        q_lora_rank=max(spec.hidden // 2, 1),
+        kv_lora_rank=max(spec.hidden // 4, 1),
+        qk_nope_head_dim=head,
+        qk_rope_head_dim=max(head // 2, 2),
+        v_head_dim=head,
+        n_group=groups,
+        topk_group=topk_group,
+    )
+    if spec.family == "deepseek_v2":
+        return DeepseekV2Config(
+            n_shared_experts=2,
+            topk_method="group_limited_greedy",
+            routed_scaling_factor=16.0,
+            norm_topk_prob=False,
+            **shape,
+        )
+    return DeepseekV3Config(
+        n_shared_experts=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        num_nextn_predict_layers=0,  # no multi-token-prediction layer (main never runs one)
+        **shape,
+    )
 
 
 def corpus_files(max_bytes: int = 2_000_000) -> list[str]:
@@ -187,6 +252,9 @@ def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None 
             for name, param in model.named_parameters():
                 if name.endswith("mlp.gate.weight"):
                     param.mul_(ROUTER_SCALE)
+            for name, bias in model.named_buffers():
+                if name.endswith("mlp.gate.e_score_correction_bias"):
+                    bias.copy_(torch.randn(bias.shape) * E_BIAS_STD)
         kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
         model.save_pretrained(tmp, **kwargs)
         build_tokenizer(spec.vocab, spec.max_positions).save_pretrained(tmp)

@@ -67,6 +67,21 @@ def _linears(model: nn.Module):
                 yield module, child_name, child
 
 
+class FlatRows(nn.Module):
+    """A linear fed [..., in] with more than 3 dims sees [rows, in]: bitsandbytes' CPU int8 matmul
+    fails on 4-D inputs, which MLA gives its `kv_b_proj` ([B, 1, S, kv_lora_rank]). Row-wise
+    quantization does not depend on the batch shape, so the result is what a 2-D call gives."""
+
+    def __init__(self, linear: nn.Module):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() <= 3:
+            return self.linear(x)
+        return self.linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+
+
 def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
     import bitsandbytes as bnb
 
@@ -92,7 +107,8 @@ def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
             q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
-        setattr(parent, name, q.to(lin.weight.device))
+        q = q.to(lin.weight.device)
+        setattr(parent, name, FlatRows(q) if name == "kv_b_proj" else q)
 
 
 def _to_dynamic_int8(model: PreTrainedModel) -> None:
@@ -132,6 +148,29 @@ def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Mod
         and module.weight.shape[0] == num_experts
     ]
     return sorted(found, key=lambda item: item[0])
+
+
+def choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """The scores a router ranks experts by, for its logits [..., E]; top-k of these is its choice.
+
+    Softmax for every family but DeepSeek-V3, whose sigmoid scores plus `e_score_correction_bias`
+    decide (the bias moves the choice, not the weights). Where the router limits the choice to its
+    best `topk_group` of `n_group` expert groups (V3 always; V2 with `group_limited_greedy`), experts
+    of the other groups score -inf, so the top-(k+1) the shadow publishes are ones the router could
+    pick. Group ranking as transformers does it: V3 sums each group's best two, V2 takes the best.
+    """
+    logits = logits.float()
+    bias = getattr(router, "e_score_correction_bias", None)
+    scores = logits.sigmoid() + bias if bias is not None else logits.softmax(dim=-1)
+    groups = getattr(router, "num_group", None) or 1
+    limited = bias is not None or getattr(router, "topk_method", None) == "group_limited_greedy"
+    if groups <= 1 or not limited:
+        return scores
+    grouped = scores.reshape(*scores.shape[:-1], groups, -1)  # [..., G, E/G]
+    rank = grouped.topk(2, dim=-1).values.sum(-1) if bias is not None else grouped.max(-1).values
+    keep = torch.zeros_like(rank, dtype=torch.bool)
+    keep.scatter_(-1, rank.topk(router.topk_group, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(scores.shape)
 
 
 def model_bytes(model: nn.Module) -> int:

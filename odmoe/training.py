@@ -10,6 +10,14 @@ recall meaningless; a trained router does not.
 
 The router load-balancing loss is computed per layer and averaged: transformers' built-in version
 pools all layers, and a layer then ended with a dead expert.
+
+`TRAINED_SPECS` holds two benchmark models: the Mixtral-style one (`trained`) and a DeepSeek-V3-shaped
+one (`trained_deepseek`: MLA, a dense first layer, a shared expert, 16 small routed experts top-4 in
+4 groups of which 2 may be used, sigmoid scores). DeepSeek-V3 balances its experts without an
+auxiliary loss, by nudging each router's `e_score_correction_bias` after every step (up for experts
+under the mean load, down for those over it, by `bias_update_rate`); this trainer does the same, so
+the saved bias is a trained one, and keeps the small per-layer balance loss as V3's complementary
+sequence-wise loss.
 """
 
 from __future__ import annotations
@@ -28,6 +36,7 @@ from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
 from odmoe.model_factory import ModelSpec, build_tokenizer, corpus_files, hf_config
+from odmoe.shadow_model import choice_scores, router_modules
 
 log = logging.getLogger("odmoe.training")
 
@@ -44,6 +53,21 @@ TRAINED_SPEC = ModelSpec(
     max_positions=512,
     seed=0,
 )
+# ~8 M parameters: 1 dense + 3 MoE layers, experts a quarter of the Mixtral-style model's width.
+TRAINED_DEEPSEEK_SPEC = ModelSpec(
+    family="deepseek_v3",
+    layers=4,
+    hidden=256,
+    intermediate=128,
+    experts=16,
+    top_k=4,
+    heads=8,
+    kv_heads=8,
+    vocab=4096,
+    max_positions=512,
+    seed=0,
+)
+TRAINED_SPECS = {"mixtral": TRAINED_SPEC, "deepseek_v3": TRAINED_DEEPSEEK_SPEC}
 
 
 @dataclass(frozen=True)
@@ -57,6 +81,12 @@ class TrainSettings:
     corpus_bytes: int = 12_000_000
     held_out_batches: int = 16
     seed: int = 0
+    bias_update_rate: float = 1e-3  # DeepSeek-V3's e_score_correction_bias step per optimizer step
+
+
+# Per family: the step count is fixed (not a wall-clock budget). The DeepSeek model's 16 experts x
+# 3 layers make a step slower on CPU than its size suggests, so it trains for fewer.
+TRAINED_SETTINGS = {"mixtral": TrainSettings(), "deepseek_v3": TrainSettings(steps=400, warmup=30)}
 
 
 def _token_stream(tokenizer, max_bytes: int) -> torch.Tensor:
@@ -90,20 +120,61 @@ def _held_out_loss(model, stream: torch.Tensor, settings: TrainSettings) -> floa
     return sum(losses) / len(losses)
 
 
+class _RouterChoices:
+    """Forward hooks on every router: per layer, the last call's logits [T, E] and choice [T, k]."""
+
+    def __init__(self, model):
+        self.routers = router_modules(model, _num_experts(model))
+        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.handles = [r.register_forward_hook(self._hook(layer)) for layer, r in self.routers]
+
+    def _hook(self, layer: int):
+        def hook(_module, _inputs, output):
+            self.seen[layer] = (output[0].detach(), output[2].detach())
+
+        return hook
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _num_experts(model) -> int:
+    from odmoe.families import family_of
+
+    return int(getattr(model.config, family_of(model.config).num_experts_field))
+
+
+@torch.no_grad()
+def _update_correction_bias(choices: _RouterChoices, rate: float) -> None:
+    """DeepSeek-V3's auxiliary-loss-free balancing: bias += rate * sign(mean load - expert load)."""
+    for layer, router in choices.routers:
+        bias = getattr(router, "e_score_correction_bias", None)
+        if bias is None or layer not in choices.seen:
+            continue
+        load = torch.bincount(choices.seen[layer][1].flatten(), minlength=bias.numel()).float()
+        bias += rate * torch.sign(load.mean() - load)
+
+
 @torch.no_grad()
 def routing_stats(model, stream: torch.Tensor, settings: TrainSettings, top_k: int) -> dict:
     """Per-layer share of routed tokens per expert, and the gap between the k-th and (k+1)-th
-    router probability (misses concentrate where that gap is tiny)."""
+    expert's score as the router ranks them (softmax probability; DeepSeek-V3: sigmoid + bias within
+    the allowed groups): misses concentrate where that gap is tiny."""
     gen = torch.Generator().manual_seed(settings.seed + 2)
     x = _batches(stream, settings.batch, settings.seq_len, gen)
-    out = model(input_ids=x, output_router_logits=True)
+    choices = _RouterChoices(model)
+    try:
+        model(input_ids=x)
+    finally:
+        choices.close()
     loads, gaps = {}, []
-    for layer, logits in enumerate(out.router_logits):
-        probs = logits.float().softmax(-1)
-        top = probs.topk(top_k + 1, dim=-1)
-        counts = torch.bincount(top.indices[:, :top_k].flatten(), minlength=probs.shape[-1]).float()
+    for layer, router in choices.routers:
+        logits, index = choices.seen[layer]
+        scores = choice_scores(router, logits).topk(top_k + 1, dim=-1).values
+        counts = torch.bincount(index.flatten(), minlength=logits.shape[-1]).float()
         loads[layer] = (counts / counts.sum()).tolist()
-        gaps.append(top.values[:, top_k - 1] - top.values[:, top_k])
+        gaps.append(scores[:, top_k - 1] - scores[:, top_k])
     gap = torch.cat(gaps)
     return {
         "expert_load_per_layer": loads,
@@ -137,6 +208,7 @@ def train_model(
         return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
     gen = torch.Generator().manual_seed(settings.seed)
+    choices = _RouterChoices(model)
     start = time.perf_counter()
     for step in range(settings.steps):
         for group in optimizer.param_groups:
@@ -149,6 +221,7 @@ def train_model(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
+        _update_correction_bias(choices, settings.bias_update_rate)
         if step % 25 == 0 or step == settings.steps - 1:
             elapsed = time.perf_counter() - start
             rate = (step + 1) * settings.batch * settings.seq_len / elapsed
@@ -162,6 +235,7 @@ def train_model(
                 rate,
                 eta,
             )
+    choices.close()
     model.eval()
     report = {
         "spec": asdict(spec),
@@ -197,18 +271,23 @@ def _save(model, tokenizer, spec: ModelSpec, report: dict, out_dir: Path) -> Non
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def ensure_trained_model(cache_dir: Path | None = None, settings: TrainSettings = TrainSettings()) -> Path:
-    """The trained benchmark model, trained once per cache directory (about 10 minutes on 2 cores)."""
+def ensure_trained_model(
+    cache_dir: Path | None = None, settings: TrainSettings | None = None, family: str = "mixtral"
+) -> Path:
+    """The trained benchmark model of `family` (a key of TRAINED_SPECS), trained once per cache
+    directory (Mixtral-style: about 10 minutes on 2 cores)."""
     import fcntl
 
     from odmoe.model_factory import default_cache_dir
 
+    spec = TRAINED_SPECS[family]
+    settings = settings or TRAINED_SETTINGS[family]
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / f"trained-{TRAINED_SPEC.name}-steps{settings.steps}"
+    target = cache_dir / f"trained-{spec.name}-steps{settings.steps}"
     with open(cache_dir / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "odmoe_training.json").is_file():
             log.info("training the benchmark model into %s (first use only)", target)
-            train_model(target, TRAINED_SPEC, settings)
+            train_model(target, spec, settings)
     return target

@@ -11,17 +11,29 @@ import pytest
 
 from odmoe.model_factory import FAMILIES, ModelSpec, make_model
 
-FAMILY_NAMES = [f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe") if f in FAMILIES]
+FAMILY_NAMES = [
+    f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3") if f in FAMILIES
+]
+DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
+
+
+def cluster_families() -> list:
+    """FAMILY_NAMES for the cluster tests, DeepSeek's marked slow: a DeepSeek cluster (16 experts,
+    top-4) takes 1.5-2 min here, so the default run covers DeepSeek with the focused cluster tests of
+    tests/test_deepseek.py and `-m ""` runs the whole matrix."""
+    return [pytest.param(f, marks=pytest.mark.slow) if f in DEEPSEEK_NAMES else f for f in FAMILY_NAMES]
 
 
 def _spec(family: str) -> ModelSpec:
+    # DeepSeek's experts are many and small: 16 routed (4 groups, 2 usable), top-4, a quarter as wide.
+    many = family in DEEPSEEK_NAMES
     return ModelSpec(
         family=family,
         layers=4,
         hidden=64,
-        intermediate=128,
-        experts=8,
-        top_k=2,
+        intermediate=32 if many else 128,
+        experts=16 if many else 8,
+        top_k=4 if many else 2,
         vocab=1024,
         max_positions=256,
         seed=0,

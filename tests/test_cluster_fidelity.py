@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
-from tests.conftest import FAMILY_NAMES
+from tests.conftest import cluster_families
 
 PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    ", "    return sorted(items, key="]
 NEW_TOKENS = 32
@@ -35,7 +35,7 @@ def reference(path: str, prompt: str | list[int], dtype=None, new_tokens: int = 
     return out.sequences[0, ids.shape[1] :].tolist(), out.logits[-1][0].float()
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", cluster_families())
 @pytest.mark.parametrize("workers,group_size", [(2, 2), (4, 2)])
 def test_cluster_tokens_equal_reference(family, workers, group_size, model_dirs, reap_children):
     path = model_dirs[family]

@@ -57,6 +57,7 @@ def test_sharded_checkpoint_has_an_index_and_loads_per_expert(tmp_path):
         ({"heads": 3}, "divisible"),
         ({"dtype": "int8"}, "dtype"),
         ({"vocab": 100}, "too small"),
+        ({"family": "deepseek_v3", "experts": 8, "top_k": 5}, "expert groups"),
     ],
 )
 def test_spec_validation(kwargs, msg):

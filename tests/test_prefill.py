@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe import LocalCluster
-from tests.conftest import FAMILY_NAMES
+from odmoe.checkpoint import Checkpoint
+from tests.conftest import FAMILY_NAMES, cluster_families
 
 pytestmark = pytest.mark.integration
 LENGTHS = [1, 2, 16, 128, 250]  # 250 + 6 new tokens = the test models' 256-position context
@@ -39,21 +40,28 @@ SETTINGS = {
     "qwen2_moe": ["prefill.mini_batch=8", "prefill.placement=balanced"],
     "qwen3_moe": ["prefill.mini_batch=3"],
     "olmoe": ["prefill.mini_batch=32", "prefill.placement=balanced"],
+    "deepseek_v2": ["prefill.mini_batch=5"],
+    "deepseek_v3": ["prefill.mini_batch=16", "prefill.placement=balanced"],
 }
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", cluster_families())
 def test_prefill_tokens_equal_reference_for_every_prompt_length(family, model_dirs, reap_children):
     path = model_dirs[family]
     with LocalCluster(path, workers=2, group_size=2, overrides=SETTINGS[family]) as cluster:
         stats = check_lengths(cluster, path)
+    check_prefill_stats(stats, Checkpoint(path))
+
+
+def check_prefill_stats(stats: list[dict], ckpt: Checkpoint) -> None:
+    top_k, experts = ckpt.top_k, ckpt.num_experts
     one_token = stats[0]["prefill"]["experts_per_layer"]
-    assert set(one_token.values()) == {2}  # a 1-token prompt activates exactly top-k experts per layer
+    assert set(one_token.values()) == {top_k}  # a 1-token prompt activates exactly top-k experts per layer
     for s in stats:
         p = s["prefill"]
         assert p["main_s"] + p["wait_on_workers_s"] == pytest.approx(s["ttft_s"], rel=1e-6)
         assert 0 <= p["transfer_s"] <= p["wait_on_workers_s"] and p["load_s"] > 0 and p["compute_s"] > 0
-        assert all(2 <= n <= 8 for n in p["experts_per_layer"].values())
+        assert all(top_k <= n <= experts for n in p["experts_per_layer"].values())
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from odmoe import LocalCluster
+from tests.conftest import FAMILY_NAMES
 from tests.test_cluster_fidelity import PROMPTS, reference
 
 pytestmark = pytest.mark.integration
@@ -25,10 +26,35 @@ CASES = [
     ),
     ("mixtral", ["ablation=case5"]),
     ("qwen2_moe", ["shadow.precision=fp16", "ablation=case3"]),
+    pytest.param(
+        "deepseek_v2",
+        [
+            "shadow.precision=nf4",
+            "alignment.token_period=2",
+            "alignment.kv_period=4",
+            "shadow.inject_wrong=0.3",
+        ],
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        "deepseek_v3",
+        [
+            "shadow.precision=int8",
+            "alignment.token_period=0",
+            "alignment.kv_period=0",
+            "shadow.inject_wrong=0.3",
+        ],
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
-@pytest.mark.parametrize("family,overrides", CASES, ids=[f"{f}-{'-'.join(o)}" for f, o in CASES])
+def _case_id(case) -> str:
+    family, overrides = case.values if hasattr(case, "values") else case
+    return f"{family}-{'-'.join(overrides)}"
+
+
+@pytest.mark.parametrize("family,overrides", CASES, ids=[_case_id(c) for c in CASES])
 def test_tokens_equal_reference_whatever_the_shadow_predicts(family, overrides, model_dirs, reap_children):
     path = model_dirs[family]
     with LocalCluster(path, workers=2, group_size=2, overrides=overrides) as cluster:
@@ -124,7 +150,7 @@ ALIGNMENTS = [(1, 1), (1, 0), (0, 1), (0, 0), (2, 4)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic"])
 def test_fidelity_matrix(family, precision, model_dirs, reap_children):
     """Every family x precision; the alignment setting rotates with the precision, faults injected."""
