@@ -277,6 +277,7 @@ def compression(report: dict, out: Path, subtitle: str) -> None:
         decode.set_ylabel("decode tokens/s")
         decode.set_title("decode, storage-bound link")
     fig.suptitle(f"lossless compressed expert store — {subtitle}", fontsize=9)
+    _save(fig, out)
 
 
 def faults(rows: list[dict], out: Path, subtitle: str) -> None:

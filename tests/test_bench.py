@@ -3,12 +3,14 @@ timeline merge, and that every suite composes. (The suites themselves run in CI 
 `odmoe-bench suite=quick`.)"""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe.alignment import AlignmentSchedule
+from odmoe.benchmarks import plots
 from odmoe.benchmarks.baselines import build, timed_generate
 from odmoe.benchmarks.config import SUITES
 from odmoe.benchmarks.predictors import FrequencyPredictor
@@ -18,6 +20,8 @@ from odmoe.benchmarks.suites.timeline import summarise
 from odmoe.checkpoint import Checkpoint
 from odmoe.expert_store import Link
 from odmoe.trace import Tracer, merge
+
+RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 
 def compose_bench(words):
@@ -162,3 +166,20 @@ def test_compression_suite_bound_and_ratios():
     rows = ratios(experts, torch.bfloat16)
     assert rows["all"]["raw_bytes"] == 6 * 96 * 80 * 2
     assert rows["all"]["bound"] <= rows["all"]["odmoe"] < rows["all"]["zstd"] < 1.0
+
+
+@pytest.mark.parametrize(
+    "suite,draw",
+    [
+        ("compression", lambda d, out: plots.compression(d, out, "redrawn")),
+        ("faults", lambda d, out: plots.faults(d["rows"], out, "redrawn")),
+        ("ablation", lambda d, out: plots.ablation(d["rows"], out, "redrawn")),
+        ("soak", lambda d, out: plots.soak(d["samples"], d["events"], out, "redrawn")),
+    ],
+)
+def test_a_figure_is_redrawn_from_its_committed_results_file(suite, draw, tmp_path):
+    """Regression: the compression figure was built but never saved, so CI found no compression.png."""
+    data = json.loads((RESULTS / f"{suite}.json").read_text())
+    out = tmp_path / f"{suite}.png"
+    draw(data, out)
+    assert out.stat().st_size > 10_000
