@@ -101,6 +101,8 @@ class LocalCluster:
         standby_mains: int = 0,
     ):
         words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
+        if not any(w.startswith("server.http_port=") for w in words):
+            words.append("server.http_port=0")  # any free port: clusters side by side never collide
         if model_path is not None:
             words.append(f"model.path={model_path}")
         if workers is not None:
@@ -115,6 +117,7 @@ class LocalCluster:
         self.nodes: list[NodeProcess] = []
         self.address = ""
         self.main_addresses: list[str] = []  # the active main first, then the standbys
+        self.http_urls: list[str] = []  # each main's OpenAI-compatible API ("" with server.http=false)
         self.worker_addresses: list[str] = []
         self.standby_mains = standby_mains
         self.shadow_info: dict = {}
@@ -136,7 +139,9 @@ class LocalCluster:
                 self.shadow_info = ready[0]
             names = ["main"] + [f"main{i}" for i in range(1, self.standby_mains + 1)]
             mains = [self._spawn(name, self._main_args(name)) for name in names]
-            self.main_addresses = [info["address"] for info in self._wait_ready(mains)]
+            ready = self._wait_ready(mains)
+            self.main_addresses = [info["address"] for info in ready]
+            self.http_urls = [info.get("http_address", "") for info in ready]
             self.address = self.main_addresses[0]
         except BaseException:
             self.stop()
@@ -200,7 +205,9 @@ class LocalCluster:
             self.shadow_info = info
         else:
             old_address = self._main_address(name)
-            self.main_addresses[self.main_addresses.index(old_address)] = info["address"]
+            index = self.main_addresses.index(old_address)
+            self.main_addresses[index] = info["address"]
+            self.http_urls[index] = info.get("http_address", "")
             if self._client is not None:
                 self._client.replace_address(old_address, info["address"])
         return self.node(name)
@@ -276,6 +283,13 @@ class LocalCluster:
         if self._client is None:
             self._client = Client(self.main_addresses, keepalive_s=self.cfg.failover.client_keepalive_s)
         return self._client
+
+    @property
+    def http_url(self) -> str:
+        """The active main's OpenAI-compatible API, e.g. http://127.0.0.1:41234 (add /v1)."""
+        if not self.http_urls or not self.http_urls[0]:
+            raise RuntimeError("main serves no HTTP API (server.http=false?) or the cluster is not running")
+        return self.http_urls[0]
 
     @property
     def pids(self) -> list[int]:

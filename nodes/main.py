@@ -4,9 +4,12 @@ Lifecycle: load the model without its experts, connect to every worker and check
 the worker it is supposed to be, start the gRPC server (Inference + standard health checking),
 announce readiness, serve until SIGINT/SIGTERM.
 
-Requests are validated on the gRPC thread that receives them (bad input fails at once with
-INVALID_ARGUMENT) and then queued; a single engine thread serves them in arrival order, because the
-workers' device slots and the ZeroMQ sockets are shared by every request.
+Two front doors, one queue: the gRPC API (odmoe.Client) and the OpenAI-compatible HTTP API
+(`odmoe/http_api.py`, `server.http`) both validate a request on the thread that receives it (bad
+input fails at once: INVALID_ARGUMENT / 400) and put it in the bounded `RequestQueue` (full:
+RESOURCE_EXHAUSTED / 429); a single engine thread serves requests in arrival order, because the
+workers' device slots and the ZeroMQ sockets are shared by every request. Each request has a
+deadline (`server.request_timeout_s`, or less if it asks) counted from its arrival.
 
 Failover: the engine thread also keeps the membership (between requests and every
 `IDLE_MAINTAIN_S` while idle): lost workers are probed, announced ones (gRPC `Join`) checked and
@@ -23,6 +26,7 @@ import queue
 import signal
 import threading
 from concurrent import futures
+from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -31,19 +35,22 @@ from transformers import AutoTokenizer
 from odmoe.alignment import AlignmentSchedule
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
-from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine
+from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine, TokenEvent
 from odmoe.faults import FaultTrigger
 from odmoe.heartbeat import Heartbeat
+from odmoe.http_api import start_http
 from odmoe.main_model import build_main_model, resolve_dtype
 from odmoe.membership import Membership
+from odmoe.metrics import ServerMetrics
 from odmoe.nodes.ready import announce_ready
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
+from odmoe.request_queue import END, DeadlineExceeded, QueueFull, RequestQueue, Ticket
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.sampling import SamplingParams
 from odmoe.shadow_link import ShadowLink
 from odmoe.trace import Tracer
 
 log = logging.getLogger("odmoe.main")
-_END = object()
 IDLE_MAINTAIN_S = 0.2
 ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
 # Clients' keepalive pings (how they notice a frozen main) must be allowed, however often they come.
@@ -56,6 +63,10 @@ SERVER_OPTIONS = [
 
 class PortInUse(RuntimeError):
     pass
+
+
+class ShuttingDown(WorkerUnavailable):
+    """Main is stopping: what it had not finished fails UNAVAILABLE / 503 (clients fail over)."""
 
 
 class MainNode(odmoe_pb2_grpc.InferenceServicer):
@@ -101,38 +112,76 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.engine = MainEngine(
             main, tokenizer, self.experts, schedule, pace_shadow=cfg.shadow.mode == "random"
         )
-        self.jobs: queue.Queue = queue.Queue()
+        self.requests = RequestQueue(cfg.server.max_waiting, cfg.server.request_timeout_s)
+        self.metrics = ServerMetrics(self.requests)
+        self.model_name = cfg.server.model_name or Path(model_path).name
+        self.tokenizer = tokenizer
+        self.context_length = self.engine.max_positions
         self.stopped = threading.Event()
+        self.engine_started = threading.Event()
 
     # -- the engine thread -------------------------------------------------------------------
     def run_engine(self) -> None:
+        self.engine_started.set()
         while not self.stopped.is_set():
-            try:
-                job = self.jobs.get(timeout=IDLE_MAINTAIN_S)
-            except queue.Empty:
-                self._maintain()
-                continue
-            if job is _END:
-                return
-            request, replies, cancelled = job
-            if not cancelled.is_set():  # its client left while it waited: skip it
-                self._maintain()
-                self._serve(request, replies, cancelled)
-            replies.put(_END)
+            ticket = self.requests.take(timeout=IDLE_MAINTAIN_S)  # cancelled or expired ones are skipped
+            self._maintain()
+            if ticket is not None:
+                try:
+                    self._serve(ticket)
+                finally:
+                    self.requests.done(ticket)
 
-    def _serve(self, request: GenerateRequest, replies: queue.Queue, cancelled: threading.Event) -> None:
+    def _serve(self, ticket: Ticket) -> None:
+        request = ticket.request
         events = self.engine.generate(request)
         try:
             for event in events:
-                replies.put(event)
-                if cancelled.is_set():
+                if isinstance(event, TokenEvent):
+                    self.metrics.token(ticket)
+                else:
+                    self.metrics.finished(ticket, event.stats)
+                ticket.put(event)
+                if isinstance(event, DoneEvent):
+                    break
+                if ticket.cancelled.is_set():  # its client went away: stop within this iteration
                     log.info("request %s cancelled by its client", request.request_id)
+                    self.metrics.ended(ticket, "cancelled")
+                    break
+                if ticket.expired():
+                    ticket.put(DeadlineExceeded(f"request {request.request_id} ran past its deadline"))
+                    self.metrics.ended(ticket, "deadline")
                     break
         except Exception as exc:  # reported to that client; the engine serves the next request
             log.exception("request %s failed", request.request_id)
-            replies.put(exc)
+            self.metrics.ended(ticket, "error")
+            ticket.put(exc)
         finally:
             events.close()  # a cancelled request's shadow and worker state go now
+
+    # -- what both front doors call ----------------------------------------------------------
+    def submit(self, request: GenerateRequest, timeout_s: float | None = None) -> Ticket:
+        """Validate and queue a request (InvalidRequest / QueueFull at once)."""
+        self.engine.prompt_ids(request)
+        try:
+            return self.requests.submit(request, timeout_s)
+        except QueueFull:
+            self.metrics.ended(None, "rejected")
+            raise
+
+    def health(self) -> str | None:
+        """None when main can serve a request now, else why not (the HTTP /health's 503)."""
+        if self.stopped.is_set():
+            return "main is shutting down"
+        if not self.engine_started.is_set():
+            return "main is starting"
+        members = self.experts.members
+        try:
+            live = members.live
+            missing = [layer for layer in members.layers if not members.topology.holders(layer, live)]
+        except RuntimeError:  # the membership changed under us: it is being repaired
+            return None
+        return f"no live worker holds MoE layer {missing[0]}" if missing else None
 
     def _maintain(self) -> None:
         """Membership upkeep, on the engine thread (it owns every ZeroMQ socket)."""
@@ -161,17 +210,22 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             max_new_tokens=request.max_new_tokens,
             return_logits=request.return_logits,
             resume_ids=tuple(request.resume_ids),
+            sampling=_sampling(request.sampling) if request.HasField("sampling") else SamplingParams(),
+            stop=tuple(request.stop),
             **({"request_id": request.request_id} if request.request_id else {}),
         )
+        remaining = context.time_remaining()  # the client's own gRPC deadline, if it set one
+        timeout = min(t for t in (request.timeout_s or None, remaining, float("inf")) if t)
         try:
-            self.engine.prompt_ids(req)
+            ticket = self.submit(req, None if timeout == float("inf") else timeout)
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        replies: queue.Queue = queue.Queue()
-        cancelled = threading.Event()
-        context.add_callback(cancelled.set)
-        self.jobs.put((req, replies, cancelled))
-        while (event := self._next_reply(replies, context)) is not _END:
+        except QueueFull as exc:
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        context.add_callback(ticket.cancel)
+        while (event := self._next_reply(ticket, context)) is not END:
+            if isinstance(event, DeadlineExceeded):
+                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(event))
             if isinstance(event, WorkerUnavailable):
                 context.abort(grpc.StatusCode.UNAVAILABLE, str(event))
             if isinstance(event, WorkerFailed):
@@ -189,15 +243,13 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                     token=odmoe_pb2.TokenPiece(token_id=event.token_id, text=event.text)
                 )
 
-    def _next_reply(self, replies: queue.Queue, context):
+    def _next_reply(self, ticket: Ticket, context):
         """The engine's next event for this request; UNAVAILABLE once main is shutting down (the
         engine will not answer any more, and a waiting handler thread would keep main alive)."""
-        while True:
-            try:
-                return replies.get(timeout=0.5)
-            except queue.Empty:
-                if self.stopped.is_set():
-                    context.abort(grpc.StatusCode.UNAVAILABLE, "main is shutting down")
+        while (event := ticket.next(timeout=0.5)) is None:
+            if self.stopped.is_set():
+                context.abort(grpc.StatusCode.UNAVAILABLE, "main is shutting down")
+        return event
 
     def Info(self, request, context):
         members = self.experts.members
@@ -259,12 +311,18 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             raise PortInUse(f"main cannot bind {host}:{port}: {exc}") from exc
         if bound == 0:
             raise PortInUse(f"main cannot bind {host}:{port} (in use?)")
+        http = None
+        if self.cfg.server.http:
+            http = start_http(self, self.cfg.server.http_host or host, self.cfg.server.http_port)
         engine = threading.Thread(target=self.run_engine, name="odmoe-engine", daemon=True)
         engine.start()
         server.start()
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         address = f"{host}:{bound}"
-        announce_ready(ready_file, role="main", address=address)
+        http_address = http.url if http else ""
+        announce_ready(ready_file, role="main", address=address, http_address=http_address)
+        if http:
+            log.info("OpenAI-compatible API on %s/v1 (model %r)", http.url, self.model_name)
         log.info(
             "main serving on %s (%d workers, group size %d)",
             address,
@@ -278,8 +336,25 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         log.info("main shutting down")
         health_servicer.enter_graceful_shutdown()
         self.stopped.set()
-        self.jobs.put(_END)
+        self.requests.close(ShuttingDown("main is shutting down"))
+        if http:
+            http.stop()
         server.stop(grace=2).wait()
         self.experts.close()
         if self.experts.shadow is not None:
             self.experts.shadow.close()
+
+
+def _sampling(msg) -> SamplingParams:
+    def opt(name):
+        return getattr(msg, name) if msg.HasField(name) else None
+
+    return SamplingParams(
+        do_sample=msg.do_sample,
+        temperature=opt("temperature"),
+        top_p=opt("top_p"),
+        top_k=opt("top_k"),
+        min_p=opt("min_p"),
+        repetition_penalty=opt("repetition_penalty"),
+        seed=opt("seed"),
+    )

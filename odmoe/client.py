@@ -6,7 +6,11 @@
     for piece in client.stream("def f(x):", max_new_tokens=16): print(piece.text, end="")
 
 A prompt string is tokenized by main exactly as `tokenizer(prompt)` (no chat template); a list of
-ints is sent as token ids. Errors arrive as `grpc.RpcError` with INVALID_ARGUMENT,
+ints is sent as token ids. Greedy by default; `generate` and `stream` take transformers' sampling
+parameters (`do_sample=True, temperature=, top_p=, top_k=, min_p=, repetition_penalty=, seed=`)
+and `stop=[...]` strings; with a seed the tokens equal `torch.manual_seed(seed);
+model.generate(do_sample=True, ...)` in one process. Sampling without a seed: the client draws one,
+so a resumed stream (below) continues the same draws. Errors arrive as `grpc.RpcError` with INVALID_ARGUMENT,
 FAILED_PRECONDITION or UNAVAILABLE and a readable message.
 
 Failover (main's loss): give several main addresses, the active one first and standbys after
@@ -24,16 +28,18 @@ from __future__ import annotations
 
 import json
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import grpc
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.sampling import MAX_SEED, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -99,23 +105,25 @@ class Client:
             channel = self._channels[self.current] = grpc.insecure_channel(self.address, options=options)
         return odmoe_pb2_grpc.InferenceStub(channel)
 
-    def _request(self, prompt, max_new_tokens: int, return_logits: bool, request_id: str, resume: list[int]):
+    def _request(self, prompt, max_new_tokens, return_logits, request_id, resume, options: dict):
         fields = dict(
             max_new_tokens=max_new_tokens,
             return_logits=return_logits,
             request_id=request_id,
             resume_ids=resume,
+            **options,
         )
         if isinstance(prompt, str):
             return odmoe_pb2.GenerateRequest(prompt=prompt, **fields)
         return odmoe_pb2.GenerateRequest(token_ids=list(prompt), **fields)
 
-    def _replies(self, prompt, max_new_tokens, return_logits=False, request_id=""):
+    def _replies(self, prompt, max_new_tokens, return_logits=False, request_id="", stop=(), **sampling):
         """The stream of replies, resumed on the next main whenever the current one is lost."""
         received: list[int] = []
         failures = 0  # consecutive, without a new token in between
+        options = _options(stop, sampling)
         while True:
-            request = self._request(prompt, max_new_tokens, return_logits, request_id, received)
+            request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
             call = self._stub().Generate(request, timeout=self.timeout_s)
             try:
                 for reply in self._watched(call):
@@ -171,8 +179,10 @@ class Client:
                 raise item
             yield item
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 32) -> Iterator[Piece]:
-        for reply in self._replies(prompt, max_new_tokens):
+    def stream(
+        self, prompt: str | list[int], max_new_tokens: int = 32, stop=(), **sampling
+    ) -> Iterator[Piece]:
+        for reply in self._replies(prompt, max_new_tokens, stop=stop, **sampling):
             if reply.WhichOneof("kind") == "token":
                 yield Piece(reply.token.token_id, reply.token.text)
 
@@ -182,9 +192,12 @@ class Client:
         max_new_tokens: int = 32,
         return_logits: bool = False,
         request_id: str = "",
+        stop: list[str] | tuple[str, ...] = (),
+        **sampling,
     ) -> GenerateResult:
+        """`sampling`: do_sample, temperature, top_p, top_k, min_p, repetition_penalty, seed."""
         result = GenerateResult()
-        for reply in self._replies(prompt, max_new_tokens, return_logits, request_id):
+        for reply in self._replies(prompt, max_new_tokens, return_logits, request_id, stop, **sampling):
             if reply.WhichOneof("kind") == "token":
                 result.token_ids.append(reply.token.token_id)
                 result.text += reply.token.text
@@ -216,3 +229,14 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _options(stop, sampling: dict) -> dict:
+    """The request's sampling and stop fields (a seed is drawn here when sampling without one)."""
+    params = SamplingParams(**sampling)  # an unknown keyword fails here, before anything is sent
+    params.validate()
+    if params.do_sample and params.seed is None:
+        params = replace(params, seed=secrets.randbelow(MAX_SEED))
+    fields = {k: v for k, v in asdict(params).items() if v is not None}
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    return {"sampling": odmoe_pb2.Sampling(**fields), "stop": stops}

@@ -119,6 +119,18 @@ class FailoverConfig:
     client_keepalive_s: float = 1.0  # gRPC keepalive: a frozen main is noticed in about twice this
 
 
+@dataclass
+class ServerConfig:
+    """Main's front doors: gRPC (cluster.main_port) and the OpenAI-compatible HTTP API."""
+
+    http: bool = True  # serve /v1/completions, /v1/chat/completions, /health, /metrics
+    http_host: str = ""  # "" = cluster.host
+    http_port: int = 8000  # 0: any free port (LocalCluster's default, so tests never collide)
+    model_name: str = ""  # the model id /v1/models lists and requests name ("" = the model directory's name)
+    max_waiting: int = 64  # requests queued behind the running one; beyond that 429 / RESOURCE_EXHAUSTED
+    request_timeout_s: float = 600.0  # deadline from arrival (queueing included); a request may ask less
+
+
 FAULT_ACTIONS = ("kill", "stop")
 
 
@@ -148,6 +160,7 @@ class OdmoeConfig:
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
     results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32
@@ -171,6 +184,10 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")
     if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
         raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
+    if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
+        raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
+    if not 0 <= cfg.server.http_port < 65536:
+        raise ValueError(f"server.http_port must lie in [0, 65535], got {cfg.server.http_port}")
     if cfg.worker.slots < 1:
         raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
     from odmoe.expert_store import STORES

@@ -2,9 +2,11 @@
 
 Contract: `MainEngine.generate(request)` yields `TokenEvent`s as tokens are chosen and ends with one
 `DoneEvent` carrying the request's stats. It knows nothing about gRPC; experts are computed wherever
-the `RemoteExperts` attached to the model sends them. Greedy decoding, same inputs as
-`transformers`' `generate()` (DynamicCache, attention mask of ones, `logits_to_keep=1`, stop at EOS or
-`max_new_tokens`), so the tokens equal a single-process `generate(do_sample=False)`.
+the `RemoteExperts` attached to the model sends them. Same inputs as `transformers`' `generate()`
+(DynamicCache, attention mask of ones, `logits_to_keep=1`, stop at EOS or `max_new_tokens`) and the
+same choice of each token (`odmoe/sampling.py`: greedy by default, or seeded sampling), so the tokens
+equal a single-process `generate()` with the same parameters. Stop strings (`odmoe/stop_strings.py`)
+end a request early; the text streamed never shows one, nor any part of one still undecided.
 
 Resuming (`resume_ids`: the tokens a client already received from a main that was lost): they are
 replayed one decode iteration each, exactly as they were first computed, and not streamed again;
@@ -29,6 +31,8 @@ from odmoe.kv_rows import newest_rows
 from odmoe.main_model import MainModel
 from odmoe.memory import peak_rss_bytes
 from odmoe.remote_experts import RemoteExperts
+from odmoe.sampling import InvalidSampling, SamplingParams, TokenChooser
+from odmoe.stop_strings import MAX_STOPS, StopStrings
 from odmoe.trace import now_us
 
 log = logging.getLogger("odmoe.main")
@@ -45,6 +49,8 @@ class GenerateRequest:
     max_new_tokens: int = 32
     return_logits: bool = False  # send the last position's logits back (fidelity checks)
     resume_ids: tuple[int, ...] = ()  # new tokens already sent by a main that was lost: replayed
+    sampling: SamplingParams = SamplingParams()  # greedy unless do_sample
+    stop: tuple[str, ...] = ()  # stop strings: the request ends where one appears, which is not shown
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
 
@@ -56,7 +62,7 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class DoneEvent:
-    stats: dict
+    stats: dict  # stats["finish_reason"]: "stop" (EOS or a stop string) or "length" (max_new_tokens)
     final_logits: torch.Tensor | None = None  # [vocab] fp32, when the request asked for it
 
 
@@ -94,6 +100,12 @@ class MainEngine:
             raise InvalidRequest(
                 f"{len(resume)} resumed tokens exceed max_new_tokens={request.max_new_tokens}"
             )
+        try:
+            request.sampling.validate()
+        except InvalidSampling as exc:
+            raise InvalidRequest(str(exc)) from None
+        if len(request.stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in request.stop):
+            raise InvalidRequest(f"stop takes at most {MAX_STOPS} non-empty strings")
         if any(not 0 <= i < vocab for i in resume):
             raise InvalidRequest(f"resume_ids must lie in [0, {vocab})")
         if set(resume[:-1]) & self.eos_ids:
@@ -112,12 +124,19 @@ class MainEngine:
     @torch.inference_mode()
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
         start, start_us = time.perf_counter(), now_us()
-        # 1) tokens in: exactly tokenizer(prompt), no chat template.
+        # 1) tokens in: exactly tokenizer(prompt) (a chat template is the front door's business).
         ids = torch.tensor([self.prompt_ids(request)])
+        chooser = TokenChooser(self.main.model, request.sampling, ids[0].tolist())
+        stops, finish_reason = StopStrings(request.stop), "length"
         prompt_len, resumed = ids.shape[1], list(request.resume_ids)
         if len(resumed) == request.max_new_tokens or set(resumed[-1:]) & self.eos_ids:
             # the lost main had streamed every token and died before its final reply
-            stats = {"request_id": request.request_id, "new_tokens": 0, "resumed_tokens": len(resumed)}
+            stats = {
+                "request_id": request.request_id,
+                "new_tokens": 0,
+                "resumed_tokens": len(resumed),
+                "finish_reason": "length" if len(resumed) == request.max_new_tokens else "stop",
+            }
             yield DoneEvent(stats)
             return
         model, cache = self.main.model, DynamicCache(config=self.main.model.config)
@@ -144,7 +163,7 @@ class MainEngine:
                     .logits[:, -1, :]
                     .float()
                 )
-                token = int(logits.argmax(dim=-1))
+                token = chooser.choose(logits)
                 replayed = iteration < len(resumed)
                 if replayed:
                     if token != resumed[iteration]:
@@ -157,13 +176,18 @@ class MainEngine:
                             token,
                         )
                     token = resumed[iteration]
+                    chooser.replace_last(token)
                 new_ids.append(token)
                 if not replayed and not first_token_at:
                     first_token_at = time.perf_counter()
-                finished = token in self.eos_ids or iteration + 1 == request.max_new_tokens
+                piece, stopped = stops.feed(text.add(token))
+                finished = stopped or token in self.eos_ids or iteration + 1 == request.max_new_tokens
+                if stopped or token in self.eos_ids:
+                    finish_reason = "stop"
                 if not finished:
                     self._align_shadow(iteration + 1, token, cache, rows=step_input.shape[1])
-                piece = text.add(token)
+                else:
+                    piece += stops.flush()  # held back for a stop string that never came
                 if not replayed:
                     yield TokenEvent(token, piece)
                 if finished:
@@ -177,6 +201,8 @@ class MainEngine:
         self.experts.tracer.flush()
         stats = self._stats(request, prompt_len, new_ids, start, first_token_at, end)
         stats["resumed_tokens"] = len(resumed)
+        stats["finish_reason"] = finish_reason
+        stats["seed"] = chooser.seed if chooser.sampling else None
         stats["failover"] = self._failover_stats(start_us)
         yield DoneEvent(stats, logits[0].clone() if request.return_logits else None)
 
@@ -234,6 +260,7 @@ class MainEngine:
             "prefill": self._prefill_stats(first_token_at - start),
             "recall": self.experts.recall().report(),
             "timely_recall": traffic.timely_recall.report(),
+            "per_worker": {f"worker{w}": row for w, row in sorted(traffic.per_worker.items())},
             "preloaded": traffic.preloaded,
             "reloads": traffic.reloads,
             "stall_s": sum(traffic.stall_s_per_layer.values()),

@@ -190,8 +190,12 @@ class Membership:
         self.announced.put((worker, address))
 
     def maintain(self) -> bool:
-        """Probe lost workers, admit the ones that prove themselves. True when `live` changed."""
+        """Notice losses while idle (so /health tells the truth between requests), probe lost workers,
+        admit the ones that prove themselves. True when `live` changed."""
         changed = False
+        for worker, link in list(self.links.items()):
+            if link.lost():
+                self.mark_lost(worker, "connection lost while idle (heartbeat or reset)")
         while True:
             try:
                 worker, address = self.announced.get_nowait()

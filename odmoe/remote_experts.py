@@ -70,6 +70,8 @@ class ExpertTraffic:
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
     resent: int = 0  # calls re-sent to another worker after theirs was lost
+    # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"} (main's /metrics per worker)
+    per_worker: dict[int, dict] = field(default_factory=dict)
 
     # decode iterations only: what the pipeline model needs (main's own time = decode time - wait)
     decode: dict = field(
@@ -117,6 +119,13 @@ class ExpertTraffic:
         self.load_s += result.load_s
         self.compute_s += result.compute_s
         self.worker_peak_rss[result.worker] = max(self.worker_peak_rss.get(result.worker, 0), result.peak_rss)
+        w = self.per_worker.setdefault(
+            result.worker, {"experts": 0, "bytes_loaded": 0, "load_s": 0.0, "compute_s": 0.0}
+        )
+        w["experts"] += result.part == 0
+        w["bytes_loaded"] += result.bytes_loaded
+        w["load_s"] += result.load_s
+        w["compute_s"] += result.compute_s
 
 
 @dataclass

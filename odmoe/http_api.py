@@ -1,0 +1,422 @@
+"""The OpenAI-compatible HTTP front door of main (FastAPI + uvicorn, SSE streaming).
+
+Contract: `make_app(backend)` serves
+- `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions` (the tokenizer's chat template),
+- `GET /health` (200 when main can serve a request now, else 503 with the reason),
+- `GET /metrics` (Prometheus text, `odmoe/metrics.py`).
+`backend` is main (`nodes/main.py`): `submit(GenerateRequest, timeout_s) -> Ticket` (raises
+InvalidRequest / QueueFull at once), `health()`, `tokenizer`, `model_name`, `context_length`, `metrics`.
+
+Semantics, as OpenAI's API and vLLM define them: `temperature` 0 is greedy, otherwise the request
+samples (OpenAI's default temperature is 1) with transformers' processors (`odmoe/sampling.py`);
+parameters left out take the checkpoint's generation config, then transformers' defaults, so a
+request equals `generate(do_sample=True, <the same parameters>)` with `torch.manual_seed(seed)`.
+Every parameter we do not implement is refused with 400 when set to anything but its neutral value
+(`n` > 1, `logprobs`, `echo`, penalties, tools ...) — never silently ignored; unknown fields too.
+Errors have OpenAI's body: `{"error": {"message", "type", "param", "code"}}`. A stream is `data:
+{chunk}` events, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`; an error
+after the stream began is sent as one `data: {"error": ...}` event. A client that disconnects (stream
+or not) cancels its request; the engine stops it within one decode iteration.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+import uuid
+from typing import Any, Literal
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, TokenEvent
+from odmoe.remote_experts import WorkerFailed, WorkerUnavailable
+from odmoe.request_queue import END, DeadlineExceeded, QueueFull
+from odmoe.sampling import SamplingParams
+
+log = logging.getLogger("odmoe.http")
+POLL_S = 0.1  # how often a waiting handler looks whether its client is still there
+
+
+class ApiError(Exception):
+    def __init__(
+        self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"
+    ):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def body(self) -> dict:
+        return {
+            "error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.status}
+        }
+
+
+# -- request bodies ------------------------------------------------------------------------------
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _Common(BaseModel):
+    """Parameters of both endpoints. Unknown fields are refused (extra="forbid")."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) or 0: off
+    min_p: float | None = Field(default=None, ge=0, le=1)
+    repetition_penalty: float | None = Field(default=None, gt=0)
+    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None  # accepted and ignored, as every server does
+    # not implemented: refused unless neutral
+    n: int | None = 1
+    logprobs: Any = None
+    top_logprobs: int | None = None
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    logit_bias: dict | None = None
+
+    def refuse_unsupported(self) -> None:
+        neutral = {
+            "n": (self.n in (None, 1), "only n=1 is supported"),
+            "logprobs": (self.logprobs in (None, False), "logprobs are not supported"),
+            "top_logprobs": (self.top_logprobs in (None, 0), "logprobs are not supported"),
+            "presence_penalty": (not self.presence_penalty, "presence_penalty is not supported"),
+            "frequency_penalty": (
+                not self.frequency_penalty,
+                "frequency_penalty is not supported (repetition_penalty is)",
+            ),
+            "logit_bias": (not self.logit_bias, "logit_bias is not supported"),
+        }
+        for param, (ok, message) in neutral.items():
+            if not ok:
+                raise ApiError(400, message, param)
+        if self.stream_options is not None and not self.stream:
+            raise ApiError(400, "stream_options is only allowed with stream=true", "stream_options")
+
+    def stops(self) -> tuple[str, ...]:
+        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        if len(stops) > 4 or not all(stops):
+            raise ApiError(400, "stop takes at most 4 non-empty strings", "stop")
+        return tuple(stops)
+
+    def sampling(self) -> SamplingParams:
+        greedy = self.temperature == 0
+        return SamplingParams(
+            do_sample=not greedy,
+            temperature=None if greedy else self.temperature,
+            top_p=self.top_p,
+            top_k=0 if self.top_k == -1 else self.top_k,
+            min_p=self.min_p,
+            repetition_penalty=self.repetition_penalty,
+            seed=self.seed,
+        )
+
+
+class CompletionBody(_Common):
+    prompt: str | list[str] | list[int]
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "user", "assistant", "developer"]
+    content: str | list[dict]
+    name: str | None = None
+
+
+class ChatBody(_Common):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    tools: list | None = None
+    tool_choice: Any = None
+    response_format: dict | None = None
+
+
+# -- the app -------------------------------------------------------------------------------------
+def make_app(backend) -> FastAPI:
+    app = FastAPI(title="odmoe", summary="OpenAI-compatible API of an odmoe cluster", docs_url=None)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_, exc: ApiError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        detail = "; ".join(
+            f"{'.'.join(str(p) for p in e.get('loc', ())[1:])}: {e['msg']}" for e in exc.errors()
+        )
+        return JSONResponse(ApiError(400, detail, where).body(), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_, exc: StarletteHTTPException):
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), exc.status_code)
+
+    @app.get("/health")
+    async def health():
+        why = backend.health()
+        if why:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(backend.metrics.page(), media_type=backend.metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [_model_card(backend)]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str):
+        _check_model(backend, name)
+        return _model_card(backend)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        body.refuse_unsupported()
+        if body.echo or (body.best_of not in (None, 1)) or body.suffix:
+            raise ApiError(400, "echo, best_of and suffix are not supported", "echo")
+        _check_model(backend, body.model)
+        prompt, token_ids = _completion_prompt(body.prompt)
+        max_tokens = body.max_tokens or 16  # OpenAI's default for completions
+        req = _request(body, max_tokens, prompt=prompt, token_ids=token_ids)
+        return await _answer(backend, request, body, req, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatBody, request: Request):
+        body.refuse_unsupported()
+        if body.tools or body.tool_choice not in (None, "none"):
+            raise ApiError(400, "tools are not supported", "tools")
+        if body.response_format not in (None, {"type": "text"}):
+            raise ApiError(400, "only response_format {'type': 'text'} is supported", "response_format")
+        _check_model(backend, body.model)
+        ids = _chat_ids(backend.tokenizer, body.messages)
+        limit = body.max_completion_tokens or body.max_tokens
+        if limit is None:  # the rest of the context, as OpenAI does when it is not set
+            limit = max(backend.context_length - len(ids), 1) if backend.context_length else 256
+        req = _request(body, limit, token_ids=tuple(ids))
+        return await _answer(backend, request, body, req, chat=True)
+
+    return app
+
+
+def _model_card(backend) -> dict:
+    return {"id": backend.model_name, "object": "model", "created": 0, "owned_by": "odmoe"}
+
+
+def _check_model(backend, name: str) -> None:
+    if name != backend.model_name:
+        raise ApiError(
+            404,
+            f"model {name!r} is not served here; this cluster serves {backend.model_name!r}",
+            "model",
+            kind="not_found_error",
+        )
+
+
+def _completion_prompt(prompt) -> tuple[str, tuple[int, ...]]:
+    if isinstance(prompt, str):
+        return prompt, ()
+    if prompt and all(isinstance(p, int) for p in prompt):
+        return "", tuple(prompt)
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], ()
+    raise ApiError(
+        400, "prompt must be one string or one list of token ids (batches are not supported)", "prompt"
+    )
+
+
+def _chat_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
+    if not getattr(tokenizer, "chat_template", None):
+        raise ApiError(400, "this model's tokenizer has no chat template: use /v1/completions", "messages")
+    plain = []
+    for m in messages:
+        if isinstance(m.content, str):
+            text = m.content
+        else:  # [{"type": "text", "text": ...}, ...]: only text parts
+            if any(part.get("type") != "text" for part in m.content):
+                raise ApiError(400, "only text content parts are supported", "messages")
+            text = "".join(part.get("text", "") for part in m.content)
+        plain.append({"role": "system" if m.role == "developer" else m.role, "content": text})
+    out = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=True)
+    return list(out["input_ids"])
+
+
+def _request(body: _Common, max_tokens: int, prompt: str = "", token_ids: tuple[int, ...] = ()):
+    return GenerateRequest(
+        prompt=prompt,
+        token_ids=token_ids,
+        max_new_tokens=max_tokens,
+        sampling=body.sampling(),
+        stop=body.stops(),
+        request_id=uuid.uuid4().hex[:12],
+    )
+
+
+# -- running a request ---------------------------------------------------------------------------
+def _error_of(event: Exception) -> ApiError:
+    if isinstance(event, DeadlineExceeded):
+        return ApiError(504, str(event), kind="timeout_error")
+    if isinstance(event, WorkerUnavailable):
+        return ApiError(503, str(event), kind="service_unavailable")
+    if isinstance(event, InvalidRequest):
+        return ApiError(400, str(event))
+    if isinstance(event, WorkerFailed):
+        return ApiError(500, str(event), kind="server_error")
+    return ApiError(500, f"{type(event).__name__}: {event}", kind="server_error")
+
+
+async def _events(ticket, request: Request | None):
+    """The ticket's events as they come; cancels the request when the client has gone. A stream
+    passes no `request`: sse-starlette watches the connection itself and cancels this generator
+    (asking the request as well made both read the connection's messages and race)."""
+    try:
+        while True:
+            event = await asyncio.to_thread(ticket.next, POLL_S)
+            if event is None:
+                if request is not None and await request.is_disconnected():
+                    ticket.cancel()
+                    return
+                continue
+            if event is END:
+                return
+            yield event
+    finally:  # also when the stream's task is cancelled because the client disconnected
+        ticket.cancel()
+
+
+async def _answer(backend, request: Request, body: _Common, req: GenerateRequest, chat: bool):
+    try:
+        ticket = backend.submit(req, None)
+    except InvalidRequest as exc:
+        raise ApiError(400, str(exc)) from None
+    except QueueFull as exc:
+        raise ApiError(429, str(exc), kind="rate_limit_error") from None
+    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + req.request_id
+    shape = _Shape(rid, created, backend.model_name, chat)
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return EventSourceResponse(_stream(ticket, request, shape, usage), ping=15, sep="\n")
+    text, stats = [], None
+    async for event in _events(ticket, request):
+        if isinstance(event, TokenEvent):
+            text.append(event.text)
+        elif isinstance(event, DoneEvent):
+            stats = event.stats
+        elif isinstance(event, Exception):
+            raise _error_of(event)
+    if stats is None:
+        raise ApiError(499, "the request was cancelled", kind="cancelled")
+    return shape.whole("".join(text), stats)
+
+
+async def _stream(ticket, request: Request, shape: _Shape, usage: bool):
+    if shape.chat:
+        yield json.dumps(shape.chunk({"role": "assistant", "content": ""}, None))
+    async for event in _events(ticket, None):
+        if isinstance(event, TokenEvent):
+            if event.text:
+                yield json.dumps(shape.chunk(event.text, None))
+        elif isinstance(event, DoneEvent):
+            yield json.dumps(shape.chunk("" if not shape.chat else {}, event.stats["finish_reason"]))
+            if usage:
+                yield json.dumps({**shape.head(), "choices": [], "usage": _usage(event.stats)})
+        elif isinstance(event, Exception):
+            yield json.dumps(_error_of(event).body())
+            break
+    yield "[DONE]"
+
+
+def _usage(stats: dict) -> dict:
+    prompt, completion = stats.get("prompt_tokens", 0), stats.get("new_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+class _Shape:
+    """The JSON shapes of one answer (completion or chat; whole or chunk by chunk)."""
+
+    def __init__(self, rid: str, created: int, model: str, chat: bool):
+        self.rid, self.created, self.model, self.chat = rid, created, model, chat
+
+    def head(self, chunk: bool = True) -> dict:
+        kind = ("chat.completion" if self.chat else "text_completion") + (
+            ".chunk" if chunk and self.chat else ""
+        )
+        return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
+
+    def chunk(self, piece, finish_reason: str | None) -> dict:
+        if self.chat:
+            delta = piece if isinstance(piece, dict) else {"content": piece}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+        return {**self.head(), "choices": [choice]}
+
+    def whole(self, text: str, stats: dict) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None}
+        choice["finish_reason"] = stats["finish_reason"]
+        return {**self.head(chunk=False), "choices": [choice], "usage": _usage(stats), "odmoe": _brief(stats)}
+
+
+def _brief(stats: dict) -> dict:
+    """odmoe's own figures for this request (an extra field; OpenAI clients ignore it)."""
+    keys = ("ttft_s", "decode_tokens_per_s", "experts_loaded", "reloads", "stall_s", "seed")
+    return {k: stats.get(k) for k in keys}
+
+
+# -- serving -------------------------------------------------------------------------------------
+class HttpServer:
+    """uvicorn in a thread of the main process; `url` once bound."""
+
+    def __init__(self, app: FastAPI, host: str, port: int):
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="odmoe-http", daemon=True)
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self.thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise OSError("the HTTP API did not start (port in use? see the log above)")
+            time.sleep(0.02)
+
+    @property
+    def url(self) -> str:
+        sock = self.server.servers[0].sockets[0]
+        host, port = sock.getsockname()[:2]
+        return f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=5)
+
+
+def start_http(backend, host: str, port: int) -> HttpServer:
+    server = HttpServer(make_app(backend), host, port)
+    server.start()
+    return server

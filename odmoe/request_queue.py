@@ -1,0 +1,117 @@
+"""Requests waiting for main's one engine thread: arrival order, bounded, with deadlines.
+
+Contract: a front door (gRPC or HTTP) calls `submit(request, timeout_s)` and gets a `Ticket` at once,
+or `QueueFull` when `max_waiting` requests already wait (the caller answers 429 / RESOURCE_EXHAUSTED:
+a queue that grows without bound only turns into timeouts later). The engine thread calls `take()`
+and serves tickets one at a time, putting each event in the ticket; the front door reads them with
+`Ticket.next()`. A ticket is cancelled by its front door when the client goes away
+(`Ticket.cancel()`): the engine stops it within one decode iteration, or skips it if it had not
+started. A ticket past its deadline (counted from arrival, queueing included) fails with
+`DeadlineExceeded` the same way. The queue knows nothing about the engine or either protocol.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+END = object()  # the last item of every ticket's events
+
+
+class QueueFull(RuntimeError):
+    """Too many requests wait already."""
+
+
+class DeadlineExceeded(RuntimeError):
+    """The request did not finish within its deadline."""
+
+
+@dataclass
+class Ticket:
+    request: object
+    deadline: float  # time.monotonic() by which it must be done
+    arrived: float = field(default_factory=time.monotonic)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    events: queue.Queue = field(default_factory=queue.Queue)
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def expired(self) -> bool:
+        return time.monotonic() > self.deadline
+
+    def put(self, event) -> None:
+        self.events.put(event)
+
+    def next(self, timeout: float | None = None):
+        """The next event, `END` once the request is over, None if nothing came within timeout."""
+        try:
+            return self.events.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+
+class RequestQueue:
+    def __init__(self, max_waiting: int, default_timeout_s: float):
+        if max_waiting < 1 or default_timeout_s <= 0:
+            raise ValueError("max_waiting must be >= 1 and the default timeout > 0")
+        self.max_waiting, self.default_timeout_s = max_waiting, default_timeout_s
+        self._waiting: deque[Ticket] = deque()
+        self._ready = threading.Condition()
+        self.running: Ticket | None = None
+        self.closed = False
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    def submit(self, request, timeout_s: float | None = None) -> Ticket:
+        """`timeout_s` may shorten the server's default deadline, never lengthen it."""
+        limit = self.default_timeout_s if not timeout_s else min(timeout_s, self.default_timeout_s)
+        ticket = Ticket(request, deadline=time.monotonic() + limit)
+        with self._ready:
+            if self.closed:
+                raise QueueFull("main is shutting down")
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting already (server.max_waiting)")
+            self._waiting.append(ticket)
+            self._ready.notify()
+        return ticket
+
+    def take(self, timeout: float) -> Ticket | None:
+        """The engine thread's next ticket to serve (None when none came within timeout). Tickets
+        cancelled or expired while waiting are ended here and never served."""
+        end = time.monotonic() + timeout
+        with self._ready:
+            while True:
+                while self._waiting:
+                    ticket = self._waiting.popleft()
+                    if ticket.cancelled.is_set():
+                        ticket.put(END)
+                    elif ticket.expired():
+                        ticket.put(DeadlineExceeded("the request's deadline passed while it waited"))
+                        ticket.put(END)
+                    else:
+                        self.running = ticket
+                        return ticket
+                left = end - time.monotonic()
+                if left <= 0 or self.closed:
+                    return None
+                self._ready.wait(left)
+
+    def done(self, ticket: Ticket) -> None:
+        ticket.put(END)
+        self.running = None
+
+    def close(self, reason: Exception) -> None:
+        """Shutting down: every waiting ticket ends with `reason`."""
+        with self._ready:
+            self.closed = True
+            while self._waiting:
+                ticket = self._waiting.popleft()
+                ticket.put(reason)
+                ticket.put(END)
+            self._ready.notify_all()

@@ -1,0 +1,45 @@
+"""Stop strings over a stream of text pieces, as OpenAI's `stop` parameter means them.
+
+Contract: `StopStrings(stops).feed(piece)` returns `(text, stopped)`: the text that may be shown now
+and whether a stop string has appeared. The output never contains a stop string nor anything after
+it; text that could still be the start of a stop string is held back until the next piece settles
+it (a stop string split across tokens is caught, and a partial one is never streamed out).
+`flush()` returns what was held back when the stream ends without a stop.
+"""
+
+from __future__ import annotations
+
+MAX_STOPS = 4  # OpenAI's limit
+
+
+class StopStrings:
+    def __init__(self, stops: tuple[str, ...] | list[str] = ()):
+        self.stops = tuple(s for s in stops if s)
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, piece: str) -> tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stops:
+            return piece, False
+        text = self.held + piece
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held, self.stopped = "", True
+            return text[:cut], True
+        keep = max((_overlap(text, s) for s in self.stops), default=0)
+        self.held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return "" if self.stopped else held
+
+
+def _overlap(text: str, stop: str) -> int:
+    """The length of the longest end of `text` that begins `stop` (a stop string maybe under way)."""
+    for n in range(min(len(text), len(stop) - 1), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
