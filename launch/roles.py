@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -58,9 +59,15 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 
 def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    passthrough = [w for w in overrides if not w.startswith(("role=", "prompt=", "max_new_tokens="))]
+    passthrough = [
+        w for w in overrides if not w.startswith(("role=", "prompt=", "max_new_tokens=", "serve="))
+    ]
+    if cfg.serve:  # a fixed, documented port for people to point their clients at
+        passthrough.append(f"server.http_port={cfg.server.http_port}")
     try:
         with LocalCluster(overrides=passthrough) as cluster:
+            if cfg.serve:
+                return _keep_serving(cluster)
             print(
                 f"odmoe: {cfg.cluster.workers} workers (group size {cfg.cluster.group_size}), "
                 f"model {cluster.model_path}",
@@ -90,6 +97,27 @@ def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
         print("\nodmoe-launch: interrupted", file=sys.stderr)
         return 130
     return 0
+
+
+def _keep_serving(cluster: LocalCluster) -> int:
+    url = cluster.http_url if cluster.cfg.server.http else None
+    print(f"odmoe: serving model {cluster.model_path}", file=sys.stderr)
+    print(f"odmoe: gRPC at {cluster.address} (odmoe.Client)", file=sys.stderr)
+    if url:
+        name = (
+            Path(cluster.model_path).name
+            if not cluster.cfg.server.model_name
+            else cluster.cfg.server.model_name
+        )
+        print(
+            f"odmoe: OpenAI-compatible API at {url}/v1 (model {name!r}); try: odmoe-chat --url {url}",
+            file=sys.stderr,
+        )
+    print("odmoe: Ctrl-C stops the cluster", file=sys.stderr, flush=True)
+    while all(node.process.poll() is None for node in cluster.nodes if node.name == "main"):
+        time.sleep(0.5)
+    print("odmoe-launch: main exited; stopping the cluster", file=sys.stderr)
+    return 1
 
 
 def format_stats(stats: dict) -> str:

@@ -313,7 +313,14 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             raise PortInUse(f"main cannot bind {host}:{port} (in use?)")
         http = None
         if self.cfg.server.http:
-            http = start_http(self, self.cfg.server.http_host or host, self.cfg.server.http_port)
+            http_host, http_port = self.cfg.server.http_host or host, self.cfg.server.http_port
+            try:
+                http = start_http(self, http_host, http_port)
+            except OSError as exc:
+                raise PortInUse(
+                    f"main cannot serve HTTP on {http_host}:{http_port} ({exc}): set server.http_port "
+                    "(0: any free port) or server.http=false"
+                ) from exc
         engine = threading.Thread(target=self.run_engine, name="odmoe-engine", daemon=True)
         engine.start()
         server.start()

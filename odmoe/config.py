@@ -162,6 +162,9 @@ class OdmoeConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
+    # role=local: keep the cluster serving (gRPC + the OpenAI-compatible API on server.http_port) until
+    # Ctrl-C instead of answering `prompt` and stopping.
+    serve: bool = False
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32
     ready_file: str | None = None  # a node writes {"address": ...} here once it serves

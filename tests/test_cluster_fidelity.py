@@ -47,6 +47,36 @@ def test_cluster_tokens_equal_reference(family, workers, group_size, model_dirs,
             assert len(got.token_ids) >= min(NEW_TOKENS, len(want_ids))
             assert torch.allclose(got.final_logits, want_logits, rtol=0, atol=1e-5)
             assert got.stats["experts_loaded"] > 0 and got.stats["bytes_loaded"] > 0
+        if workers == 4:  # seeded sampling through the same cluster: transformers' draws exactly
+            check_sampling(path, cluster)
+
+
+SAMPLING = [  # (seed, parameters): the issue's parameter sets
+    (1, {"temperature": 0.7}),
+    (2, {"top_p": 0.85, "top_k": 12}),
+    (3, {"temperature": 1.4, "min_p": 0.08}),
+    (4, {"repetition_penalty": 1.6}),
+]
+
+
+def sampled_reference(path: str, prompt: str, seed: int, new_tokens: int, **params) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path)
+    ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt")["input_ids"]
+    torch.manual_seed(seed)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), do_sample=True, max_new_tokens=new_tokens, **params
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def check_sampling(path: str, cluster, new_tokens: int = 16) -> None:
+    for seed, params in SAMPLING:
+        want = sampled_reference(path, PROMPTS[1], seed, new_tokens, **params)
+        got = cluster.client.generate(
+            PROMPTS[1], max_new_tokens=new_tokens, do_sample=True, seed=seed, **params
+        )
+        assert got.token_ids == want, f"seed {seed} {params}"
+        assert got.stats["seed"] == seed
 
 
 def test_bf16_and_token_id_prompts(model_dirs, reap_children):

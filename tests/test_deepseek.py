@@ -28,7 +28,7 @@ from odmoe.kv_rows import newest_rows, overwrite_newest_rows
 from odmoe.main_model import build_main_model
 from odmoe.model_factory import ModelSpec, make_model
 from odmoe.shadow_model import PRECISIONS, choice_scores, load_shadow_model, router_modules
-from tests.test_cluster_fidelity import PROMPTS, reference
+from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.tiny_configs import TINY
 
 ROUTINGS = {  # name -> (family, topk_method)
@@ -285,6 +285,7 @@ def _check_cluster(path: str, overrides: list[str]) -> list[dict]:
             got = cluster.client.generate(ids, max_new_tokens=4)
             assert got.token_ids == reference(path, ids, new_tokens=4)[0], f"{len(ids)}-token prompt"
             stats.append(got.stats)
+        check_sampling(path, cluster)
     return stats
 
 
