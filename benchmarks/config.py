@@ -9,7 +9,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUITES = ("recall", "alignment", "ablation", "grid", "timeline", "compression", "faults", "soak", "quick")
+SUITES = (
+    "recall",
+    "alignment",
+    "ablation",
+    "grid",
+    "timeline",
+    "compression",
+    "faults",
+    "soak",
+    "frontdoor",
+    "quick",
+)
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
 GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
 
@@ -130,6 +141,15 @@ class SoakSuite:
 
 
 @dataclass
+class FrontdoorSuite:
+    prompts: int = 4
+    prompt_tokens: int = 32
+    new_tokens: int = 32
+    repeats: int = 3  # every prompt this often per path (the path order alternates)
+    sampled: bool = True  # also a seeded sampled request per prompt (the same text on every path)
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -148,6 +168,7 @@ class BenchConfig:
     compression: CompressionSuite = field(default_factory=CompressionSuite)
     faults: FaultsSuite = field(default_factory=FaultsSuite)
     soak: SoakSuite = field(default_factory=SoakSuite)
+    frontdoor: FrontdoorSuite = field(default_factory=FrontdoorSuite)
     log_level: str = "WARNING"
 
 

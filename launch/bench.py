@@ -8,6 +8,7 @@
     odmoe-bench suite=compression       # lossless expert store: ratios, decompression GB/s, decode tokens/s
     odmoe-bench suite=faults            # losing a worker / the shadow / main: detect, stall, recovery
     odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
+    odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -42,7 +43,17 @@ def to_bench_config(raw: DictConfig) -> BenchConfig:
 
 def run_suites(cfg: BenchConfig) -> None:
     from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import ablation, alignment, compression, faults, grid, recall, soak, timeline
+    from odmoe.benchmarks.suites import (
+        ablation,
+        alignment,
+        compression,
+        faults,
+        frontdoor,
+        grid,
+        recall,
+        soak,
+        timeline,
+    )
     from odmoe.benchmarks.workload import resolve_model
 
     suites = {
@@ -54,6 +65,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "compression": compression.run,
         "faults": faults.run,
         "soak": soak.run,
+        "frontdoor": frontdoor.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)

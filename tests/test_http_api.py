@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
 import threading
 import time
 
@@ -308,6 +309,36 @@ def test_metrics_page_has_the_promised_series(cluster, api, name):
     assert metric(cluster, "odmoe:generation_tokens_total") > 0
 
 
+def test_odmoe_chat_one_shot_and_interactive_take_plain_text(cluster):
+    prompt = "print(\"a = (b)\", end='')\n"  # parentheses, quotes, '=' and a newline: no grammar applies
+    greedy = cluster.client.generate(prompt, max_new_tokens=8)
+    one_shot = subprocess.run(
+        ["odmoe-chat", "--url", cluster.http_url, "--completion", "--max-tokens", "8", "-"],
+        input=prompt,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert one_shot.returncode == 0, one_shot.stderr
+    assert one_shot.stdout == greedy.text + "\n"
+    chat = subprocess.run(
+        ["odmoe-chat", "--url", cluster.http_url, "--max-tokens", "6"],
+        input="hello (there) = 'you'\n/reset\nagain\n/quit\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert chat.returncode == 0, chat.stderr
+    assert "odmoe-chat:" in chat.stderr and "Traceback" not in chat.stderr
+    refused = subprocess.run(
+        ["odmoe-chat", "--url", cluster.http_url, "--top-p", "7", "hi"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "top_p" in refused.stderr
+
+
 def test_health_is_503_when_no_worker_can_serve(cluster):
     """Last: it breaks the module's cluster."""
     cluster.kill("worker0")
@@ -317,3 +348,37 @@ def test_health_is_503_when_no_worker_can_serve(cluster):
         assert time.monotonic() < deadline, "health stayed 200 with every worker dead"
         time.sleep(0.1)
     assert reply.status_code == 503 and "layer" in reply.json()["reason"]
+
+
+def test_role_local_serve_keeps_serving_until_ctrl_c(model_dirs, reap_children):
+    """`odmoe-launch role=local serve=true` prints the API's URL, answers on it, and Ctrl-C stops
+    every node."""
+    launch = subprocess.Popen(
+        [
+            "odmoe-launch",
+            "role=local",
+            "serve=true",
+            "server.http_port=0",
+            f"model.path={model_dirs['mixtral']}",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        url = None
+        deadline = time.monotonic() + 180
+        while url is None and time.monotonic() < deadline:
+            line = launch.stderr.readline()
+            assert line, "odmoe-launch exited before serving"
+            if found := re.search(r"OpenAI-compatible API at (http://\S+)/v1", line):
+                url = found.group(1)
+        assert url and httpx.get(url + "/health").json() == {"status": "ok"}
+        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+        answer = httpx.post(
+            url + "/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 4}, timeout=60
+        )
+        assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        launch.send_signal(2)  # SIGINT, as Ctrl-C
+        code = launch.wait(timeout=60)
+    assert code in (0, 130)
