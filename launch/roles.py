@@ -58,9 +58,11 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 
 def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    passthrough = [w for w in overrides if not w.startswith(("role=", "prompt=", "max_new_tokens="))]
+    skip = ("role=", "prompt=", "max_new_tokens=", "model.path=")
+    passthrough = [w for w in overrides if not w.startswith(skip)]
     try:
-        with LocalCluster(overrides=passthrough) as cluster:
+        # cfg.model.path, not LocalCluster's own default: odmoe-launch's default is the demo model
+        with LocalCluster(cfg.model.path, overrides=passthrough) as cluster:
             print(
                 f"odmoe: {cfg.cluster.workers} workers (group size {cfg.cluster.group_size}), "
                 f"model {cluster.model_path}",
