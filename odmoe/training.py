@@ -167,7 +167,7 @@ def _token_stream(tokenizer, max_bytes: int, only_code: bool = False) -> torch.T
     ids: list[int] = []
     for path in corpus_files(max_bytes):
         text = Path(path).read_text(errors="replace")
-        ids.extend(tokenizer(code_only(text) if only_code else text)["input_ids"])
+        ids.extend(tokenizer(code_only(text) if only_code else text, verbose=False)["input_ids"])
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
 
