@@ -17,6 +17,7 @@ Exit codes: 0 success, 2 bad configuration or input, 1 anything else (the messag
 from __future__ import annotations
 
 import logging
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,7 +31,7 @@ log = logging.getLogger("odmoe.launch")
 BAD_INPUT = 2
 PROMPT_HINT = (
     "put the prompt after --prompt instead, as plain text (the shell's quotes only):\n"
-    "    odmoe-launch role=local --prompt 'def main():'\n"
+    "    odmoe-launch role=local --prompt {quoted}\n"
     "    odmoe-launch role=local --prompt-file prompt.txt   (or --prompt - to read standard input)"
 )
 # The prompt taken from --prompt / --prompt-file for the Hydra job below. A module global because
@@ -94,9 +95,12 @@ def main() -> None:
     except PromptArgumentError as exc:
         print(f"odmoe-launch: {exc}", file=sys.stderr)
         sys.exit(BAD_INPUT)
+    if "--help" in sys.argv[1:] or "-h" in sys.argv[1:]:
+        print(__doc__.split("\n\nExit codes")[0])  # the usage and --prompt; Hydra's help follows
     bad = unparsable_prompt(sys.argv[1:])
     if bad is not None:
-        print(f"odmoe-launch: Hydra cannot parse {bad!r} as an override;\n{PROMPT_HINT}", file=sys.stderr)
+        hint = PROMPT_HINT.format(quoted=shlex.quote(bad.partition("=")[2]))
+        print(f"odmoe-launch: Hydra cannot parse {bad!r} as an override;\n{hint}", file=sys.stderr)
         sys.exit(BAD_INPUT)
     _launch()
 
