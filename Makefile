@@ -24,7 +24,7 @@ test:  ## the default test suite (what CI runs)
 test-all:  ## everything, slow soak tests included
 	$(PY) -m pytest -m ""
 
-cluster:  ## a whole local cluster answering one prompt on the default tiny model
+cluster:  ## a whole local cluster answering one prompt on the demo model (trained on first use)
 	odmoe-launch role=local
 
 bench:  ## a benchmark suite: make bench SUITE=recall|alignment|ablation|grid|timeline|quick

@@ -153,8 +153,8 @@ class FrontdoorSuite:
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
-    # DeepSeek-V3-shaped sibling (odmoe.training.TRAINED_DEEPSEEK_SPEC); "tiny": the random-init
-    # demo model; anything else: a checkpoint directory.
+    # DeepSeek-V3-shaped sibling (odmoe.training.TRAINED_DEEPSEEK_SPEC); "tiny" / "demo": odmoe-launch's
+    # random-init / briefly trained models (model.path names); anything else: a checkpoint directory.
     model: str = "trained"
     results_dir: str = "benchmarks/results"
     name: str = ""  # suffix of the output files (a -m sweep defaults to the job's overrides)

@@ -21,19 +21,17 @@ TRAINED = {"trained": "mixtral", "trained_deepseek": "deepseek_v3"}  # model= na
 
 def resolve_model(name: str) -> str:
     """ "trained" / "trained_deepseek" -> the Mixtral-style / DeepSeek-V3-shaped trained benchmark
-    model (trained once, cached); "tiny" -> the demo model."""
+    model (trained once, cached); "tiny" / "demo" -> odmoe-launch's random-init / demo model."""
+    from odmoe.training import BUILTIN_MODELS, ensure_builtin_model, ensure_trained_model
+
     if name in TRAINED:
-        from odmoe.training import ensure_trained_model
-
         return str(ensure_trained_model(family=TRAINED[name]))
-    if name == "tiny":
-        from odmoe.model_factory import ensure_default_model
-
-        return str(ensure_default_model())
+    if name in BUILTIN_MODELS:
+        return str(ensure_builtin_model(name))
     path = Path(name).expanduser()
     if not path.is_dir():
         raise ValueError(
-            f"model={name!r}: neither 'trained', 'trained_deepseek', 'tiny' nor a checkpoint directory"
+            f"model={name!r}: not 'trained', 'trained_deepseek', 'demo', 'tiny' or a checkpoint directory"
         )
     return str(path.resolve())
 

@@ -12,8 +12,9 @@
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
-Each suite prints its figures and writes JSON (and PNGs) under results_dir. Exit codes: 0 success,
-2 bad configuration, 1 a suite failed.
+Each suite prints its figures and writes JSON (and PNGs) under results_dir. Needs the `bench` extra
+(matplotlib; `pip install 'odmoe[bench]'`, part of `dev`). Exit codes: 0 success, 2 bad
+configuration or a missing extra, 1 a suite failed.
 """
 
 from __future__ import annotations
@@ -94,12 +95,14 @@ def main(raw: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN and not cfg.name:
         cfg.name = hydra_cfg.job.override_dirname or str(hydra_cfg.job.num)
+    from odmoe.extras import MissingExtra, require
     from odmoe.launch.local_cluster import ClusterStartError
 
     try:
+        require("matplotlib", "bench", "odmoe-bench")  # every suite draws: say so before it runs
         run_suites(cfg)
-    except ValueError as exc:  # bad input: a model that is not a checkpoint, a bad key value
-        print(f"odmoe-bench: {exc}", file=sys.stderr)
+    except (ValueError, MissingExtra) as exc:  # bad input: a model that is not a checkpoint, a bad
+        print(f"odmoe-bench: {exc}", file=sys.stderr)  # key value, an extra not installed
         sys.exit(2)
     except ClusterStartError as exc:  # names the node and quotes its log
         print(f"odmoe-bench: {exc}", file=sys.stderr)

@@ -81,12 +81,16 @@ class NodeProcess:
 
 
 def resolve_model_path(cfg: OdmoeConfig) -> str:
-    if cfg.model.path:
-        return str(Path(cfg.model.path).expanduser().resolve())
-    from odmoe.model_factory import ensure_default_model
+    """`model.path` as a checkpoint directory: `demo` / `tiny` name odmoe's own models (made on
+    first use under model.cache_dir; null is `tiny`, as before the names existed); anything else is
+    a directory (write `./demo` for a directory of that name)."""
+    from odmoe.training import BUILTIN_MODELS, ensure_builtin_model
 
-    cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else None
-    return str(ensure_default_model(cache))
+    name = cfg.model.path or "tiny"
+    if name in BUILTIN_MODELS:
+        cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else None
+        return str(ensure_builtin_model(name, cache))
+    return str(Path(name).expanduser().resolve())
 
 
 class LocalCluster:
@@ -103,6 +107,10 @@ class LocalCluster:
         words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
         if not any(w.startswith("server.http_port=") for w in words):
             words.append("server.http_port=0")  # any free port: clusters side by side never collide
+        # The library's default is the fast random-init `tiny` model, not odmoe-launch's `demo`
+        # (which trains for minutes on first use): tests and benchmarks start clusters this way.
+        if model_path is None and not any(w.startswith("model.path=") for w in words):
+            model_path = "tiny"
         if model_path is not None:
             words.append(f"model.path={model_path}")
         if workers is not None:

@@ -1,5 +1,6 @@
 """`odmoe-make-model`: write a small random-init MoE checkpoint + tokenizer to a directory.
 
+odmoe-make-model --demo --out /tmp/demo   # the demo model (what model.path=demo trains on first use)
 odmoe-make-model --family qwen2_moe --out /tmp/qwen-tiny --layers 4 --experts 8 --top-k 2 --seed 1
 odmoe-make-model --family deepseek_v3 --out /tmp/ds3-tiny --experts 16 --top-k 4 --intermediate 32
 odmoe-make-model --train --family deepseek_v3 --out /tmp/ds3-trained   # the DeepSeek benchmark model
@@ -30,6 +31,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "parameters) or deepseek_v3 (~8 M); the size options are then fixed, only --seed applies",
     )
     parser.add_argument(
+        "--demo",
+        action="store_true",
+        help="train the demo model (odmoe-launch's model.path=demo: ~2 min on 2 cores) into --out; "
+        "the other options do not apply",
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=None,
@@ -46,7 +53,12 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         print(f"odmoe-make-model: {exc}", file=sys.stderr)
         return 2
-    if args.train:
+    if args.demo:
+        from odmoe.training import DEMO_SETTINGS, DEMO_SPEC, train_model
+
+        spec = DEMO_SPEC
+        out = train_model(args.out, spec, DEMO_SETTINGS)
+    elif args.train:
         from dataclasses import replace
 
         from odmoe.training import TRAINED_SETTINGS, TRAINED_SPECS, train_model

@@ -59,13 +59,13 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 
 def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    passthrough = [
-        w for w in overrides if not w.startswith(("role=", "prompt=", "max_new_tokens=", "serve="))
-    ]
+    skip = ("role=", "prompt=", "max_new_tokens=", "model.path=", "serve=")
+    passthrough = [w for w in overrides if not w.startswith(skip)]
     if cfg.serve:  # a fixed, documented port for people to point their clients at
         passthrough.append(f"server.http_port={cfg.server.http_port}")
     try:
-        with LocalCluster(overrides=passthrough) as cluster:
+        # cfg.model.path, not LocalCluster's own default: odmoe-launch's default is the demo model
+        with LocalCluster(cfg.model.path, overrides=passthrough) as cluster:
             if cfg.serve:
                 return _keep_serving(cluster)
             print(

@@ -21,7 +21,7 @@ class RoleConfig:
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # None: a small model created on first use under cache_dir
+    path: str | None = None  # a directory, or "demo" / "tiny" (None: tiny), made under cache_dir
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
     cache_dir: str | None = None  # default ~/.cache/odmoe/models
 

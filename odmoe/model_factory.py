@@ -4,7 +4,13 @@ Contract: `make_model(spec, out_dir)` writes a random-init checkpoint of one fam
 `save_pretrained` (safetensors, optionally sharded with an index) and a byte-level BPE tokenizer
 beside it, so `AutoModelForCausalLM.from_pretrained(dir)` and `AutoTokenizer.from_pretrained(dir)`
 work offline through the same local-path code a real checkpoint takes. Same spec, same bytes.
-`ensure_default_model` creates the demo model once per cache directory, safely under concurrency.
+`ensure_default_model` creates the tiny model (`model.path=tiny`) once per cache directory, safely
+under concurrency.
+
+Every tokenizer odmoe saves carries CHAT_TEMPLATE, so `tokenizer.apply_chat_template` (the
+OpenAI-style chat endpoint) works on odmoe's own models. The markers are plain text the byte-level
+BPE already encodes, not new special tokens: the vocabulary, and so every cached model, is unchanged.
+`add_chat_template(dir)` gives a model saved before the template existed its template file.
 """
 
 from __future__ import annotations
@@ -58,6 +64,17 @@ _SKIP_DIRS = {
     "pydoc_data",
     "__pycache__",
 }
+
+
+# ChatML-like: each message is "<|role|>\n" + content + "</s>\n"; add_generation_prompt appends
+# "<|assistant|>\n", after which the model writes its reply and ends it with </s> (the EOS token).
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|{{ message['role'] }}|>\n{{ message['content'] }}{{ eos_token }}\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves and looks for it
 
 
 @dataclass(frozen=True)
@@ -230,7 +247,7 @@ def build_tokenizer(vocab_size: int, max_positions: int) -> PreTrainedTokenizerF
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train(corpus_files(), trainer)
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",
         bos_token="<s>",
@@ -238,6 +255,21 @@ def build_tokenizer(vocab_size: int, max_positions: int) -> PreTrainedTokenizerF
         unk_token="<unk>",
         model_max_length=max_positions,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def add_chat_template(model_dir: str | Path) -> None:
+    """Give a model odmoe saved before CHAT_TEMPLATE existed its template (no-op when it has one).
+    The template changes no token id, so the cached weights stay valid and keep their name."""
+    model_dir = Path(model_dir)
+    config = model_dir / "tokenizer_config.json"
+    has_inline = config.is_file() and "chat_template" in json.loads(config.read_text())
+    if has_inline or (model_dir / CHAT_TEMPLATE_FILE).is_file():
+        return
+    tmp = model_dir / f".{CHAT_TEMPLATE_FILE}.tmp"
+    tmp.write_text(CHAT_TEMPLATE)
+    os.replace(tmp, model_dir / CHAT_TEMPLATE_FILE)
 
 
 def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None = None) -> Path:
@@ -274,13 +306,15 @@ def default_cache_dir() -> Path:
 
 
 def ensure_default_model(cache_dir: Path | None = None, spec: ModelSpec = ModelSpec()) -> Path:
-    """The model at cache_dir/spec.name, made on first use; concurrent callers wait for one maker."""
+    """The tiny random-init model at cache_dir/spec.name, made on first use (a second or so);
+    concurrent callers wait for one maker."""
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     cache_dir.mkdir(parents=True, exist_ok=True)
     target = cache_dir / spec.name
     with open(cache_dir / f".{spec.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "odmoe_model.json").is_file():
-            log.info("creating the default model under %s (first use only)", target)
+            log.info("creating the tiny model under %s (first use only)", target)
             make_model(spec, target)
+        add_chat_template(target)
     return target

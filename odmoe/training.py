@@ -1,4 +1,5 @@
-"""A briefly trained benchmark model, so recall is measured on routers with real margins.
+"""Briefly trained models: the benchmark models, so recall is measured on routers with real
+margins, and the demo model odmoe-launch answers with by default.
 
 Contract: `train_model(spec, out_dir, settings)` trains a small Mixtral-architecture model from
 scratch on the Python standard library's sources (every machine has them), for a fixed number of
@@ -18,16 +19,24 @@ auxiliary loss, by nudging each router's `e_score_correction_bias` after every s
 under the mean load, down for those over it, by `bias_update_rate`); this trainer does the same, so
 the saved bias is a trained one, and keeps the small per-layer balance loss as V3's complementary
 sequence-wise loss.
+
+`DEMO_SPEC` is the demo model (`model.path=demo`): small enough to train on first use in about two
+minutes on two cores, long enough that its greedy continuation of `def fibonacci(n):` looks like
+Python. `ensure_builtin_model("demo" | "tiny")` is where the names `model.path` accepts are made.
 """
 
 from __future__ import annotations
 
+import ast
+import fcntl
+import hashlib
 import json
 import logging
 import math
 import shutil
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,7 +44,15 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from odmoe.model_factory import ModelSpec, build_tokenizer, corpus_files, hf_config
+from odmoe.model_factory import (
+    ModelSpec,
+    add_chat_template,
+    build_tokenizer,
+    corpus_files,
+    default_cache_dir,
+    ensure_default_model,
+    hf_config,
+)
 from odmoe.shadow_model import choice_scores, router_modules
 
 log = logging.getLogger("odmoe.training")
@@ -68,6 +85,23 @@ TRAINED_DEEPSEEK_SPEC = ModelSpec(
     seed=0,
 )
 TRAINED_SPECS = {"mixtral": TRAINED_SPEC, "deepseek_v3": TRAINED_DEEPSEEK_SPEC}
+# The demo model (`model.path=demo`, odmoe-launch's default): ~2 M parameters, 4 layers of 8 narrow
+# experts top-2, trained on first use in about two minutes on two cores so that the first command
+# prints recognisable Python. Narrow experts and a 1,024-token vocabulary (the lm_head was half of a
+# step at 4,096) are what make a step cheap.
+DEMO_SPEC = ModelSpec(
+    family="mixtral",
+    layers=4,
+    hidden=128,
+    intermediate=128,
+    experts=8,
+    top_k=2,
+    heads=4,
+    kv_heads=2,
+    vocab=1024,
+    max_positions=512,
+    seed=0,
+)
 
 
 @dataclass(frozen=True)
@@ -82,18 +116,58 @@ class TrainSettings:
     held_out_batches: int = 16
     seed: int = 0
     bias_update_rate: float = 1e-3  # DeepSeek-V3's e_score_correction_bias step per optimizer step
+    threads: int = 0  # torch intra-op threads while training; 0: leave torch's setting alone
+    code_only: bool = False  # train on code_only(source): no comments or docstrings
 
 
 # Per family: the step count is fixed (not a wall-clock budget). The DeepSeek model's 16 experts x
 # 3 layers make a step slower on CPU than its size suggests, so it trains for fewer.
 TRAINED_SETTINGS = {"mixtral": TrainSettings(), "deepseek_v3": TrainSettings(steps=400, warmup=30)}
+# The demo: code without comments or docstrings (prose was half the bytes), small batches (more
+# updates in the same time learnt faster than 16 x 128), a 4 MB corpus (tokenizing 12 MB alone takes
+# ~40 s), one thread (as fast here as two for these small matmuls, faster when the cores are busy,
+# and the same reduction order on every machine).
+DEMO_SETTINGS = TrainSettings(
+    steps=700,
+    batch=8,
+    seq_len=128,
+    lr=4e-3,
+    warmup=30,
+    corpus_bytes=4_000_000,
+    held_out_batches=4,
+    threads=1,
+    code_only=True,
+)
+PROGRESS_EVERY_S = 5.0  # a user waits for the demo model: a progress line at least this often
 
 
-def _token_stream(tokenizer, max_bytes: int) -> torch.Tensor:
+def code_only(source: str) -> str:
+    """The source without comments and docstrings, as `ast.unparse` writes it (4-space indents, one
+    quoting style). Half of the standard library's bytes are prose; a model with two minutes of
+    training spends them better on code. A file that does not parse is left out (empty string)."""
+    try:
+        with warnings.catch_warnings():  # old escapes in string literals: not our concern here
+            warnings.simplefilter("ignore", SyntaxWarning)
+            tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            first = node.body[0] if node.body else None
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                if isinstance(first.value.value, str):
+                    node.body = node.body[1:] or [ast.Pass()]
+    try:
+        return ast.unparse(tree) + "\n"
+    except RecursionError:
+        return ""
+
+
+def _token_stream(tokenizer, max_bytes: int, only_code: bool = False) -> torch.Tensor:
     ids: list[int] = []
     for path in corpus_files(max_bytes):
         text = Path(path).read_text(errors="replace")
-        ids.extend(tokenizer(text)["input_ids"])
+        ids.extend(tokenizer(code_only(text) if only_code else text, verbose=False)["input_ids"])
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
 
@@ -187,10 +261,20 @@ def routing_stats(model, stream: torch.Tensor, settings: TrainSettings, top_k: i
 def train_model(
     out_dir: str | Path, spec: ModelSpec = TRAINED_SPEC, settings: TrainSettings = TrainSettings()
 ) -> Path:
-    out_dir = Path(out_dir)
+    if not settings.threads:
+        return _train(Path(out_dir), spec, settings)
+    before = torch.get_num_threads()
+    torch.set_num_threads(settings.threads)
+    try:
+        return _train(Path(out_dir), spec, settings)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(out_dir: Path, spec: ModelSpec, settings: TrainSettings) -> Path:
     torch.manual_seed(settings.seed)
     tokenizer = build_tokenizer(spec.vocab, spec.max_positions)
-    stream = _token_stream(tokenizer, settings.corpus_bytes)
+    stream = _token_stream(tokenizer, settings.corpus_bytes, settings.code_only)
     split = int(len(stream) * 0.98)
     train, held_out = stream[:split], stream[split:]
     log.info("corpus: %d tokens (%d held out)", len(stream), len(held_out))
@@ -209,7 +293,7 @@ def train_model(
 
     gen = torch.Generator().manual_seed(settings.seed)
     choices = _RouterChoices(model)
-    start = time.perf_counter()
+    start = last_log = time.perf_counter()
     for step in range(settings.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step)
@@ -222,8 +306,10 @@ def train_model(
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         _update_correction_bias(choices, settings.bias_update_rate)
-        if step % 25 == 0 or step == settings.steps - 1:
-            elapsed = time.perf_counter() - start
+        now = time.perf_counter()
+        if step % 25 == 0 or step == settings.steps - 1 or now - last_log >= PROGRESS_EVERY_S:
+            last_log = now
+            elapsed = now - start
             rate = (step + 1) * settings.batch * settings.seq_len / elapsed
             eta = elapsed / (step + 1) * (settings.steps - step - 1)
             log.info(
@@ -271,23 +357,50 @@ def _save(model, tokenizer, spec: ModelSpec, report: dict, out_dir: Path) -> Non
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def _ensure(target: Path, spec: ModelSpec, settings: TrainSettings, what: str) -> Path:
+    """Train into target once; concurrent callers (nodes started together) wait for one trainer."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (target / "odmoe_training.json").is_file():
+            log.info("training %s into %s (first use only)", what, target)
+            train_model(target, spec, settings)
+        add_chat_template(target)  # a model trained before the template existed
+    return target
+
+
 def ensure_trained_model(
     cache_dir: Path | None = None, settings: TrainSettings | None = None, family: str = "mixtral"
 ) -> Path:
     """The trained benchmark model of `family` (a key of TRAINED_SPECS), trained once per cache
     directory (Mixtral-style: about 10 minutes on 2 cores)."""
-    import fcntl
-
-    from odmoe.model_factory import default_cache_dir
-
     spec = TRAINED_SPECS[family]
     settings = settings or TRAINED_SETTINGS[family]
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    target = cache_dir / f"trained-{spec.name}-steps{settings.steps}"
-    with open(cache_dir / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (target / "odmoe_training.json").is_file():
-            log.info("training the benchmark model into %s (first use only)", target)
-            train_model(target, spec, settings)
-    return target
+    return _ensure(
+        cache_dir / f"trained-{spec.name}-steps{settings.steps}", spec, settings, "the benchmark model"
+    )
+
+
+def ensure_demo_model(cache_dir: Path | None = None) -> Path:
+    """The demo model, trained once per cache directory (about two minutes on 2 cores). Its name
+    carries a digest of its spec and settings, so changing either trains a new one."""
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    digest = hashlib.sha1(json.dumps([asdict(DEMO_SPEC), asdict(DEMO_SETTINGS)]).encode()).hexdigest()[:8]
+    name = f"demo-{DEMO_SPEC.name}-steps{DEMO_SETTINGS.steps}-{digest}"
+    return _ensure(
+        cache_dir / name, DEMO_SPEC, DEMO_SETTINGS, "the demo model (about two minutes on two cores)"
+    )
+
+
+BUILTIN_MODELS = ("demo", "tiny")  # model.path names: odmoe's own models, made on first use
+
+
+def ensure_builtin_model(name: str, cache_dir: Path | None = None) -> Path:
+    """`demo`: a small Mixtral trained to write Python (odmoe-launch's default, ~2 min on first use);
+    `tiny`: random init, made in a second (tests, benchmarks of the protocol)."""
+    if name == "demo":
+        return ensure_demo_model(cache_dir)
+    if name == "tiny":
+        return ensure_default_model(cache_dir)
+    raise ValueError(f"{name!r} is not one of odmoe's own models ({', '.join(BUILTIN_MODELS)})")

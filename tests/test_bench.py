@@ -37,7 +37,7 @@ def compose_bench(words):
 def test_every_suite_composes(suite):
     cfg = compose_bench([f"suite={suite}"])
     assert cfg.suite == suite
-    # a failure's cost is the protocol's, not the weights': those suites default to the demo model
+    # a failure's cost is the protocol's, not the weights': those suites default to the tiny model
     assert cfg.model == ("tiny" if suite in ("quick", "faults", "soak", "frontdoor") else "trained")
 
 

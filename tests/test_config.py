@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from odmoe.launch.settings import compose
@@ -5,7 +7,7 @@ from odmoe.launch.settings import compose
 
 def test_defaults_compose():
     cfg = compose([])
-    assert cfg.role.name == "local" and cfg.cluster.workers == 2 and cfg.model.path is None
+    assert cfg.role.name == "local" and cfg.cluster.workers == 2 and cfg.model.path == "demo"
 
 
 @pytest.mark.parametrize("role", ["local", "main", "worker"])
@@ -38,3 +40,45 @@ def test_bad_configs_fail_with_a_readable_message(words, msg):
 def test_misspelt_key_fails():
     with pytest.raises(Exception, match="wrkers"):
         compose(["cluster.wrkers=3"])
+
+
+def test_local_cluster_defaults_to_the_tiny_model_not_the_trained_demo(tmp_path, monkeypatch):
+    """odmoe-launch's default is `demo` (trained on first use); LocalCluster, which tests and
+    benchmarks start, defaults to `tiny` and never trains. Composing and resolving start no node."""
+    import odmoe.training
+    from odmoe.launch.local_cluster import LocalCluster
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("LocalCluster's default must not train the demo model")
+
+    monkeypatch.setattr(odmoe.training, "train_model", no_training)
+    cluster = LocalCluster(overrides=[f"model.cache_dir={tmp_path}"])
+    try:
+        assert Path(cluster.model_path).parent == tmp_path
+        assert Path(cluster.model_path).name.startswith("mixtral-l4-h64-")  # ModelSpec(): tiny
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("path", ["tiny", None])
+def test_model_path_names(path, tmp_path, monkeypatch):
+    from dataclasses import replace
+
+    import odmoe.training
+    from odmoe.launch.local_cluster import resolve_model_path
+
+    cfg = compose(["role=local", f"model.cache_dir={tmp_path}"])
+    cfg = replace(cfg, model=replace(cfg.model, path=path))
+    assert Path(resolve_model_path(cfg)).name.startswith("mixtral-l4-h64-")
+    trained = []
+
+    def fake_training(out, spec, settings):
+        trained.append(spec)
+        Path(out).mkdir(parents=True)
+
+    monkeypatch.setattr(odmoe.training, "train_model", fake_training)
+    cfg = replace(cfg, model=replace(cfg.model, path="demo"))
+    assert Path(resolve_model_path(cfg)).name.startswith("demo-mixtral-l4-h128-")
+    assert trained == [odmoe.training.DEMO_SPEC]  # what the demo would train (stubbed out here)
+    cfg = replace(cfg, model=replace(cfg.model, path=str(tmp_path / "demo")))
+    assert resolve_model_path(cfg) == str(tmp_path / "demo")  # a directory is a directory

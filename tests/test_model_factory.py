@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe.checkpoint import Checkpoint
-from odmoe.model_factory import ModelSpec, ensure_default_model, make_model
+from odmoe.model_factory import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ModelSpec, ensure_default_model, make_model
 from tests.conftest import FAMILY_NAMES
 
 
@@ -95,3 +95,30 @@ def test_cli_writes_a_model_and_rejects_bad_options(tmp_path):
     assert ok.returncode == 0 and str(tmp_path / "m") in ok.stdout
     bad = subprocess.run([*run, "--top-k", "5", "--out", str(tmp_path / "x")], capture_output=True, text=True)
     assert bad.returncode == 2 and "exceeds" in bad.stderr
+
+
+def test_saved_tokenizer_has_a_chat_template_that_round_trips(model_dirs):
+    tok = AutoTokenizer.from_pretrained(model_dirs["mixtral"])
+    messages = [
+        {"role": "system", "content": "You write Python."},
+        {"role": "user", "content": 'def f(x="a, b"):  # ünïcode → ok'},
+    ]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert text == (
+        '<|system|>\nYou write Python.</s>\n<|user|>\ndef f(x="a, b"):  # ünïcode → ok</s>\n<|assistant|>\n'
+    )
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+    assert ids == tok(text)["input_ids"] and ids.count(tok.eos_token_id) == 2  # </s> is the EOS token
+    assert tok.decode(ids) == text
+    no_prompt = tok.apply_chat_template(messages, tokenize=False)
+    assert text == no_prompt + "<|assistant|>\n"
+
+
+def test_a_cached_model_without_a_template_gets_one_and_keeps_its_weights(tmp_path):
+    spec = ModelSpec(layers=1, hidden=32, intermediate=32, experts=4, vocab=300)
+    made = ensure_default_model(tmp_path, spec)
+    (made / CHAT_TEMPLATE_FILE).unlink()  # as saved before the template existed
+    before = digest(made)
+    assert ensure_default_model(tmp_path, spec) == made
+    assert AutoTokenizer.from_pretrained(made).chat_template == CHAT_TEMPLATE
+    assert digest(made) == before

@@ -1,10 +1,11 @@
 import json
 
+import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.model_factory import ModelSpec
-from odmoe.training import TrainSettings, train_model
+from odmoe.training import TrainSettings, code_only, train_model
 
 
 def test_brief_training_lowers_held_out_loss_and_saves_a_loadable_model(tmp_path):
@@ -34,3 +35,40 @@ def test_deepseek_training_learns_its_correction_bias(tmp_path):
     bias = router.e_score_correction_bias
     assert bias.abs().max() > 0 and bias.abs().max() <= 20 * settings.bias_update_rate + 1e-6
     assert Checkpoint(out).moe_layers == [1]
+
+
+def test_code_only_drops_comments_and_docstrings_and_keeps_the_code():
+    source = '''"""Module docstring."""
+import os  # a comment
+
+
+class Stack:
+    """A stack."""
+
+    def push(self, item):
+        """Push."""
+        # why
+        self.items.append(item)
+        return "not a docstring"
+
+
+def empty():
+    """Only a docstring."""
+'''
+    assert code_only(source) == (
+        "import os\n\nclass Stack:\n\n    def push(self, item):\n        self.items.append(item)\n"
+        "        return 'not a docstring'\n\ndef empty():\n    pass\n"
+    )
+    assert code_only("def broken(:\n") == ""
+
+
+def test_training_settings_threads_apply_only_while_training(tmp_path):
+    spec = ModelSpec(
+        family="mixtral", layers=1, hidden=32, intermediate=32, experts=4, vocab=300, max_positions=64
+    )
+    settings = TrainSettings(
+        steps=2, batch=2, seq_len=32, corpus_bytes=100_000, held_out_batches=1, threads=1, code_only=True
+    )
+    before = torch.get_num_threads()
+    train_model(tmp_path / "m", spec, settings)
+    assert torch.get_num_threads() == before

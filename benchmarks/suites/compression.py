@@ -164,9 +164,9 @@ def _print_ratios(label: str, path: str, by_dtype: dict) -> None:
                 f"{dtype:<10}{kind:<9}{r['raw_bytes'] / 2**20:9.2f}{cells}{r['exponent_entropy_bits']:13.2f}"
             )
     if _zipnn(torch.bfloat16) is None:
-        print("zipnn: not installed (pip install zipnn, a bench extra): its column is empty")
+        print("zipnn: not installed (pip install zipnn, the compression extra): its column is empty")
     if _lz4() is None:
-        print("lz4: not installed (pip install lz4, a bench extra): its column is empty")
+        print("lz4: not installed (pip install lz4, the compression extra): its column is empty")
 
 
 def _pct(x: float | None) -> str:
