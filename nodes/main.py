@@ -44,7 +44,7 @@ from odmoe.membership import Membership
 from odmoe.metrics import ServerMetrics
 from odmoe.nodes.ready import announce_ready
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
-from odmoe.request_queue import END, DeadlineExceeded, QueueFull, RequestQueue, Ticket
+from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull, RequestQueue, Ticket
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.sampling import SamplingParams
 from odmoe.shadow_link import ShadowLink
@@ -222,6 +222,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except QueueClosed as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         context.add_callback(ticket.cancel)
         while (event := self._next_reply(ticket, context)) is not END:
             if isinstance(event, DeadlineExceeded):

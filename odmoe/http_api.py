@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, TokenEvent
 from odmoe.remote_experts import WorkerFailed, WorkerUnavailable
-from odmoe.request_queue import END, DeadlineExceeded, QueueFull
+from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull
 from odmoe.sampling import SamplingParams
 
 log = logging.getLogger("odmoe.http")
@@ -311,6 +311,8 @@ async def _answer(backend, request: Request, body: _Common, req: GenerateRequest
         raise ApiError(400, str(exc)) from None
     except QueueFull as exc:
         raise ApiError(429, str(exc), kind="rate_limit_error") from None
+    except QueueClosed as exc:
+        raise ApiError(503, str(exc), kind="service_unavailable") from None
     created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + req.request_id
     shape = _Shape(rid, created, backend.model_name, chat)
     if body.stream:

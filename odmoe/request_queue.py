@@ -2,12 +2,13 @@
 
 Contract: a front door (gRPC or HTTP) calls `submit(request, timeout_s)` and gets a `Ticket` at once,
 or `QueueFull` when `max_waiting` requests already wait (the caller answers 429 / RESOURCE_EXHAUSTED:
-a queue that grows without bound only turns into timeouts later). The engine thread calls `take()`
-and serves tickets one at a time, putting each event in the ticket; the front door reads them with
-`Ticket.next()`. A ticket is cancelled by its front door when the client goes away
-(`Ticket.cancel()`): the engine stops it within one decode iteration, or skips it if it had not
-started. A ticket past its deadline (counted from arrival, queueing included) fails with
-`DeadlineExceeded` the same way. The queue knows nothing about the engine or either protocol.
+a queue that grows without bound only turns into timeouts later), or `QueueClosed` once main shuts
+down (UNAVAILABLE / 503: clients fail over). The engine thread calls `take()` and serves tickets one
+at a time, putting each event in the ticket; the front door reads them with `Ticket.next()`. A
+ticket is cancelled by its front door when the client goes away (`Ticket.cancel()`): the engine
+stops it within one decode iteration, or skips it if it had not started. A ticket past its deadline
+(counted from arrival, queueing included) fails with `DeadlineExceeded` the same way. The queue knows
+nothing about the engine or either protocol.
 """
 
 from __future__ import annotations
@@ -23,6 +24,10 @@ END = object()  # the last item of every ticket's events
 
 class QueueFull(RuntimeError):
     """Too many requests wait already."""
+
+
+class QueueClosed(RuntimeError):
+    """Main is shutting down: no new request is taken (clients fail over: UNAVAILABLE / 503)."""
 
 
 class DeadlineExceeded(RuntimeError):
@@ -74,7 +79,7 @@ class RequestQueue:
         ticket = Ticket(request, deadline=time.monotonic() + limit)
         with self._ready:
             if self.closed:
-                raise QueueFull("main is shutting down")
+                raise QueueClosed("main is shutting down")
             if len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already (server.max_waiting)")
             self._waiting.append(ticket)

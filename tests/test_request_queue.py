@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from odmoe.request_queue import END, DeadlineExceeded, QueueFull, RequestQueue
+from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull, RequestQueue
 
 
 def test_arrival_order_and_a_bound():
@@ -46,5 +46,5 @@ def test_take_wakes_when_a_request_arrives_and_close_ends_the_waiting():
     waiting = q.submit("second")
     q.close(RuntimeError("shutting down"))
     assert isinstance(waiting.next(0), RuntimeError) and waiting.next(0) is END
-    with pytest.raises(QueueFull):
+    with pytest.raises(QueueClosed):  # not QueueFull: a closing main sends clients elsewhere
         q.submit("third")
