@@ -125,7 +125,7 @@ def _children_after_cluster_up(proc: subprocess.Popen, timeout: float = 180) -> 
     raise AssertionError("cluster processes never appeared")
 
 
-@pytest.mark.parametrize("how", ["sigint", "sigkill"])
+@pytest.mark.parametrize("how", ["sigint", pytest.param("sigkill", marks=pytest.mark.extended)])
 def test_no_orphans_after_ctrl_c_or_launcher_death(model_dirs, how, reap_children):
     proc = subprocess.Popen(
         [*LAUNCH, "role=local", f"model.path={model_dirs['mixtral']}", "max_new_tokens=200"],

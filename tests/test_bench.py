@@ -129,6 +129,7 @@ def test_tracer_off_records_nothing(tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # ~65 s: CI runs it
 def test_bench_sweep_runs_a_cluster_per_job(model_dirs, tmp_path, reap_children):
     """`odmoe-bench -m`: each job starts local clusters from inside the running Hydra app (whose
     config root is not odmoe-launch's) and writes its own results."""

@@ -36,7 +36,7 @@ def reference(path: str, prompt: str | list[int], dtype=None, new_tokens: int = 
 
 
 @pytest.mark.parametrize("family", cluster_families())
-@pytest.mark.parametrize("workers,group_size", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("workers,group_size", [pytest.param(2, 2, marks=pytest.mark.extended), (4, 2)])
 def test_cluster_tokens_equal_reference(family, workers, group_size, model_dirs, reap_children):
     path = model_dirs[family]
     with LocalCluster(path, workers=workers, group_size=group_size) as cluster:

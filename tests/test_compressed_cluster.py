@@ -35,7 +35,10 @@ def _check(path: str, words: list[str], dtype: str, shadow: bool = False) -> str
 # host_memory budget), so both forms serve the same request: Mixtral at bfloat16 (with the shadow's
 # preloads), Qwen2-MoE at float32. Every family x dtype x store is the slow sweep below (a cluster
 # takes 15-60 s here, so the default run keeps three).
-@pytest.mark.parametrize("family,dtype", [("mixtral", "bfloat16"), ("qwen2_moe", "float32")])
+@pytest.mark.parametrize(
+    "family,dtype",
+    [("mixtral", "bfloat16"), pytest.param("qwen2_moe", "float32", marks=pytest.mark.extended)],
+)
 def test_compressed_store_with_pack_and_budget_equals_reference(
     family, dtype, model_dirs, tmp_path, reap_children
 ):

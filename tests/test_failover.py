@@ -37,6 +37,7 @@ def _fired(record) -> dict:
     return json.loads(line)
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_worker_killed_during_prefill_with_mini_batches_in_flight_then_rejoins(
     model_dirs, reap_children, tmp_path
 ):
@@ -85,6 +86,7 @@ def test_worker_frozen_mid_decode_is_detected_by_heartbeat_and_comes_back(
         assert cluster.client.generate(PROMPTS[0], max_new_tokens=32).token_ids == want
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_shadow_killed_mid_decode_then_restarted_is_used_again(model_dirs, reap_children):
     path = model_dirs["qwen3_moe"]
     iteration = RNG.randrange(2, 20)
@@ -103,6 +105,7 @@ def test_shadow_killed_mid_decode_then_restarted_is_used_again(model_dirs, reap_
         cluster.resume("shadow")
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_a_slow_load_is_not_a_lost_worker(model_dirs, reap_children):
     """Each load takes 1.5 s, longer than the heartbeat timeout: the worker is busy, not lost."""
     path = model_dirs["mixtral"]
@@ -133,6 +136,7 @@ def test_main_killed_then_the_standby_frozen_the_client_resumes_each_time(model_
         assert tokens == want and cluster.client.failovers == 2
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_only_own_layers_replication_decides_what_a_lost_group_costs(model_dirs, reap_children):
     path = model_dirs["mixtral"]
     want, _ = reference(path, PROMPTS[0], new_tokens=8)
@@ -153,6 +157,7 @@ def test_only_own_layers_replication_decides_what_a_lost_group_costs(model_dirs,
         assert got.token_ids == want and got.stats["failover"]["live_workers"] == [0, 1]
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_a_cancelled_stream_frees_the_cluster_for_the_next_request(model_dirs, reap_children):
     path = model_dirs["qwen2_moe"]
     want, _ = reference(path, PROMPTS[1], new_tokens=8)
@@ -169,6 +174,7 @@ def test_a_cancelled_stream_frees_the_cluster_for_the_next_request(model_dirs, r
         assert "cancelled by its client" in cluster.node("main").log_file.read_text()
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_a_node_restarted_from_a_short_lived_thread_keeps_running(model_dirs, reap_children):
     """PR_SET_PDEATHSIG follows the forking thread: this node used to die with its thread."""
     import threading

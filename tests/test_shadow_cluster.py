@@ -14,7 +14,11 @@ pytestmark = pytest.mark.integration
 CASES = [
     ("mixtral", ["shadow.precision=int8_dynamic", "shadow.inject_wrong=0.5"]),
     ("qwen2_moe", ["shadow.precision=nf4", "alignment.token_period=2", "alignment.kv_period=4"]),
-    ("qwen3_moe", ["shadow.precision=int8", "alignment.token_period=0", "alignment.kv_period=0"]),
+    pytest.param(
+        "qwen3_moe",
+        ["shadow.precision=int8", "alignment.token_period=0", "alignment.kv_period=0"],
+        marks=pytest.mark.extended,
+    ),
     (
         "olmoe",
         [
@@ -24,7 +28,7 @@ CASES = [
             "shadow.inject_wrong=0.3",
         ],
     ),
-    ("mixtral", ["ablation=case5"]),
+    pytest.param("mixtral", ["ablation=case5"], marks=pytest.mark.extended),
     ("qwen2_moe", ["shadow.precision=fp16", "ablation=case3"]),
     pytest.param(
         "deepseek_v2",
@@ -79,6 +83,7 @@ def test_fp32_shadow_aligned_every_iteration_is_an_exact_emulator(model_dirs, re
     assert set(recall["per_layer"].values()) == {1.0}
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_injected_wrong_predictions_lower_recall_by_that_fraction(model_dirs, reap_children):
     with LocalCluster(
         model_dirs["mixtral"],
@@ -118,6 +123,7 @@ def test_predictions_arrive_ahead_of_main_with_alignment_every_iteration(tmp_pat
     assert all(r["recall"]["overall"] == 1.0 for r in runs)
 
 
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_multirun_sweep_leaves_one_table(model_dirs, tmp_path, reap_children):
     import csv
     import subprocess
