@@ -48,6 +48,8 @@ def test_bench_without_matplotlib_names_the_extra(tmp_path):
 
 def test_require(monkeypatch):
     assert require("json", "none", "this test").dumps([]) == "[]"
+    # both: an earlier test in the same run may have imported matplotlib.pyplot already
     monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.pyplot", None)
     with pytest.raises(MissingExtra, match=r"^plots needs matplotlib: pip install 'odmoe\[bench\]'$"):
         require("matplotlib.pyplot", "bench", "plots")
