@@ -136,6 +136,7 @@ class LocalCluster:
         self.worker_addresses: list[str] = []
         self.standby_mains = standby_mains
         self.shadow_info: dict = {}
+        self.main_info: dict = {}
         self._client: Client | None = None
         self._dir = Path(tempfile.mkdtemp(prefix="odmoe-cluster-"))  # 0700
         self.credentials: ClientCredentials | None = None  # set by start() when security is on
@@ -164,6 +165,7 @@ class LocalCluster:
             names = ["main"] + [f"main{i}" for i in range(1, self.standby_mains + 1)]
             mains = [self._spawn(name, self._main_args(name)) for name in names]
             ready = self._wait_ready(mains)
+            self.main_info = ready[0]  # its ready file: address, http_address, connect_s
             self.main_addresses = [info["address"] for info in ready]
             self.http_urls = [info.get("http_address", "") for info in ready]
             self.address = self.main_addresses[0]

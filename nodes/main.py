@@ -31,6 +31,7 @@ import logging
 import queue
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -88,6 +89,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             sec.enabled, sec.key_dir, sec.node_name("main", 0), serves_clients=True
         )
         shadow = None
+        connect_start = time.perf_counter()  # connections + (CURVE) handshakes + pings, for the ready file
         if cfg.shadow.enabled and cfg.cluster.shadow_address:
             shadow = ShadowLink(
                 cfg.cluster.shadow_address,
@@ -118,6 +120,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         )
         self.experts.fault = FaultTrigger(cfg.fault, "main")
         self.experts.ping_all(cfg.worker.ready_timeout_s)
+        self.connect_s = time.perf_counter() - connect_start
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.heartbeat = heartbeat
         schedule = AlignmentSchedule(
@@ -350,7 +353,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         address = f"{host}:{bound}"
         http_address = http.url if http else ""
-        announce_ready(ready_file, role="main", address=address, http_address=http_address)
+        announce_ready(
+            ready_file, role="main", address=address, http_address=http_address, connect_s=self.connect_s
+        )
         if http:
             log.info("OpenAI-compatible API on %s/v1 (model %r)", http.url, self.model_name)
         log.info(
