@@ -19,6 +19,7 @@ SUITES = (
     "faults",
     "soak",
     "frontdoor",
+    "security",
     "quick",
 )
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
@@ -150,6 +151,15 @@ class FrontdoorSuite:
 
 
 @dataclass
+class SecuritySuite:
+    rounds: int = 2  # each round starts one cluster with security on and one with it off, then measures both
+    prompts: int = 3
+    prompt_tokens: int = 32
+    new_tokens: int = 32
+    repeats: int = 2  # every prompt this often per cluster per round (the order alternates)
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -169,6 +179,7 @@ class BenchConfig:
     faults: FaultsSuite = field(default_factory=FaultsSuite)
     soak: SoakSuite = field(default_factory=SoakSuite)
     frontdoor: FrontdoorSuite = field(default_factory=FrontdoorSuite)
+    security: SecuritySuite = field(default_factory=SecuritySuite)
     log_level: str = "WARNING"
 
 

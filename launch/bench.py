@@ -9,6 +9,7 @@
     odmoe-bench suite=faults            # losing a worker / the shadow / main: detect, stall, recovery
     odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
     odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
+    odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -52,6 +53,7 @@ def run_suites(cfg: BenchConfig) -> None:
         frontdoor,
         grid,
         recall,
+        security,
         soak,
         timeline,
     )
@@ -67,6 +69,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "faults": faults.run,
         "soak": soak.run,
         "frontdoor": frontdoor.run,
+        "security": security.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)

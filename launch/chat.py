@@ -4,7 +4,11 @@
     odmoe-chat "def main():"                     # one-shot: the answer streams out, then it exits
     echo 'import os' | odmoe-chat -              # the prompt from stdin (any bytes of text)
     odmoe-chat --completion "def main():"        # continue raw text (/v1/completions), no template
-    odmoe-chat --temperature 0.8 --seed 7 --max-tokens 64 --url http://10.0.0.1:8000
+    odmoe-chat --temperature 0.8 --seed 7 --max-tokens 64 --url https://10.0.0.1:8000 --key-dir DIR
+
+A cluster with security on (the default) wants HTTPS and its token: `--key-dir DIR` reads both from
+what `odmoe-keys init DIR` made (tls/cert.pem, token); or give `--token` (or the ODMOE_API_KEY
+environment variable, as OpenAI clients take OPENAI_API_KEY) and `--cacert FILE`.
 
 Nothing typed here goes through a config grammar. Exit codes: 0 success, 1 the cluster could not
 answer (not reachable, overloaded, failed), 2 bad arguments or a request the server refused.
@@ -14,11 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import ssl
 import sys
 
 import httpx
 
-DEFAULT_URL = "http://127.0.0.1:8000"
+from odmoe.security import ClientCredentials, SecurityError
+
+DEFAULT_URL = "https://127.0.0.1:8000"
 
 
 class ChatError(Exception):
@@ -44,13 +52,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repetition-penalty", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.add_argument("--key-dir", help="the cluster's key directory (its tls/cert.pem and token)")
+    p.add_argument("--token", default=os.environ.get("ODMOE_API_KEY"), help="bearer token ($ODMOE_API_KEY)")
+    p.add_argument("--cacert", help="the cluster's TLS certificate (tls/cert.pem)")
     return p.parse_args(argv)
+
+
+def http_client(args: argparse.Namespace) -> httpx.Client:
+    """An HTTP client with the cluster's token and TLS trust, from --key-dir or --token/--cacert."""
+    headers, verify = {}, True
+    try:
+        if args.key_dir:
+            creds = ClientCredentials.from_key_dir(args.key_dir)
+            headers["Authorization"] = f"Bearer {args.token or creds.token}"
+            verify = creds.ssl_context()
+        else:
+            if args.token:
+                headers["Authorization"] = f"Bearer {args.token}"
+            if args.cacert:
+                verify = ssl.create_default_context(cafile=args.cacert)
+    except (SecurityError, OSError, ssl.SSLError) as exc:
+        raise ChatError(str(exc), code=2) from None
+    return httpx.Client(
+        base_url=args.url.rstrip("/"), headers=headers, verify=verify, timeout=httpx.Timeout(10.0, read=None)
+    )
 
 
 class Session:
     def __init__(self, args: argparse.Namespace, out=sys.stdout):
         self.args, self.out = args, out
-        self.http = httpx.Client(base_url=args.url.rstrip("/"), timeout=httpx.Timeout(10.0, read=None))
+        self.http = http_client(args)
         self.model = args.model or self._served_model()
         self.history: list[dict] = [{"role": "system", "content": args.system}] if args.system else []
 
@@ -62,6 +93,10 @@ class Session:
                 f"no odmoe cluster answers at {self.args.url} ({exc}); start one with "
                 "`odmoe-launch role=local serve=true` or pass --url"
             ) from None
+        if reply.status_code == 401:
+            raise ChatError(
+                f"{self.args.url} refused us (401): pass --key-dir DIR, or --token and --cacert", code=2
+            )
         if reply.status_code != 200:
             raise ChatError(f"{self.args.url}/v1/models answered {reply.status_code}: {reply.text[:200]}")
         return reply.json()["data"][0]["id"]

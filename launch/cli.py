@@ -25,6 +25,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from odmoe.config import exposed_hosts
 from odmoe.launch.settings import to_config
 
 log = logging.getLogger("odmoe.launch")
@@ -123,6 +124,12 @@ def _launch(raw: DictConfig) -> None:
         import torch
 
         torch.set_num_threads(cfg.cluster.torch_threads)
+    if not cfg.security.enabled and (exposed := exposed_hosts(cfg)):  # allowed by security.insecure_lan
+        logging.getLogger("odmoe.security").warning(
+            "SECURITY IS OFF on %s: anyone on that network can send this node work or read what it "
+            "sends (security.enabled=false, security.insecure_lan=true)",
+            ", ".join(exposed),
+        )
     from odmoe.launch.roles import run_local, run_main, run_shadow, run_worker
 
     roles = {"local": run_local, "main": run_main, "worker": run_worker, "shadow": run_shadow}

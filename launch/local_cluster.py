@@ -15,6 +15,12 @@ the first standby, "shadow", "worker<i>"). A restarted worker or shadow binds a 
 announces itself to every main (`cluster.main_addresses`); a restarted main is given the workers'
 and the shadow's current addresses. `standby_mains=n` starts n more mains with the same config; the
 cluster's client knows them all and fails over along them.
+
+Security (on unless `security.enabled=false`): `start()` makes ephemeral keys in the scratch
+directory (`odmoe-keys init` in a folder only this user can read; a restarted node reuses them) and
+`client` carries them; HTTP users take `http_auth` (the token header and a TLS context trusting
+the cluster's certificate), e.g. `httpx.get(c.http_url + "/v1/models", **c.http_auth)`, or
+`c.token` as an OpenAI client's api_key. A `security.key_dir=DIR` override uses DIR instead.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
 from odmoe.config import OdmoeConfig
 from odmoe.launch.settings import compose
+from odmoe.security import ClientCredentials, init_key_dir
 
 log = logging.getLogger("odmoe.local")
 _PR_SET_PDEATHSIG = 1
@@ -129,8 +136,17 @@ class LocalCluster:
         self.worker_addresses: list[str] = []
         self.standby_mains = standby_mains
         self.shadow_info: dict = {}
+        self.main_info: dict = {}
         self._client: Client | None = None
-        self._dir = Path(tempfile.mkdtemp(prefix="odmoe-cluster-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="odmoe-cluster-"))  # 0700
+        self.credentials: ClientCredentials | None = None  # set by start() when security is on
+        self.key_dir: Path | None = None
+        if self.cfg.security.enabled:
+            self.key_dir = (
+                Path(self.cfg.security.key_dir) if self.cfg.security.key_dir else self._dir / "keys"
+            )
+            if not self.cfg.security.key_dir:
+                self.overrides.append(f"security.key_dir={self.key_dir}")
         self.place = place or (lambda name: NodePlacement())  # by node name: main, shadow, worker0...
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -138,6 +154,7 @@ class LocalCluster:
         atexit.register(self.stop)
         self._dir.mkdir(parents=True, exist_ok=True)
         try:
+            self._ensure_keys()
             n = self.cfg.cluster.workers
             shadow = [self._spawn("shadow", ["role=shadow"])] if self.cfg.shadow.enabled else []
             workers = [self._spawn(f"worker{i}", self._worker_args(i)) for i in range(n)]
@@ -148,6 +165,7 @@ class LocalCluster:
             names = ["main"] + [f"main{i}" for i in range(1, self.standby_mains + 1)]
             mains = [self._spawn(name, self._main_args(name)) for name in names]
             ready = self._wait_ready(mains)
+            self.main_info = ready[0]  # its ready file: address, http_address, connect_s
             self.main_addresses = [info["address"] for info in ready]
             self.http_urls = [info.get("http_address", "") for info in ready]
             self.address = self.main_addresses[0]
@@ -156,6 +174,28 @@ class LocalCluster:
             raise
         log.info("local cluster up: main %s, %d workers", self.address, self.cfg.cluster.workers)
         return self
+
+    def _ensure_keys(self) -> None:
+        if self.key_dir is None:
+            return
+        if not self.cfg.security.key_dir:  # ephemeral: made now, gone with the scratch directory
+            init_key_dir(self.key_dir, self.cfg.cluster.workers)
+        self.credentials = ClientCredentials.from_key_dir(self.key_dir)
+
+    @property
+    def token(self) -> str:
+        """The client token (an OpenAI client's api_key); "" with security off."""
+        return self.credentials.token if self.credentials else ""
+
+    @property
+    def http_auth(self) -> dict:
+        """Keyword arguments for httpx calls to `http_url`: the token header and TLS trust."""
+        if self.credentials is None:
+            return {}
+        return {
+            "headers": {"Authorization": f"Bearer {self.credentials.token}"},
+            "verify": self.credentials.ssl_context(),
+        }
 
     def _worker_args(self, index: int) -> list[str]:
         return ["role=worker", f"worker.index={index}"]
@@ -289,7 +329,11 @@ class LocalCluster:
         if not self.address:
             raise RuntimeError("the cluster is not running; use it as a context manager or call start()")
         if self._client is None:
-            self._client = Client(self.main_addresses, keepalive_s=self.cfg.failover.client_keepalive_s)
+            self._client = Client(
+                self.main_addresses,
+                keepalive_s=self.cfg.failover.client_keepalive_s,
+                credentials=self.credentials,
+            )
         return self._client
 
     @property

@@ -15,6 +15,7 @@ from odmoe.checkpoint import CheckpointError
 from odmoe.config import OdmoeConfig
 from odmoe.families import UnsupportedModelError
 from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
+from odmoe.security import SecurityError
 
 log = logging.getLogger("odmoe.launch")
 BAD_INPUT = 2
@@ -23,7 +24,7 @@ BAD_INPUT = 2
 def _serve(name: str, node_class, cfg: OdmoeConfig) -> int:
     try:
         node = node_class(cfg, resolve_model_path(cfg))
-    except (CheckpointError, UnsupportedModelError) as exc:
+    except (CheckpointError, UnsupportedModelError, SecurityError) as exc:
         log.error("%s: %s", name, exc)
         return BAD_INPUT
     node.serve(cfg.ready_file)
@@ -49,7 +50,7 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
     try:
         node = MainNode(cfg, resolve_model_path(cfg))
         node.serve(cfg.ready_file)
-    except (CheckpointError, UnsupportedModelError, PortInUse) as exc:
+    except (CheckpointError, UnsupportedModelError, PortInUse, SecurityError) as exc:
         log.error("main: %s", exc)
         return BAD_INPUT
     except WorkerUnavailable as exc:
@@ -110,7 +111,8 @@ def _keep_serving(cluster: LocalCluster) -> int:
             else cluster.cfg.server.model_name
         )
         print(
-            f"odmoe: OpenAI-compatible API at {url}/v1 (model {name!r}); try: odmoe-chat --url {url}",
+            f"odmoe: OpenAI-compatible API at {url}/v1 (model {name!r}); try: odmoe-chat --url {url}"
+            + (f" --key-dir {cluster.key_dir}" if cluster.key_dir else ""),
             file=sys.stderr,
         )
     print("odmoe: Ctrl-C stops the cluster", file=sys.stderr, flush=True)

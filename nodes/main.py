@@ -16,6 +16,12 @@ Failover: the engine thread also keeps the membership (between requests and ever
 taken back, a re-announced shadow reconnected. A request whose client has gone (cancelled or
 disconnected) stops within one decode iteration, or is skipped if it had not started. A standby
 main is just another main started with the same config: clients fail over to it and resume.
+
+Security (odmoe/security.py, on by default): gRPC is served over TLS and every call, Join and
+health checks included, must carry the cluster's bearer token (`BearerToken` refuses the others
+UNAUTHENTICATED before a handler runs); the HTTP API is HTTPS with the same token. Main's ZeroMQ
+connections are CURVE clients that complete a handshake only with the keys the cluster gave each
+worker and the shadow; a worker holding another key is refused at start-up, by name.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import logging
 import queue
 import signal
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -47,6 +54,7 @@ from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
 from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull, RequestQueue, Ticket
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.sampling import SamplingParams
+from odmoe.security import BearerToken, NodeSecurity
 from odmoe.shadow_link import ShadowLink
 from odmoe.trace import Tracer
 
@@ -76,22 +84,30 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         main = build_main_model(self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint))
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         heartbeat = Heartbeat(cfg.failover.heartbeat_interval_s, cfg.failover.heartbeat_timeout_s)
+        sec = cfg.security
+        self.security = NodeSecurity.load(
+            sec.enabled, sec.key_dir, sec.node_name("main", 0), serves_clients=True
+        )
         shadow = None
+        connect_start = time.perf_counter()  # connections + (CURVE) handshakes + pings, for the ready file
         if cfg.shadow.enabled and cfg.cluster.shadow_address:
             shadow = ShadowLink(
                 cfg.cluster.shadow_address,
                 cfg.cluster.shadow_pub_address,
                 self.checkpoint.moe_layers,
                 heartbeat,
+                self.security.curve,
             )
             if not shadow.wait_up(cfg.worker.ready_timeout_s):
-                log.warning("shadow %s is not reachable: requests run without it", shadow.address)
+                why = f" (CURVE handshake failed: {shadow.control.refused})" if shadow.control.refused else ""
+                log.warning("shadow %s is not reachable%s: requests run without it", shadow.address, why)
         members = Membership(
             cfg.cluster.worker_addresses,
             cfg.topology,
             self.checkpoint.moe_layers,
             heartbeat,
             cfg.failover.probe_interval_s,
+            self.security.curve,
         )
         self.experts = RemoteExperts(
             members,
@@ -104,6 +120,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         )
         self.experts.fault = FaultTrigger(cfg.fault, "main")
         self.experts.ping_all(cfg.worker.ready_timeout_s)
+        self.connect_s = time.perf_counter() - connect_start
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.heartbeat = heartbeat
         schedule = AlignmentSchedule(
@@ -193,7 +210,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
     def _adopt_shadow(self, address: str, pub_address: str) -> None:
         shadow = self.experts.shadow
         if shadow is None:
-            shadow = ShadowLink(address, pub_address, self.checkpoint.moe_layers, self.heartbeat)
+            shadow = ShadowLink(
+                address, pub_address, self.checkpoint.moe_layers, self.heartbeat, self.security.curve
+            )
             self.experts.shadow = shadow
         elif (shadow.address, shadow.pub_address) != (address, pub_address) or not shadow.up:
             shadow.replace(address, pub_address)
@@ -302,13 +321,20 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def serve(self, ready_file: str | None = None) -> None:
-        server = grpc.server(futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS)
+        secrets = self.security.server  # None: security.enabled=false
+        interceptors = [BearerToken(secrets)] if secrets else []
+        server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS, interceptors=interceptors
+        )
         odmoe_pb2_grpc.add_InferenceServicer_to_server(self, server)
         health_servicer = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
         host, port = self.cfg.cluster.host, self.cfg.cluster.main_port
         try:
-            bound = server.add_insecure_port(f"{host}:{port}")
+            if secrets:
+                bound = server.add_secure_port(f"{host}:{port}", secrets.grpc_credentials())
+            else:
+                bound = server.add_insecure_port(f"{host}:{port}")
         except RuntimeError as exc:
             raise PortInUse(f"main cannot bind {host}:{port}: {exc}") from exc
         if bound == 0:
@@ -317,7 +343,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         if self.cfg.server.http:
             http_host, http_port = self.cfg.server.http_host or host, self.cfg.server.http_port
             try:
-                http = start_http(self, http_host, http_port)
+                http = start_http(self, http_host, http_port, secrets)
             except OSError as exc:
                 raise PortInUse(
                     f"main cannot serve HTTP on {http_host}:{http_port} ({exc}): set server.http_port "
@@ -329,7 +355,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
         address = f"{host}:{bound}"
         http_address = http.url if http else ""
-        announce_ready(ready_file, role="main", address=address, http_address=http_address)
+        announce_ready(
+            ready_file, role="main", address=address, http_address=http_address, connect_s=self.connect_s
+        )
         if http:
             log.info("OpenAI-compatible API on %s/v1 (model %r)", http.url, self.model_name)
         log.info(

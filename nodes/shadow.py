@@ -16,7 +16,8 @@ Every control frame is untrusted: one that does not decode, a Begin whose prompt
 take, an Align whose K/V rows do not fit the cache - each is dropped (the request it belongs to is
 abandoned) with a rate-limited log line, and the shadow serves the next Begin. With
 `cluster.main_addresses` set it announces itself to main on start, so a restarted shadow is used
-again.
+again. With security on (the default) both sockets are CURVE servers admitting only the cluster's
+keys: no one else can send it control messages or read a prediction.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from odmoe.messages import (
 )
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
+from odmoe.security import NodeSecurity, secure_server
 from odmoe.shadow_model import choice_scores, load_shadow_model, model_bytes, router_modules
 from odmoe.trace import Tracer, now_us
 
@@ -94,10 +96,14 @@ class ShadowNode:
             self.weight_bytes = 0
         self.moe_layers = sorted(self._router_layers(config))
         self.ctx = zmq.Context.instance()
+        sec = cfg.security
+        self.security = NodeSecurity.load(sec.enabled, sec.key_dir, sec.node_name("shadow", 0))
+        self.zap = self.security.curve.authenticator(self.ctx) if self.security.curve else None
         self.control = self.ctx.socket(zmq.PULL)
         self.pub = self.ctx.socket(zmq.PUB)
         for sock in (self.control, self.pub):
             sock.setsockopt(zmq.LINGER, 0)
+            secure_server(sock, self.security.curve)  # predictions reach the cluster's own nodes only
         host, port = cfg.cluster.host, cfg.cluster.shadow_port
         if port:
             self.control.bind(f"tcp://{host}:{port}")
@@ -221,7 +227,13 @@ class ShadowNode:
             pub_address=self.pub_address,
             weight_bytes=self.weight_bytes,
         )
-        announce(self.main_addresses, "shadow", self.address, pub_address=self.pub_address)
+        announce(
+            self.main_addresses,
+            "shadow",
+            self.address,
+            pub_address=self.pub_address,
+            credentials=self.security.client,
+        )
         log.info(
             "shadow (%s) serving: control %s, predictions %s", self.scfg.mode, self.address, self.pub_address
         )

@@ -22,6 +22,10 @@ over those workers by main's own rule, and subscribes to the prediction topics o
 whose layers it stores (it may serve them when their own group is lost). With
 `cluster.main_addresses` set it announces itself to main on start, so a worker restarted on
 another port is taken back.
+
+Security (odmoe/security.py, on by default): the ROUTER is a CURVE server admitting only the
+cluster's public keys (a ZAP authenticator thread), and the prediction SUB talks only to the key
+"shadow"; a peer without the keys never completes a handshake, so none of its frames reach here.
 """
 
 from __future__ import annotations
@@ -58,6 +62,7 @@ from odmoe.messages import (
 )
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import LayerUnavailable
+from odmoe.security import NodeSecurity, secure_client, secure_server
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.worker")
@@ -111,8 +116,12 @@ class WorkerNode:
                 link.latency_ms,
             )
         self.ctx = zmq.Context.instance()
+        sec = cfg.security
+        self.security = NodeSecurity.load(sec.enabled, sec.key_dir, sec.node_name("worker", self.index))
+        self.zap = self.security.curve.authenticator(self.ctx) if self.security.curve else None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        secure_server(self.sock, self.security.curve)  # only the cluster's keys get a handshake
         port = cfg.cluster.worker_port
         if port:
             self.sock.bind(f"tcp://{cfg.cluster.host}:{port}")
@@ -146,6 +155,7 @@ class WorkerNode:
         self.shadow_pub = address
         self.predictions = self.ctx.socket(zmq.SUB)
         self.predictions.setsockopt(zmq.LINGER, 0)
+        secure_client(self.predictions, self.security.curve, "shadow")
         for group in self.topology.prediction_topics(self.index):
             self.predictions.setsockopt(zmq.SUBSCRIBE, f"g{group}".encode())
         self.predictions.connect(address)
@@ -153,7 +163,9 @@ class WorkerNode:
 
     def serve(self, ready_file: str | None = None) -> None:
         announce_ready(ready_file, role="worker", index=self.index, address=self.address)
-        announce(self.main_addresses, "worker", self.address, index=self.index)
+        announce(
+            self.main_addresses, "worker", self.address, index=self.index, credentials=self.security.client
+        )
         log.info("worker %d serving on %s", self.index, self.address)
         try:
             while True:

@@ -22,6 +22,11 @@ alone is not a loss. The client then resumes on the next main by sending the pro
 plus the tokens it already received (`resume_ids`), and that main replays them and streams the
 rest. With greedy decoding the whole sequence equals the single-process reference. A stream that
 keeps failing without a new token after every main was tried raises the last error.
+
+Security: a cluster with security on (the default) answers only over TLS and only calls carrying
+its token: pass `credentials=` a key directory (what `odmoe-keys init` made: its tls/cert.pem and
+token are read) or a `ClientCredentials`; without them every call fails UNAVAILABLE (no TLS) or
+UNAUTHENTICATED (no or a wrong token). `LocalCluster.client` is given its cluster's credentials.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import grpc
 import torch
@@ -40,6 +46,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.sampling import MAX_SEED, SamplingParams
+from odmoe.security import ClientCredentials, grpc_channel
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,17 @@ _END = object()
 
 
 class Client:
-    def __init__(self, address: str | list[str], timeout_s: float | None = None, keepalive_s: float = 1.0):
+    def __init__(
+        self,
+        address: str | list[str],
+        timeout_s: float | None = None,
+        keepalive_s: float = 1.0,
+        credentials: ClientCredentials | str | Path | None = None,
+    ):
+        if isinstance(credentials, str | Path):
+            credentials = ClientCredentials.from_key_dir(credentials)
+        self.credentials = credentials
+        self.metadata = credentials.metadata if credentials else None
         self.addresses = [address] if isinstance(address, str) else list(address)
         if not self.addresses:
             raise ValueError("Client needs at least one main address")
@@ -102,7 +119,7 @@ class Client:
                 ("grpc.http2.max_pings_without_data", 0),
                 ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
             ]
-            channel = self._channels[self.current] = grpc.insecure_channel(self.address, options=options)
+            channel = self._channels[self.current] = grpc_channel(self.address, self.credentials, options)
         return odmoe_pb2_grpc.InferenceStub(channel)
 
     def _request(self, prompt, max_new_tokens, return_logits, request_id, resume, options: dict):
@@ -124,7 +141,7 @@ class Client:
         options = _options(stop, sampling)
         while True:
             request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
-            call = self._stub().Generate(request, timeout=self.timeout_s)
+            call = self._stub().Generate(request, timeout=self.timeout_s, metadata=self.metadata)
             try:
                 for reply in self._watched(call):
                     if reply.WhichOneof("kind") == "token":
@@ -169,7 +186,9 @@ class Client:
                 item = replies.get(timeout=self.keepalive_s)
             except queue.Empty:
                 try:
-                    health.Check(health_pb2.HealthCheckRequest(), timeout=2 * self.keepalive_s)
+                    health.Check(
+                        health_pb2.HealthCheckRequest(), timeout=2 * self.keepalive_s, metadata=self.metadata
+                    )
                 except grpc.RpcError as exc:
                     raise StreamBroken(f"main {self.address} stopped answering ({exc.code().name})") from None
                 continue
@@ -210,7 +229,7 @@ class Client:
         return result
 
     def info(self) -> dict:
-        reply = self._stub().Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s)
+        reply = self._stub().Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
         return {
             "model_path": reply.model_path,
             "family": reply.family,

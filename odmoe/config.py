@@ -131,6 +131,24 @@ class ServerConfig:
     request_timeout_s: float = 600.0  # deadline from arrival (queueing included); a request may ask less
 
 
+@dataclass
+class SecurityConfig:
+    """Who may talk to the cluster (odmoe/security.py): CurveZMQ between nodes, TLS + a bearer token
+    for clients. On unless enabled=false; role=local makes its own keys."""
+
+    enabled: bool = True
+    key_dir: str = ""  # what `odmoe-keys init DIR` made (role=local: a scratch copy, made at start)
+    key_name: str = ""  # this node's key in key_dir ("": main / shadow / worker<i> by role)
+    # With enabled=false a node still refuses a non-loopback address unless this says so (it then
+    # warns at every start): anyone on the network could drive it.
+    insecure_lan: bool = False
+
+    def node_name(self, role: str, worker_index: int) -> str:
+        if self.key_name:
+            return self.key_name
+        return f"worker{worker_index}" if role == "worker" else role
+
+
 FAULT_ACTIONS = ("kill", "stop")
 
 
@@ -161,6 +179,7 @@ class OdmoeConfig:
     failover: FailoverConfig = field(default_factory=FailoverConfig)
     fault: FaultConfig = field(default_factory=FaultConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
     results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
     # role=local: keep the cluster serving (gRPC + the OpenAI-compatible API on server.http_port) until
     # Ctrl-C instead of answering `prompt` and stopping.
@@ -224,8 +243,38 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")
     if cfg.prefill.placement not in ("modulo", "balanced"):
         raise ValueError(f"prefill.placement={cfg.prefill.placement!r} is not one of modulo, balanced")
+    _validate_security(cfg)
     if cfg.role.name == "local":
         if not cfg.prompt:
             raise ValueError("prompt is empty")
         if cfg.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {cfg.max_new_tokens}")
+
+
+def exposed_hosts(cfg: OdmoeConfig) -> list[str]:
+    """The non-loopback addresses this node would bind (empty: loopback only)."""
+    from odmoe.security import is_loopback
+
+    hosts = [cfg.cluster.host]
+    if cfg.role.name in ("main", "local") and cfg.server.http:
+        hosts.append(cfg.server.http_host or cfg.cluster.host)
+    return [h for h in dict.fromkeys(hosts) if not is_loopback(h)]
+
+
+def _validate_security(cfg: OdmoeConfig) -> None:
+    sec = cfg.security
+    if sec.enabled:
+        if cfg.role.name != "local" and not sec.key_dir:
+            raise ValueError(
+                f"role={cfg.role.name} with security on needs security.key_dir=DIR (make it once with "
+                "`odmoe-keys init DIR --workers N`, see README: Several machines on a LAN), or "
+                "security.enabled=false on a trusted network"
+            )
+        return
+    if exposed := exposed_hosts(cfg):
+        if not sec.insecure_lan:
+            raise ValueError(
+                f"security.enabled=false would expose {', '.join(exposed)} without authentication: anyone on "
+                "that network could drive the cluster. Turn security on (the default), bind 127.0.0.1, or "
+                "say security.insecure_lan=true"
+            )

@@ -17,6 +17,11 @@ Errors have OpenAI's body: `{"error": {"message", "type", "param", "code"}}`. A 
 {chunk}` events, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`; an error
 after the stream began is sent as one `data: {"error": ...}` event. A client that disconnects (stream
 or not) cancels its request; the engine stops it within one decode iteration.
+
+With security on (`make_app(backend, secrets)`), the server is HTTPS with the cluster's certificate
+and every path but `/health` needs `Authorization: Bearer <token>` (what OpenAI clients send as
+their api_key): anything else is answered 401 before any work is done. `/metrics` is protected too
+(it tells request counts and timings); `/health` says only "ok" or why not, for load balancers.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, TokenEvent
 from odmoe.remote_experts import WorkerFailed, WorkerUnavailable
 from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull
 from odmoe.sampling import SamplingParams
+from odmoe.security import ServerSecrets
 
 log = logging.getLogger("odmoe.http")
 POLL_S = 0.1  # how often a waiting handler looks whether its client is still there
@@ -149,8 +155,20 @@ class ChatBody(_Common):
 
 
 # -- the app -------------------------------------------------------------------------------------
-def make_app(backend) -> FastAPI:
+def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
     app = FastAPI(title="odmoe", summary="OpenAI-compatible API of an odmoe cluster", docs_url=None)
+
+    if secrets is not None:
+
+        @app.middleware("http")
+        async def _bearer_token(request: Request, call_next):
+            # /health stays open (load balancers, readiness probes): it says "ok" or why not, no more.
+            if request.url.path == "/health" or secrets.authorized(request.headers.get("authorization")):
+                return await call_next(request)
+            why = "wrong API key" if request.headers.get("authorization") else "no API key"
+            message = f"{why}: send 'Authorization: Bearer <the cluster token>'"
+            body = ApiError(401, message, kind="authentication_error").body()
+            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
 
     @app.exception_handler(ApiError)
     async def _api_error(_, exc: ApiError):
@@ -392,9 +410,11 @@ def _brief(stats: dict) -> dict:
 class HttpServer:
     """uvicorn in a thread of the main process; `url` once bound."""
 
-    def __init__(self, app: FastAPI, host: str, port: int):
+    def __init__(self, app: FastAPI, host: str, port: int, secrets: ServerSecrets | None = None):
+        tls = {"ssl_certfile": str(secrets.cert), "ssl_keyfile": str(secrets.key)} if secrets else {}
+        self.scheme = "https" if secrets else "http"
         config = uvicorn.Config(
-            app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2
+            app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, **tls
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="odmoe-http", daemon=True)
@@ -411,14 +431,14 @@ class HttpServer:
     def url(self) -> str:
         sock = self.server.servers[0].sockets[0]
         host, port = sock.getsockname()[:2]
-        return f"http://{host}:{port}"
+        return f"{self.scheme}://{host}:{port}"
 
     def stop(self) -> None:
         self.server.should_exit = True
         self.thread.join(timeout=5)
 
 
-def start_http(backend, host: str, port: int) -> HttpServer:
-    server = HttpServer(make_app(backend), host, port)
+def start_http(backend, host: str, port: int, secrets: ServerSecrets | None = None) -> HttpServer:
+    server = HttpServer(make_app(backend, secrets), host, port, secrets)
     server.start()
     return server

@@ -30,6 +30,7 @@ from odmoe.heartbeat import Heartbeat, WatchedSocket
 from odmoe.messages import Membership as MembershipMessage
 from odmoe.messages import Ping, Pong, from_frames, to_frames
 from odmoe.placement import Topology
+from odmoe.security import Curve
 from odmoe.trace import now_us
 
 log = logging.getLogger("odmoe.membership")
@@ -65,18 +66,20 @@ class Membership:
         layers: list[int],
         heartbeat: Heartbeat | None = None,
         probe_interval_s: float = 1.0,
+        curve: Curve | None = None,
     ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
         self.topology, self.layers, self.heartbeat = topology, layers, heartbeat or Heartbeat()
-        self.probe_interval_s = probe_interval_s
+        self.probe_interval_s, self.curve = probe_interval_s, curve
         self.ctx = zmq.Context.instance()
         self.addresses = list(addresses)
-        self.links: dict[int, WatchedSocket] = {i: self._connect(a) for i, a in enumerate(addresses)}
+        self.links: dict[int, WatchedSocket] = {i: self._connect(i, a) for i, a in enumerate(addresses)}
         self.pongs: dict[int, Pong] = {}
         self.probes: dict[int, _Probe] = {}
         self.announced: queue.Queue[tuple[int, str]] = queue.Queue()
         self.events: list[MembershipEvent] = []
+        self.refusals: dict[int, str] = {}  # worker -> why its last CURVE handshake failed
         self.shadow_pub = ""
         self._poller_stale = True
         self._poller = zmq.Poller()
@@ -93,10 +96,19 @@ class Membership:
             raise WorkerUnavailable(f"worker {worker} is not live")
         return link.sock
 
-    def _connect(self, address: str) -> WatchedSocket:
+    def _connect(self, worker: int, address: str) -> WatchedSocket:
         # No send high-water mark: a full queue would make a send block or fail, and a slow worker
         # must never look dead. Main sends only what it then waits for, so the queue stays bounded.
-        return WatchedSocket(self.ctx, zmq.DEALER, address, self.heartbeat, sndhwm=0)
+        # With security on, only the holder of worker<i>'s key completes the CURVE handshake.
+        return WatchedSocket(
+            self.ctx,
+            zmq.DEALER,
+            address,
+            self.heartbeat,
+            sndhwm=0,
+            curve=self.curve,
+            server=f"worker{worker}",
+        )
 
     def send(self, worker: int, frames: list, copy: bool = True) -> bool:
         """Send to a live worker (never blocks); False, and nothing sent, when it is not live."""
@@ -129,10 +141,17 @@ class Membership:
             if is_monitor:
                 if link.lost():
                     lost.append(worker)
+                    if link.refused:
+                        self.refusals[worker] = (
+                            f"worker {worker} ({link.address}) failed the CURVE handshake: {link.refused}; "
+                            f"give that box the cluster's private/worker{worker}.key_secret and public/"
+                        )
+                    else:
+                        self.refusals.pop(worker, None)
                 continue
             received.append((worker, link.sock.recv_multipart(copy=False)))
         for worker in lost:
-            self.mark_lost(worker, "connection lost (heartbeat or reset)")
+            self.mark_lost(worker, self.refusals.get(worker) or "connection lost (heartbeat or reset)")
         return received, lost
 
     def _rebuild_poller(self) -> None:
@@ -155,6 +174,8 @@ class Membership:
         deadline = time.monotonic() + timeout_s
         while len(self.pongs) < self.topology.workers:
             received, lost = self.wait(int((deadline - time.monotonic()) * 1000))
+            if refused := [w for w in lost if w in self.refusals]:
+                raise WorkerUnavailable(self.refusals[refused[0]])
             if lost:
                 raise WorkerUnavailable(f"worker(s) {lost} dropped the connection while starting")
             if not received and time.monotonic() >= deadline:
@@ -223,7 +244,7 @@ class Membership:
         old = self.probes.pop(worker, None)
         if old is not None:
             old.link.close()
-        link = self._connect(self.addresses[worker])
+        link = self._connect(worker, self.addresses[worker])
         link.sock.send_multipart(to_frames(Ping(shadow_pub=self.shadow_pub)))  # queued until it connects
         probe = self.probes[worker] = _Probe(worker, link)
         return probe

@@ -9,9 +9,10 @@ the shadow's late departure per iteration.
 Losing the shadow costs speed, never tokens: the control connection is heartbeated, every send is
 non-blocking (dropped when the shadow is gone or too far behind), and a request that begins while
 the shadow is unreachable runs without it (`active` is False: no predictions, loads after
-routing). A shadow that comes back on the same address is used from the next request; one
-restarted elsewhere announces itself and main `replace`s the link. Prediction frames are untrusted
-and dropped when they do not decode or name a layer that does not exist.
+routing). With security on (a `Curve` identity) both connections only complete a CURVE handshake
+with the holder of the cluster's "shadow" key. A shadow that comes back on the same address is
+used from the next request; one restarted elsewhere announces itself and main `replace`s the
+link. Prediction frames are untrusted and dropped when they do not decode or name a layer that does not exist.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from odmoe.messages import (
     from_frames,
     to_frames,
 )
+from odmoe.security import Curve, secure_client
 from odmoe.trace import now_us
 
 log = logging.getLogger("odmoe.main")
@@ -56,8 +58,10 @@ class ShadowLink:
         pub_address: str,
         moe_layers: list[int],
         heartbeat: Heartbeat | None = None,
+        curve: Curve | None = None,
     ):
         self.ctx = zmq.Context.instance()
+        self.curve = curve  # security on: both connections are CURVE clients of the key "shadow"
         self.heartbeat = heartbeat or Heartbeat()
         self.order = {layer: i for i, layer in enumerate(moe_layers)}
         self.request = ""
@@ -68,9 +72,18 @@ class ShadowLink:
         self._connect(control_address, pub_address)
 
     def _connect(self, control_address: str, pub_address: str) -> None:
-        self.control = WatchedSocket(self.ctx, zmq.PUSH, control_address, self.heartbeat, sndhwm=10_000)
+        self.control = WatchedSocket(
+            self.ctx,
+            zmq.PUSH,
+            control_address,
+            self.heartbeat,
+            sndhwm=10_000,
+            curve=self.curve,
+            server="shadow",
+        )
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
+        secure_client(self.sub, self.curve, "shadow")
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(pub_address)
         self.address, self.pub_address = control_address, pub_address

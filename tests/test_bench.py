@@ -38,7 +38,9 @@ def test_every_suite_composes(suite):
     cfg = compose_bench([f"suite={suite}"])
     assert cfg.suite == suite
     # a failure's cost is the protocol's, not the weights': those suites default to the tiny model
-    assert cfg.model == ("tiny" if suite in ("quick", "faults", "soak", "frontdoor") else "trained")
+    assert cfg.model == (
+        "tiny" if suite in ("quick", "faults", "soak", "frontdoor", "security") else "trained"
+    )
 
 
 def test_bad_bench_config_is_refused():

@@ -98,7 +98,7 @@ def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap
 
         def ask(prompt: str) -> None:
             try:
-                with __import__("odmoe").Client(cluster.address) as client:
+                with __import__("odmoe").Client(cluster.address, credentials=cluster.credentials) as client:
                     results[prompt] = client.generate(prompt, max_new_tokens=16).token_ids
             except BaseException as exc:  # collected and asserted below
                 errors.append(exc)

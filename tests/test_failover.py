@@ -200,7 +200,7 @@ def test_main_stopped_with_requests_waiting_exits_and_they_get_unavailable(model
 
         def ask() -> None:
             try:
-                with odmoe.Client(c.address) as client:
+                with odmoe.Client(c.address, credentials=c.credentials) as client:
                     client.generate(PROMPTS[0], max_new_tokens=200)
             except grpc.RpcError as exc:
                 codes.append(exc.code())

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.security import ClientCredentials
 
 pytestmark = pytest.mark.integration
 PROMPT = "def fibonacci(n):"
@@ -33,7 +34,10 @@ def cluster(model_dirs):
 
 @pytest.fixture(scope="module")
 def api(cluster):
-    return openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+    tls = httpx.Client(verify=cluster.http_auth["verify"])  # the cluster's own certificate (security on)
+    return openai.OpenAI(
+        base_url=cluster.http_url + "/v1", api_key=cluster.token, max_retries=0, http_client=tls
+    )
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +65,7 @@ def sampled(hf, prompt: str | list[int], new_tokens: int, seed: int, **params) -
 
 
 def metric(cluster, name: str) -> float:
-    page = httpx.get(cluster.http_url + "/metrics").text
+    page = httpx.get(cluster.http_url + "/metrics", **cluster.http_auth).text
     found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
     return float(found.group(1)) if found else 0.0
 
@@ -73,7 +77,7 @@ def text_of(hf, ids: list[int]) -> str:
 # -- the openai client, as users call it -----------------------------------------------------------
 def test_models_health_and_a_completion(cluster, api, name, hf):
     assert [m.id for m in api.models.list().data] == [name]
-    assert httpx.get(cluster.http_url + "/health").json() == {"status": "ok"}
+    assert httpx.get(cluster.http_url + "/health", **cluster.http_auth).json() == {"status": "ok"}
     answer = api.completions.create(model=name, prompt=PROMPT, max_tokens=12, temperature=0)
     greedy = cluster.client.generate(PROMPT, max_new_tokens=12)
     assert answer.choices[0].text == greedy.text
@@ -192,7 +196,10 @@ def test_chat_completion_applies_the_chat_template(cluster, api, name, hf):
 )
 def test_bad_parameters_get_an_openai_shaped_error(cluster, name, body, status, param):
     reply = httpx.post(
-        cluster.http_url + "/v1/completions", json={"model": name, "prompt": PROMPT, **body}, timeout=30
+        cluster.http_url + "/v1/completions",
+        json={"model": name, "prompt": PROMPT, **body},
+        timeout=30,
+        **cluster.http_auth,
     )
     assert reply.status_code == status, reply.text
     error = reply.json()["error"]
@@ -203,14 +210,19 @@ def test_bad_parameters_get_an_openai_shaped_error(cluster, name, body, status, 
 
 def test_malformed_json_is_a_400(cluster):
     reply = httpx.post(
-        cluster.http_url + "/v1/completions", content=b"{nope", headers={"content-type": "application/json"}
+        cluster.http_url + "/v1/completions",
+        content=b"{nope",
+        headers={"content-type": "application/json", **cluster.http_auth["headers"]},
+        verify=cluster.http_auth["verify"],
     )
     assert reply.status_code == 400 and "error" in reply.json()
 
 
 def _sse(cluster, body: dict):
     """The data events of a streamed request, as raw JSON strings."""
-    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body, timeout=60) as reply:
+    with httpx.stream(
+        "POST", cluster.http_url + "/v1/completions", json=body, timeout=60, **cluster.http_auth
+    ) as reply:
         assert reply.status_code == 200
         assert reply.headers["content-type"].startswith("text/event-stream")
         return [line[len("data: ") :] for line in reply.iter_lines() if line.startswith("data: ")]
@@ -234,6 +246,7 @@ def test_a_stop_string_split_across_tokens_is_never_streamed(cluster, name):
         cluster.http_url + "/v1/completions",
         json={"model": name, "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "stop": [stop]},
         timeout=60,
+        **cluster.http_auth,
     ).json()
     assert whole["choices"][0]["text"] == want and whole["choices"][0]["finish_reason"] == "stop"
 
@@ -242,7 +255,9 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(cluster, name)
     cancelled = metric(cluster, 'odmoe:requests_total{finish_reason="cancelled"}')
     generated = metric(cluster, "odmoe:generation_tokens_total")
     body = {"model": name, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=body, timeout=60) as reply:
+    with httpx.stream(
+        "POST", cluster.http_url + "/v1/completions", json=body, timeout=60, **cluster.http_auth
+    ) as reply:
         lines = reply.iter_lines()
         read = 0
         while read < 3:
@@ -258,13 +273,18 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(cluster, name)
 
 def test_a_full_queue_answers_429(cluster, name):
     long = {"model": name, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream("POST", cluster.http_url + "/v1/completions", json=long, timeout=60) as running:
+    with httpx.stream(
+        "POST", cluster.http_url + "/v1/completions", json=long, timeout=60, **cluster.http_auth
+    ) as running:
         lines = running.iter_lines()  # kept: a dropped iterator closes the response (a disconnect)
         while not next(lines).startswith("data: "):
             pass
         waiting = threading.Thread(
             target=lambda: httpx.post(
-                cluster.http_url + "/v1/completions", json={**long, "stream": False}, timeout=5
+                cluster.http_url + "/v1/completions",
+                json={**long, "stream": False},
+                timeout=5,
+                **cluster.http_auth,
             )
         )
         waiting.start()
@@ -272,26 +292,33 @@ def test_a_full_queue_answers_429(cluster, name):
         while metric(cluster, "odmoe:num_requests_waiting") < 1:
             assert time.monotonic() < deadline
             time.sleep(0.05)
-        refused = httpx.post(cluster.http_url + "/v1/completions", json={**long, "stream": False}, timeout=30)
+        refused = httpx.post(
+            cluster.http_url + "/v1/completions",
+            json={**long, "stream": False},
+            timeout=30,
+            **cluster.http_auth,
+        )
         assert refused.status_code == 429 and refused.json()["error"]["type"] == "rate_limit_error"
     waiting.join(timeout=30)  # its client gave up after 5 s: that request is cancelled too
     deadline = time.monotonic() + 30
     while metric(cluster, "odmoe:num_requests_running") or metric(cluster, "odmoe:num_requests_waiting"):
-        assert time.monotonic() < deadline, httpx.get(cluster.http_url + "/metrics").text[-1500:]
+        assert time.monotonic() < deadline, httpx.get(
+            cluster.http_url + "/metrics", **cluster.http_auth
+        ).text[-1500:]
         time.sleep(0.1)
 
 
 def test_a_request_past_its_deadline_ends_with_deadline_exceeded(cluster):
-    stub = odmoe_pb2_grpc.InferenceStub(grpc.insecure_channel(cluster.address))
+    stub = odmoe_pb2_grpc.InferenceStub(cluster.credentials.channel(cluster.address))
     request = odmoe_pb2.GenerateRequest(prompt=PROMPT, max_new_tokens=200, timeout_s=0.3)
     with pytest.raises(grpc.RpcError) as caught:
-        list(stub.Generate(request))
+        list(stub.Generate(request, metadata=cluster.credentials.metadata))
     assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
 def test_metrics_page_has_the_promised_series(cluster, api, name):
     api.completions.create(model=name, prompt=PROMPT, max_tokens=4, temperature=0)
-    page = httpx.get(cluster.http_url + "/metrics").text
+    page = httpx.get(cluster.http_url + "/metrics", **cluster.http_auth).text
     for series in (
         "odmoe:time_to_first_token_seconds_bucket",
         "odmoe:inter_token_latency_seconds_bucket",
@@ -313,7 +340,17 @@ def test_odmoe_chat_one_shot_and_interactive_take_plain_text(cluster):
     prompt = "print(\"a = (b)\", end='')\n"  # parentheses, quotes, '=' and a newline: no grammar applies
     greedy = cluster.client.generate(prompt, max_new_tokens=8)
     one_shot = subprocess.run(
-        ["odmoe-chat", "--url", cluster.http_url, "--completion", "--max-tokens", "8", "-"],
+        [
+            "odmoe-chat",
+            "--url",
+            cluster.http_url,
+            "--key-dir",
+            str(cluster.key_dir),
+            "--completion",
+            "--max-tokens",
+            "8",
+            "-",
+        ],
         input=prompt,
         capture_output=True,
         text=True,
@@ -322,7 +359,7 @@ def test_odmoe_chat_one_shot_and_interactive_take_plain_text(cluster):
     assert one_shot.returncode == 0, one_shot.stderr
     assert one_shot.stdout == greedy.text + "\n"
     chat = subprocess.run(
-        ["odmoe-chat", "--url", cluster.http_url, "--max-tokens", "6"],
+        ["odmoe-chat", "--url", cluster.http_url, "--key-dir", str(cluster.key_dir), "--max-tokens", "6"],
         input="hello (there) = 'you'\n/reset\nagain\n/quit\n",
         capture_output=True,
         text=True,
@@ -331,7 +368,7 @@ def test_odmoe_chat_one_shot_and_interactive_take_plain_text(cluster):
     assert chat.returncode == 0, chat.stderr
     assert "odmoe-chat:" in chat.stderr and "Traceback" not in chat.stderr
     refused = subprocess.run(
-        ["odmoe-chat", "--url", cluster.http_url, "--top-p", "7", "hi"],
+        ["odmoe-chat", "--url", cluster.http_url, "--key-dir", str(cluster.key_dir), "--top-p", "7", "hi"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -344,7 +381,7 @@ def test_health_is_503_when_no_worker_can_serve(cluster):
     cluster.kill("worker0")
     cluster.kill("worker1")
     deadline = time.monotonic() + 15
-    while (reply := httpx.get(cluster.http_url + "/health")).status_code == 200:
+    while (reply := httpx.get(cluster.http_url + "/health", **cluster.http_auth)).status_code == 200:
         assert time.monotonic() < deadline, "health stayed 200 with every worker dead"
         time.sleep(0.1)
     assert reply.status_code == 503 and "layer" in reply.json()["reason"]
@@ -370,12 +407,17 @@ def test_role_local_serve_keeps_serving_until_ctrl_c(model_dirs, reap_children):
         while url is None and time.monotonic() < deadline:
             line = launch.stderr.readline()
             assert line, "odmoe-launch exited before serving"
-            if found := re.search(r"OpenAI-compatible API at (http://\S+)/v1", line):
-                url = found.group(1)
-        assert url and httpx.get(url + "/health").json() == {"status": "ok"}
-        name = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+            if found := re.search(r"OpenAI-compatible API at (https://\S+)/v1.*--key-dir (\S+)", line):
+                url, key_dir = found.group(1), found.group(2)
+        creds = ClientCredentials.from_key_dir(key_dir)  # the ephemeral keys the cluster made
+        auth = {"headers": {"Authorization": f"Bearer {creds.token}"}, "verify": creds.ssl_context()}
+        assert url and httpx.get(url + "/health", **auth).json() == {"status": "ok"}
+        name = httpx.get(url + "/v1/models", **auth).json()["data"][0]["id"]
         answer = httpx.post(
-            url + "/v1/completions", json={"model": name, "prompt": PROMPT, "max_tokens": 4}, timeout=60
+            url + "/v1/completions",
+            json={"model": name, "prompt": PROMPT, "max_tokens": 4},
+            timeout=60,
+            **auth,
         )
         assert answer.status_code == 200 and answer.json()["usage"]["completion_tokens"] >= 1
     finally:

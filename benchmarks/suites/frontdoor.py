@@ -26,6 +26,7 @@ PATHS = ("grpc", "http_stream", "http_whole")
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    import httpx
     import openai
     from transformers import AutoTokenizer
 
@@ -36,7 +37,12 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     rows: dict[str, list[dict]] = {p: [] for p in PATHS}
     mismatches = 0
     with odmoe.LocalCluster(model_path, overrides=cluster_words(cfg)) as cluster:
-        api = openai.OpenAI(base_url=cluster.http_url + "/v1", api_key="unused", max_retries=0)
+        api = openai.OpenAI(
+            base_url=cluster.http_url + "/v1",
+            api_key=cluster.token or "unused",
+            max_retries=0,
+            http_client=httpx.Client(verify=cluster.http_auth.get("verify", True)),
+        )
         name = api.models.list().data[0].id
         _grpc(cluster.client, name, prompts[0], 4, {})  # warm-up, both doors
         _http_stream(api, name, prompts[0], 4, {})

@@ -69,7 +69,7 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
 
         def client(seed: int) -> None:
             crng = random.Random(seed)
-            with odmoe.Client(cluster.main_addresses) as c:
+            with odmoe.Client(cluster.main_addresses, credentials=cluster.credentials) as c:
                 while next(counter, None) is not None:
                     i = crng.randrange(len(prompts))
                     try:

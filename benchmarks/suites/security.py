@@ -1,0 +1,155 @@
+"""Suite `security`: what authenticated, encrypted transport costs (odmoe/security.py).
+
+Each round starts two local clusters on the same model side by side, one with security on (the
+default: CurveZMQ on every ZeroMQ socket, gRPC over TLS with the bearer token) and one with
+`security.enabled=false` (the start order alternates between rounds), then streams the same
+prompts through both, alternating which goes first, so both see the same machine load. Reported per
+mode: decode tokens/s (main's own figure: the decode loop, where every expert call crosses CURVE),
+TTFT as the client sees it (TLS included), the cluster's wall-clock start, and main's connect time
+(from its first connection to the last worker's Pong: TCP + CURVE handshakes + ZAP + a ping). The
+tokens of both must be identical: security changes who may talk, never what is said.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import odmoe
+from odmoe.benchmarks.cluster_runs import cluster_words
+from odmoe.benchmarks.config import BenchConfig
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.workload import prompt_ids
+
+MODES = ("on", "off")
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    from transformers import AutoTokenizer
+
+    suite = cfg.security
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
+    rows: dict[str, list[dict]] = {m: [] for m in MODES}
+    starts: dict[str, list[dict]] = {m: [] for m in MODES}
+    mismatches = 0
+    for rnd in range(suite.rounds):
+        clusters = {}
+        try:
+            for mode in _order(rnd):
+                words = cluster_words(cfg, f"security.enabled={'true' if mode == 'on' else 'false'}")
+                began = time.perf_counter()
+                clusters[mode] = odmoe.LocalCluster(model_path, overrides=words).start()
+                wall = time.perf_counter() - began
+                starts[mode].append({"start_s": wall, "connect_s": clusters[mode].main_info.get("connect_s")})
+                _request(clusters[mode].client, prompts[0], 4)  # warm-up
+            for r in range(suite.repeats):
+                for ids in prompts:
+                    texts = {}
+                    for mode in _order(rnd + r):
+                        row = _request(clusters[mode].client, ids, suite.new_tokens)
+                        texts[mode] = row.pop("token_ids")
+                        rows[mode].append(row)
+                    mismatches += texts["on"] != texts["off"]
+        finally:
+            for cluster in clusters.values():
+                cluster.stop()
+    report = {
+        "rounds": suite.rounds,
+        "requests_per_mode": len(rows["on"]),
+        "prompt_tokens": suite.prompt_tokens,
+        "new_tokens": suite.new_tokens,
+        "tokens_differ": mismatches,
+        "modes": {m: _summary(rows[m], starts[m]) for m in MODES},
+        "rows": rows,
+        "starts": starts,
+    }
+    on, off = report["modes"]["on"], report["modes"]["off"]
+    report["cost"] = {
+        "decode_tokens_per_s_pct": _pct(on["decode_tokens_per_s"], off["decode_tokens_per_s"]),
+        "ttft_ms": _diff_ms(on["ttft_s"], off["ttft_s"]),
+        "start_s": _diff(on["start_s"], off["start_s"]),
+        "connect_ms": _diff_ms(on["connect_s"], off["connect_s"]),
+    }
+    _print(report)
+    out.write("security", "security", report)
+    return report
+
+
+def _order(r: int) -> tuple[str, ...]:
+    return MODES if r % 2 == 0 else tuple(reversed(MODES))
+
+
+def _request(client, ids, new_tokens: int) -> dict:
+    start, first, token_ids, stats = time.perf_counter(), None, [], {}
+    for reply in client._replies(ids, new_tokens):
+        if reply.WhichOneof("kind") == "token":
+            first = first or time.perf_counter()
+            token_ids.append(reply.token.token_id)
+        else:
+            stats = json.loads(reply.done.stats_json)
+    return {
+        "ttft_s": (first or time.perf_counter()) - start,
+        "e2e_s": time.perf_counter() - start,
+        "decode_tokens_per_s": stats.get("decode_tokens_per_s"),
+        "main_ttft_s": stats.get("ttft_s"),
+        "token_ids": token_ids,
+    }
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _summary(rows: list[dict], starts: list[dict]) -> dict:
+    return {
+        "decode_tokens_per_s": _median(r["decode_tokens_per_s"] for r in rows),
+        "ttft_s": _median(r["ttft_s"] for r in rows),
+        "main_ttft_s": _median(r["main_ttft_s"] for r in rows),
+        "e2e_s": _median(r["e2e_s"] for r in rows),
+        "start_s": _median(s["start_s"] for s in starts),
+        "connect_s": _median(s["connect_s"] for s in starts),
+    }
+
+
+def _pct(on: float | None, off: float | None) -> float | None:
+    return None if not on or not off else (on / off - 1) * 100
+
+
+def _diff(on: float | None, off: float | None) -> float | None:
+    return None if on is None or off is None else on - off
+
+
+def _diff_ms(on: float | None, off: float | None) -> float | None:
+    d = _diff(on, off)
+    return None if d is None else d * 1e3
+
+
+def _print(report: dict) -> None:
+    print(
+        f"{report['rounds']} rounds, {report['requests_per_mode']} requests per mode, "
+        f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens; "
+        f"token sequences differing: {report['tokens_differ']}"
+    )
+    head = ("decode tok/s", "TTFT ms", "main TTFT ms", "start s", "connect ms")
+    print(f"{'security':<10}" + "".join(f"{h:>14}" for h in head))
+    for mode, s in report["modes"].items():
+        cells = (
+            s["decode_tokens_per_s"],
+            _ms(s["ttft_s"]),
+            _ms(s["main_ttft_s"]),
+            s["start_s"],
+            _ms(s["connect_s"]),
+        )
+        print(f"{mode:<10}" + "".join(f"{c or 0:>14.2f}" for c in cells))
+    c = {k: v or 0 for k, v in report["cost"].items()}
+    print(
+        f"cost of security: decode {c['decode_tokens_per_s_pct']:+.1f} %, TTFT {c['ttft_ms']:+.1f} ms, "
+        f"start {c['start_s']:+.1f} s, main's connect {c['connect_ms']:+.1f} ms"
+    )
+
+
+def _ms(s: float | None) -> float | None:
+    return None if s is None else s * 1e3

@@ -1,0 +1,74 @@
+"""`odmoe-keys`: a cluster's key material in one command (the layout is odmoe/security.py's).
+
+    odmoe-keys init DIR --workers 4 --host 192.168.1.10   # node keys, TLS certificate, client token
+    odmoe-keys add DIR worker4                             # one more node's keypair
+    odmoe-keys show DIR                                    # what is there and which box needs what
+
+`--host` names every address clients reach main by (repeat it; the HTTPS API checks it, gRPC
+clients check the certificate's own name instead). Secrets are written 0600 under a 0700 folder.
+Exit codes: 0 done, 2 a bad argument or key directory (the message says which file and why).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from odmoe.security import KeyDir, SecurityError, add_node_key, init_key_dir, load_keypair, read_token
+
+BAD_INPUT = 2
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="odmoe-keys", description="Make an odmoe cluster's keys.")
+    sub = p.add_subparsers(dest="command", required=True)
+    init = sub.add_parser("init", help="create a cluster's keys in DIR")
+    init.add_argument("dir", type=Path)
+    init.add_argument("--workers", type=int, required=True, help="how many worker keys (worker0..N-1)")
+    init.add_argument("--host", action="append", default=[], help="an address of main (repeatable)")
+    add = sub.add_parser("add", help="add one node's keypair (e.g. worker4) to DIR")
+    add.add_argument("dir", type=Path)
+    add.add_argument("name")
+    show = sub.add_parser("show", help="list DIR's keys and check their permissions")
+    show.add_argument("dir", type=Path)
+    return p.parse_args(argv)
+
+
+def show(keys: KeyDir) -> str:
+    nodes = sorted(p.name.removesuffix(".key_secret") for p in keys.private.glob("*.key_secret"))
+    for name in nodes:
+        load_keypair(keys.secret_key(name))  # raises on a bad mode or format
+    read_token(keys.token)
+    return "\n".join(
+        [
+            f"{keys.root}: nodes {', '.join(nodes)}",
+            "  every box:       public/  tls/cert.pem  token",
+            "  node box only:   private/<that node>.key_secret   (main: private/main.key_secret)",
+            "  main boxes only: tls/key.pem",
+            "  clients:         tls/cert.pem  token",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    try:
+        if args.command == "init":
+            if args.workers < 1:
+                raise SecurityError(f"--workers must be at least 1, got {args.workers}")
+            keys = init_key_dir(args.dir, args.workers, tuple(args.host))
+            print(show(keys))
+        elif args.command == "add":
+            add_node_key(KeyDir(args.dir), args.name)
+            print(f"added {args.name}: copy {KeyDir(args.dir).public_key(args.name)} to every box")
+        else:
+            print(show(KeyDir(args.dir)))
+    except (SecurityError, OSError) as exc:
+        print(f"odmoe-keys: {exc}", file=sys.stderr)
+        return BAD_INPUT
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
