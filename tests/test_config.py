@@ -11,13 +11,15 @@ def test_defaults_compose():
 
 
 @pytest.mark.parametrize("role", ["local", "main", "worker"])
-def test_every_role_composes(role):
+def test_every_role_composes(role, tmp_path):
     extra = ["cluster.worker_addresses=[tcp://a:1,tcp://b:2]"] if role == "main" else []
+    if role != "local":  # security is on by default: a LAN role names its key directory
+        extra.append(f"security.key_dir={tmp_path}")
     assert compose([f"role={role}", *extra]).role.name == role
 
 
-def test_lan_example_composes():
-    cfg = compose(["role=main", "cluster=lan_example"])
+def test_lan_example_composes(tmp_path):
+    cfg = compose(["role=main", "cluster=lan_example", f"security.key_dir={tmp_path}"])
     assert cfg.cluster.workers == 4 and len(cfg.cluster.worker_addresses) == 4
 
 
