@@ -37,10 +37,13 @@ def _flood_zmq(kind: int, address: str, seed: int, hidden: int, count: int) -> N
     sock = zmq.Context.instance().socket(kind)
     sock.setsockopt(zmq.LINGER, 1000)
     sock.setsockopt(zmq.SNDHWM, 0)
+    sock.setsockopt(zmq.SNDTIMEO, 10_000)  # a peer that never lets us in must not hang the test
     sock.connect(address)
-    for _ in range(count):
-        sock.send_multipart(frame_fuzz.frames(rng, hidden))
-    sock.close()
+    try:
+        for _ in range(count):
+            sock.send_multipart(frame_fuzz.frames(rng, hidden))
+    finally:
+        sock.close()
 
 
 def _flood_raw(address: str, seed: int, count: int) -> None:
@@ -59,7 +62,11 @@ def _flood_raw(address: str, seed: int, count: int) -> None:
 def test_a_flood_of_bad_frames_at_every_socket_leaves_every_node_up_and_exact(model_dirs, reap_children):
     path = model_dirs["mixtral"]
     want, _ = reference(path, PROMPTS[0])
-    with LocalCluster(path, workers=2, group_size=2, overrides=["prefill.mini_batch=2"]) as cluster:
+    # Security off: with it on, a peer without the keys never gets a frame through the CURVE
+    # handshake (tests/test_security.py); this is the parser's defence, for a trusted network or a
+    # node that holds keys and misbehaves.
+    words = ["prefill.mini_batch=2", "security.enabled=false"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         hidden = 64
         workers = cluster.worker_addresses
         shadow = cluster.shadow_info
