@@ -10,7 +10,8 @@ from odmoe.nodes.worker import WorkerNode
 
 @pytest.fixture
 def worker(model_dirs):
-    cfg = compose(["role=worker", "worker.index=0", f"model.path={model_dirs['mixtral']}"])
+    words = ["role=worker", "worker.index=0", f"model.path={model_dirs['mixtral']}", "security.enabled=false"]
+    cfg = compose(words)
     node = WorkerNode(cfg, model_dirs["mixtral"])
     yield node
     node.sock.close(0)
