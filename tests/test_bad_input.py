@@ -114,12 +114,27 @@ def test_cli_rejects_bad_config_with_exit_code_2(reap_children):
     assert proc.returncode == 2 and "not divisible" in proc.stderr
 
 
+def _alive(p: psutil.Process) -> bool:
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    """A short-lived helper child may be gone (or a zombie) by the time we look: not a node."""
+    try:
+        return p.cmdline()
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        return []
+
+
 def _children_after_cluster_up(proc: subprocess.Popen, timeout: float = 180) -> list[psutil.Process]:
     deadline = time.monotonic() + timeout
     launcher = psutil.Process(proc.pid)
     while time.monotonic() < deadline:
-        kids = launcher.children(recursive=True)
-        if any("role=main" in " ".join(k.cmdline()) for k in kids):  # main starts last
+        kids = [k for k in launcher.children(recursive=True) if _alive(k)]
+        if any("role=main" in " ".join(_cmdline(k)) for k in kids):  # main starts last
             return kids
         time.sleep(0.2)
     raise AssertionError("cluster processes never appeared")
