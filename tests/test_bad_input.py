@@ -95,6 +95,7 @@ def test_main_names_a_worker_that_never_comes_up(model_dirs, reap_children):
             "cluster.group_size=1",
             f"cluster.worker_addresses=[tcp://127.0.0.1:{free}]",
             "worker.ready_timeout_s=2",
+            "security.enabled=false",  # a bare role=main on loopback: no key directory needed
         ],
         capture_output=True,
         text=True,
