@@ -233,10 +233,10 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             stop=tuple(request.stop),
             **({"request_id": request.request_id} if request.request_id else {}),
         )
-        remaining = context.time_remaining()  # the client's own gRPC deadline, if it set one
-        timeout = min(t for t in (request.timeout_s or None, remaining, float("inf")) if t)
+        # the request's own timeout_s and the client's gRPC deadline, whichever is set and sooner
+        limits = [t for t in (request.timeout_s, context.time_remaining()) if t]
         try:
-            ticket = self.submit(req, None if timeout == float("inf") else timeout)
+            ticket = self.submit(req, min(limits) if limits else None)
         except InvalidRequest as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except QueueFull as exc:

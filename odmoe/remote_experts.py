@@ -56,10 +56,6 @@ class WorkerFailed(RuntimeError):
 class ExpertTraffic:
     """What the workers did for one request (summed over layers and iterations)."""
 
-    experts_loaded: int = 0
-    bytes_loaded: int = 0
-    load_s: float = 0.0
-    compute_s: float = 0.0
     wait_s: float = 0.0  # main blocked on workers (transfer + load + compute as seen by main)
     worker_peak_rss: dict[int, int] = field(default_factory=dict)
     preloaded: int = 0  # decode experts the shadow's prediction had already loaded
@@ -70,7 +66,7 @@ class ExpertTraffic:
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
     resent: int = 0  # calls re-sent to another worker after theirs was lost
-    # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"} (main's /metrics per worker)
+    # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"}; the request's totals are their sums
     per_worker: dict[int, dict] = field(default_factory=dict)
 
     # decode iterations only: what the pipeline model needs (main's own time = decode time - wait)
@@ -95,6 +91,25 @@ class ExpertTraffic:
     )
     _layer_busy: dict[int, float] = field(default_factory=dict)  # worker -> load+compute in this layer
 
+    def _total(self, key: str):
+        return sum(row[key] for row in self.per_worker.values())
+
+    @property
+    def experts_loaded(self) -> int:
+        return self._total("experts")
+
+    @property
+    def bytes_loaded(self) -> int:
+        return self._total("bytes_loaded")
+
+    @property
+    def load_s(self) -> float:
+        return self._total("load_s")
+
+    @property
+    def compute_s(self) -> float:
+        return self._total("compute_s")
+
     def note_prefill_layer(self, layer: int, waited: float, experts: int) -> None:
         p = self.prefill
         p["wait_s"] += waited
@@ -114,10 +129,6 @@ class ExpertTraffic:
             self.prefill["compute_s"] += result.compute_s
             busy = self._layer_busy
             busy[result.worker] = busy.get(result.worker, 0.0) + result.load_s + result.compute_s
-        self.experts_loaded += result.part == 0
-        self.bytes_loaded += result.bytes_loaded
-        self.load_s += result.load_s
-        self.compute_s += result.compute_s
         self.worker_peak_rss[result.worker] = max(self.worker_peak_rss.get(result.worker, 0), result.peak_rss)
         w = self.per_worker.setdefault(
             result.worker, {"experts": 0, "bytes_loaded": 0, "load_s": 0.0, "compute_s": 0.0}
