@@ -8,6 +8,7 @@
     odmoe-bench suite=compression       # lossless expert store: ratios, decompression GB/s, decode tokens/s
     odmoe-bench suite=faults            # losing a worker / the shadow / main: detect, stall, recovery
     odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
+    odmoe-bench suite=lossy             # lossy miss policies: perplexity / agreement vs speed
     odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
@@ -51,6 +52,7 @@ def run_suites(cfg: BenchConfig) -> None:
         faults,
         frontdoor,
         grid,
+        lossy,
         recall,
         soak,
         timeline,
@@ -67,6 +69,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "faults": faults.run,
         "soak": soak.run,
         "frontdoor": frontdoor.run,
+        "lossy": lossy.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)

@@ -269,6 +269,7 @@ class MainEngine:
             "exact": not traffic.substitutions_per_layer,
             "substitutions": sum(traffic.substitutions_per_layer.values()),
             "substitutions_per_layer": dict(sorted(traffic.substitutions_per_layer.items())),
+            "substituted": [list(s) for s in traffic.substituted],  # [iteration, layer, missing, computed]
             **self._shadow_stats(),
         }
 

@@ -79,6 +79,9 @@ class ExpertTraffic:
     resent: int = 0  # calls re-sent to another worker after theirs was lost
     # lossy miss policy: layer -> missed experts computed by a resident stand-in (0 everywhere: exact)
     substitutions_per_layer: dict[int, int] = field(default_factory=dict)
+    substituted: list[tuple[int, int, int, int]] = field(
+        default_factory=list
+    )  # (iteration, layer, missing, computed)
     # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"} (main's /metrics per worker)
     per_worker: dict[int, dict] = field(default_factory=dict)
 
@@ -262,6 +265,7 @@ class RemoteExperts:
         if chosen:
             subs = self.traffic.substitutions_per_layer
             subs[layer] = subs.get(layer, 0) + len(chosen)
+            self.traffic.substituted += [(self.iteration, layer, e, p) for e, p in sorted(chosen.items())]
             log.debug("iteration %d layer %d: missing -> stand-in %s", self.iteration, layer, chosen)
         return chosen
 

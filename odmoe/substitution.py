@@ -53,8 +53,14 @@ class RouterTap:
 
         self.scores: dict[int, torch.Tensor] = {}
         self._choice = choice_scores
-        for layer, router in router_modules(model, num_experts):
+        self.handles = [
             router.register_forward_hook(self._hook(layer))
+            for layer, router in router_modules(model, num_experts)
+        ]
+
+    def close(self) -> None:
+        for handle in self.handles:
+            handle.remove()
 
     def _hook(self, layer: int):
         def keep(module, _inputs, output):
@@ -80,9 +86,13 @@ class Substituter:
         """The substituter main runs with, or None for the lossless default."""
         if not cfg.lossy:
             return None
+        log.warning("miss.policy=%s: outputs may differ from the model's own (lossy, opt-in)", cfg.policy)
+        return cls.for_model(cfg, model_path, model, num_experts)
+
+    @classmethod
+    def for_model(cls, cfg: MissConfig, model_path: str, model: torch.nn.Module, num_experts: int):
         profile = load_profile(profile_path(model_path, cfg.profile)) if cfg.policy == "buddy" else None
         tap = RouterTap(model, num_experts) if cfg.policy == "importance" else None
-        log.warning("miss.policy=%s: outputs may differ from the model's own (lossy, opt-in)", cfg.policy)
         return cls(cfg, profile, tap)
 
     def tau(self, layer: int) -> float:
@@ -96,25 +106,29 @@ class Substituter:
     def decide(
         self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, predicted: list[int] | None
     ) -> dict[int, int]:
+        """A decode step of main (one token row): missing expert -> stand-in; {} to reload them all."""
         if not predicted or top_k_index.shape[0] != 1:
             return {}
-        activated = top_k_index[0].tolist()
-        missing = [e for e in activated if e not in predicted]
-        resident = [p for p in predicted if p not in activated]
+        return self.decide_row(layer, top_k_index[0].tolist(), top_k_weights[0].tolist(), predicted, row=0)
+
+    def decide_row(
+        self, layer: int, activated: list[int], weights: list[float], predicted: list[int], row: int
+    ) -> dict[int, int]:
+        """One token (`row` of the current forward pass, its budget's key) at one layer."""
         scores = None
         if self.tap is not None and layer in self.tap.scores:
-            scores = self.tap.scores[layer][-1].tolist()
+            scores = self.tap.scores[layer][row].tolist()
         chosen = choose_substitutes(
             self.cfg,
-            missing,
+            [e for e in activated if e not in predicted],
             activated,
-            top_k_weights[0].tolist(),
-            resident,
-            self.budget.left(0),
+            weights,
+            [p for p in predicted if p not in activated],
+            self.budget.left(row),
             tau=self.tau(layer),
             buddies=self.buddies.get(layer),
             scores=scores,
         )
         for _ in chosen:
-            self.budget.spend(0)
+            self.budget.spend(row)
         return chosen
