@@ -79,9 +79,8 @@ class ExpertTraffic:
     resent: int = 0  # calls re-sent to another worker after theirs was lost
     # lossy miss policy: layer -> missed experts computed by a resident stand-in (0 everywhere: exact)
     substitutions_per_layer: dict[int, int] = field(default_factory=dict)
-    substituted: list[tuple[int, int, int, int]] = field(
-        default_factory=list
-    )  # (iteration, layer, missing, computed)
+    # every substitution as (iteration, layer, missing expert, expert computed in its place)
+    substituted: list[tuple[int, int, int, int]] = field(default_factory=list)
     # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"} (main's /metrics per worker)
     per_worker: dict[int, dict] = field(default_factory=dict)
 
