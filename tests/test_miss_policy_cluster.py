@@ -35,7 +35,9 @@ def mixtral_profile(model_dirs, tmp_path_factory) -> str:
 
 
 def _http_brief(cluster: LocalCluster) -> dict:
-    body = json.dumps({"prompt": PROMPT, "max_tokens": NEW}).encode()
+    with urllib.request.urlopen(cluster.http_url + "/v1/models", timeout=30) as reply:
+        model = json.loads(reply.read())["data"][0]["id"]
+    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": NEW}).encode()
     request = urllib.request.Request(
         cluster.http_url + "/v1/completions", body, {"Content-Type": "application/json"}
     )
