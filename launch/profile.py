@@ -62,7 +62,7 @@ def _progress(start: float):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from benchmarks.workload import TRAINING_CORPUS_BYTES, resolve_model
+    from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES, resolve_model
     from odmoe.model_factory import corpus_files
 
     try:
