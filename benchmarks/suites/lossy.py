@@ -143,12 +143,19 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         "rows": rows,
     }
     out.write("lossy", "lossy", report)
-    subtitle = (
-        f"{out.describe(suite.new_tokens)}; shadow {suite.shadow_precision}, token period "
-        f"{suite.token_period}, KV period {suite.kv_period}; budget {suite.budget}/token"
-    )
-    plots.lossy(rows, out.path("lossy", "png"), subtitle)
+    plots.lossy(rows, out.path("lossy", "png"), subtitle(cfg, out))
     return report
+
+
+def subtitle(cfg: BenchConfig, out: ResultsDir) -> str:
+    """What the figure was measured on (the suite's own shadow, not cluster.shadow_precision)."""
+    c, link, suite = cfg.cluster, cfg.link, cfg.lossy
+    on = f"{link.bandwidth_gbps:g} Gbit/s + {link.latency_ms:g} ms emulated load link"
+    return (
+        f"{c.workers} workers in groups of {c.group_size}, {on if out.link_on else 'no emulated link'}, "
+        f"{suite.new_tokens} new tokens; {suite.shadow_precision} shadow, token period {suite.token_period}, "
+        f"KV period {suite.kv_period}; budget {suite.budget}/token; {suite.texts} held-out windows"
+    )
 
 
 def _print_row(row: dict) -> None:
