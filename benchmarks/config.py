@@ -20,6 +20,7 @@ SUITES = (
     "soak",
     "frontdoor",
     "security",
+    "lossy",
     "quick",
 )
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
@@ -160,6 +161,31 @@ class SecuritySuite:
 
 
 @dataclass
+class LossySuite:
+    """The lossy miss policies' speed-quality trade-off (odmoe.miss_policy) against reload."""
+
+    # What produces the misses: a low-precision shadow aligned on tokens only, plus injected ones.
+    shadow_precision: str = "int8_dynamic"
+    token_period: int = 1
+    kv_period: int = 0
+    inject_wrong: list[float] = field(default_factory=lambda: [0.0, 0.2])
+    budget: int = 2  # miss.budget of every lossy setting
+    buddy_alpha: float = 0.9
+    buddy_k_max: int = 4
+    buddy_percentiles: list[float] = field(default_factory=lambda: [80.0, 50.0, 20.0, 0.0])  # TAE tau sweep
+    importance_alphas: list[float] = field(default_factory=lambda: [0.1, 0.3, 0.6, 1.0])
+    # quality: teacher-forced perplexity over held-out windows (benchmarks/lossy_quality.py)
+    texts: int = 16
+    text_tokens: int = 256
+    prompt_tokens: int = 32  # no substitution before this (the prefill); the rest is scored
+    # speed + token agreement: one cluster per setting, these requests after a warm-up
+    speed: bool = True
+    prompts: int = 4
+    new_tokens: int = 64
+    profile_tokens: int = 65536  # calibration tokens when the model has no profile yet
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -180,6 +206,7 @@ class BenchConfig:
     soak: SoakSuite = field(default_factory=SoakSuite)
     frontdoor: FrontdoorSuite = field(default_factory=FrontdoorSuite)
     security: SecuritySuite = field(default_factory=SecuritySuite)
+    lossy: LossySuite = field(default_factory=LossySuite)
     log_level: str = "WARNING"
 
 
@@ -188,7 +215,7 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError(f"suite={cfg.suite!r} is not one of {', '.join(SUITES)}")
     from odmoe.shadow_model import PRECISIONS
 
-    for p in [*cfg.recall.precisions, cfg.cluster.shadow_precision]:
+    for p in [*cfg.recall.precisions, cfg.cluster.shadow_precision, cfg.lossy.shadow_precision]:
         if p not in PRECISIONS:
             raise ValueError(f"shadow precision {p!r} is not one of {', '.join(PRECISIONS)}")
     for name, periods in cfg.recall.alignments.items():

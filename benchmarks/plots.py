@@ -321,3 +321,44 @@ def soak(samples: list[dict], events: list[dict], out: Path, subtitle: str) -> N
     fig.suptitle(f"Soak\n{subtitle}", fontsize=10)
     fig.tight_layout()
     _save(fig, out)
+
+
+def lossy(rows: list[dict], out: Path, subtitle: str) -> None:
+    """Speed-quality curve of each miss policy over its threshold sweep, one panel per injected-miss
+    rate: perplexity (and, from the cluster runs, token agreement) against decode tokens/s, or against
+    substitutions per token when there were no cluster runs."""
+    rates = sorted({r["inject_wrong"] for r in rows})
+    clustered = all("cluster" in r for r in rows)
+    panels = 2 if clustered else 1
+    fig, axes = plt.subplots(panels, len(rates), figsize=(5.2 * len(rates), 4 * panels), squeeze=False)
+    for col, rate in enumerate(rates):
+        mine = [r for r in rows if r["inject_wrong"] == rate]
+        for row_i, (key, label) in enumerate(
+            [("perplexity", "perplexity (held-out)"), ("agreement", "token agreement")][:panels]
+        ):
+            ax = axes[row_i][col]
+            for i, policy in enumerate(
+                sorted({r["policy"] for r in mine}, key=["reload", "buddy", "importance"].index)
+            ):
+                pts = [r for r in mine if r["policy"] == policy]
+                xs = [
+                    r["cluster"]["decode_tokens_per_s"]["mean"] if clustered else r["substitutions_per_token"]
+                    for r in pts
+                ]
+                ys = [r[key] for r in pts]
+                ax.plot(xs, ys, "o-" if len(pts) > 1 else "s", color=f"C{i}", label=policy)
+                for x, y, r in zip(xs, ys, pts, strict=True):
+                    if r["value"] is not None:
+                        ax.annotate(
+                            f"{r['value']:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7
+                        )
+            ax.set_xlabel("decode tokens/s" if clustered else "substitutions per token")
+            ax.set_ylabel(label)
+            ax.set_title(f"injected misses {rate:g}", fontsize=9)
+            ax.legend(fontsize=8)
+    fig.suptitle(
+        f"lossy miss policies: quality vs speed (labels: buddy TAE percentile, importance alpha)\n{subtitle}",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    _save(fig, out)

@@ -56,6 +56,7 @@ from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.sampling import SamplingParams
 from odmoe.security import BearerToken, NodeSecurity
 from odmoe.shadow_link import ShadowLink
+from odmoe.substitution import Substituter
 from odmoe.trace import Tracer
 
 log = logging.getLogger("odmoe.main")
@@ -117,6 +118,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             shadow=shadow,
             prefill=cfg.prefill,
             tracer=Tracer("main", cfg.trace_dir),
+            substituter=Substituter.build(cfg.miss, model_path, main.model, self.checkpoint.num_experts),
         )
         self.experts.fault = FaultTrigger(cfg.fault, "main")
         self.experts.ping_all(cfg.worker.ready_timeout_s)

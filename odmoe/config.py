@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from odmoe.alignment import AlignmentSchedule
+from odmoe.miss_policy import MissConfig
 from odmoe.placement import Topology
 
 ROLES = ("local", "main", "worker", "shadow")
@@ -180,6 +181,7 @@ class OdmoeConfig:
     fault: FaultConfig = field(default_factory=FaultConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    miss: MissConfig = field(default_factory=MissConfig)  # what a missed prediction costs: time or exactness
     results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
     # role=local: keep the cluster serving (gRPC + the OpenAI-compatible API on server.http_port) until
     # Ctrl-C instead of answering `prompt` and stopping.
@@ -238,6 +240,7 @@ def validate(cfg: OdmoeConfig) -> None:
 
     if cfg.shadow.precision not in PRECISIONS:
         raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
+    cfg.miss.validate()
     AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)  # raises on negative periods
     if cfg.prefill.mini_batch < 0:
         raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")

@@ -265,6 +265,11 @@ class MainEngine:
             "reloads": traffic.reloads,
             "stall_s": sum(traffic.stall_s_per_layer.values()),
             "stall_s_per_layer": dict(sorted(traffic.stall_s_per_layer.items())),
+            # a lossy miss policy computed a resident expert in place of a missed one: not the model's output
+            "exact": not traffic.substitutions_per_layer,
+            "substitutions": sum(traffic.substitutions_per_layer.values()),
+            "substitutions_per_layer": dict(sorted(traffic.substitutions_per_layer.items())),
+            "substituted": [list(s) for s in traffic.substituted],  # [iteration, layer, missing, computed]
             **self._shadow_stats(),
         }
 

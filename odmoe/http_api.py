@@ -403,6 +403,7 @@ class _Shape:
 def _brief(stats: dict) -> dict:
     """odmoe's own figures for this request (an extra field; OpenAI clients ignore it)."""
     keys = ("ttft_s", "decode_tokens_per_s", "experts_loaded", "reloads", "stall_s", "seed")
+    keys += ("exact", "substitutions")  # exact: false when a lossy miss policy substituted an expert
     return {k: stats.get(k) for k in keys}
 
 

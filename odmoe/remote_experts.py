@@ -13,6 +13,12 @@ An answer is taken only from the worker the call is currently placed on, once pe
 or duplicated answer is never combined twice. When no live worker stores the layer the request
 fails at once with `WorkerUnavailable` naming the layer; a worker that answers with an error
 (e.g. it lacks that expert) raises `WorkerFailed`. Frames that do not decode are dropped.
+
+Misses: by default a missed expert is loaded and waited for (lossless). With a lossy miss policy
+(`odmoe.substitution`, opt-in) a decode miss may instead be computed by a resident expert, the
+predicted one its worker preloaded: main asks that worker for the resident expert by name, so the
+worker computes exactly what main combines, and the result takes the missing expert's gate weight.
+Each substitution is counted per layer (`ExpertTraffic.substitutions_per_layer`).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from odmoe.messages import (
 from odmoe.placement import LayerUnavailable
 from odmoe.recall import RecallCounter
 from odmoe.shadow_link import ShadowLink
+from odmoe.substitution import Substituter
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.main")
@@ -66,6 +73,10 @@ class ExpertTraffic:
     timely_recall: RecallCounter = field(default_factory=RecallCounter)
     activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
     resent: int = 0  # calls re-sent to another worker after theirs was lost
+    # lossy miss policy: layer -> missed experts computed by a resident stand-in (0 everywhere: exact)
+    substitutions_per_layer: dict[int, int] = field(default_factory=dict)
+    # every substitution as (iteration, layer, missing expert, expert computed in its place)
+    substituted: list[tuple[int, int, int, int]] = field(default_factory=list)
     # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"}; the request's totals are their sums
     per_worker: dict[int, dict] = field(default_factory=dict)
 
@@ -169,6 +180,7 @@ class RemoteExperts:
         shadow: ShadowLink | None = None,
         prefill: PrefillConfig | None = None,
         tracer: Tracer | None = None,
+        substituter: Substituter | None = None,
     ):
         self.members, self.topology = members, members.topology
         self.num_experts, self.kernel = num_experts, kernel
@@ -178,6 +190,7 @@ class RemoteExperts:
         self.request, self.iteration = "", 0
         self.traffic = ExpertTraffic()
         self.tracer = tracer or Tracer("main")
+        self.substituter = substituter  # None: every miss is reloaded (lossless)
         self.fault: FaultTrigger | None = None  # fault injection at a chosen layer (tests, benchmarks)
         self.dropped = DropLog(log, "main")
         self._main_since_us = 0.0  # when main last got its rows back (its own work runs from there)
@@ -200,6 +213,8 @@ class RemoteExperts:
             )
         self.request, self.iteration = request, iteration
         self._main_since_us = now
+        if self.substituter is not None:
+            self.substituter.begin_token()
 
     def end_request(self) -> None:
         """The request is over (finished, failed or cancelled): workers drop what they hold for it."""
@@ -225,9 +240,13 @@ class RemoteExperts:
             predicted = prediction.experts if prediction is not None else None
             self.traffic.timely_recall.add(self.iteration, layer, predicted, experts)
             self.traffic.activated[(self.iteration, layer)] = experts
-        placement = self._place(step, groups, hidden.shape[0], predicted if decode else None)
+        # lossy policy only: missing expert -> the resident expert computed in its place
+        stand_in = self._stand_ins(layer, top_k_index, top_k_weights, predicted) if decode else {}
+        computed = [stand_in.get(e, e) for e in experts]
+        placement = self._place(step, computed, hidden.shape[0], predicted if decode else None, groups)
         start = time.perf_counter()
-        outputs = self._exchange(step, {rows.expert: hidden[rows.token_idx] for rows in groups}, placement)
+        rows_of = {stand_in.get(rows.expert, rows.expert): hidden[rows.token_idx] for rows in groups}
+        outputs = self._exchange(step, rows_of, placement)
         waited = time.perf_counter() - start
         self.traffic.wait_s += waited
         if self.tracer.enabled:
@@ -244,13 +263,28 @@ class RemoteExperts:
                 self.members.send(worker, release)
         else:
             self.traffic.note_prefill_layer(layer, waited, len(groups))
-        return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
+        parts = [(rows, outputs[stand_in.get(rows.expert, rows.expert)]) for rows in groups]
+        return combine(hidden, parts, top_k_weights, self.kernel)
 
-    def _place(self, step: Step, groups, tokens: int, predicted: list[int] | None) -> dict[int, int]:
+    def _stand_ins(
+        self, layer: int, top_k_index, top_k_weights, predicted: list[int] | None
+    ) -> dict[int, int]:
+        if self.substituter is None:
+            return {}
+        chosen = self.substituter.decide(layer, top_k_index, top_k_weights, predicted)
+        if chosen:
+            subs = self.traffic.substitutions_per_layer
+            subs[layer] = subs.get(layer, 0) + len(chosen)
+            self.traffic.substituted += [(self.iteration, layer, e, p) for e, p in sorted(chosen.items())]
+            log.debug("iteration %d layer %d: missing -> stand-in %s", self.iteration, layer, chosen)
+        return chosen
+
+    def _place(
+        self, step: Step, experts: list[int], tokens: int, predicted: list[int] | None, groups
+    ) -> dict[int, int]:
         """Decode: where the shadow's prediction preloaded (repair the misses); prefill: spread over
         every live worker storing the layer; all over the live workers only."""
         live, layer = self.members.live, step.layer
-        experts = [rows.expert for rows in groups]
         try:
             if step.iteration >= 1:
                 return self.topology.repair_placement(layer, predicted or [], experts, live)

@@ -84,3 +84,12 @@ def test_model_path_names(path, tmp_path, monkeypatch):
     assert trained == [odmoe.training.DEMO_SPEC]  # what the demo would train (stubbed out here)
     cfg = replace(cfg, model=replace(cfg.model, path=str(tmp_path / "demo")))
     assert resolve_model_path(cfg) == str(tmp_path / "demo")  # a directory is a directory
+
+
+def test_miss_policy_defaults_to_lossless_reload_and_takes_its_knobs():
+    assert compose([]).miss.policy == "reload" and not compose([]).miss.lossy
+    cfg = compose(["miss.policy=buddy", "miss.tae_percentile=20", "miss.alpha=0.8", "miss.k_max=3"])
+    assert (cfg.miss.policy, cfg.miss.tae_percentile, cfg.miss.alpha, cfg.miss.k_max) == ("buddy", 20, 0.8, 3)
+    for words, msg in ((["miss.policy=skip"], "miss.policy"), (["miss.alpha=0"], "miss.alpha")):
+        with pytest.raises(ValueError, match=msg):
+            compose(words)
