@@ -5,10 +5,9 @@ response says so (stats, gRPC, the OpenAI API's `odmoe` field). Gates closed: th
 
 from __future__ import annotations
 
-import json
-import urllib.request
 from pathlib import Path
 
+import httpx
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -35,14 +34,11 @@ def mixtral_profile(model_dirs, tmp_path_factory) -> str:
 
 
 def _http_brief(cluster: LocalCluster) -> dict:
-    with urllib.request.urlopen(cluster.http_url + "/v1/models", timeout=30) as reply:
-        model = json.loads(reply.read())["data"][0]["id"]
-    body = json.dumps({"model": model, "prompt": PROMPT, "max_tokens": NEW}).encode()
-    request = urllib.request.Request(
-        cluster.http_url + "/v1/completions", body, {"Content-Type": "application/json"}
-    )
-    with urllib.request.urlopen(request, timeout=60) as reply:
-        return json.loads(reply.read())["odmoe"]
+    models = httpx.get(cluster.http_url + "/v1/models", timeout=30, **cluster.http_auth).json()
+    model = models["data"][0]["id"]
+    body = {"model": model, "prompt": PROMPT, "max_tokens": NEW}
+    reply = httpx.post(cluster.http_url + "/v1/completions", json=body, timeout=60, **cluster.http_auth)
+    return reply.raise_for_status().json()["odmoe"]
 
 
 def test_buddy_substitutes_only_buddies_within_budget_and_says_so(model_dirs, mixtral_profile, reap_children):
