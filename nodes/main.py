@@ -39,7 +39,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
-from odmoe.alignment import AlignmentSchedule
+from odmoe.alignment import make_plan
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine, TokenEvent
@@ -125,11 +125,10 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.connect_s = time.perf_counter() - connect_start
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.heartbeat = heartbeat
-        schedule = AlignmentSchedule(
-            cfg.alignment.token_period, cfg.alignment.kv_period, cfg.alignment.prefill_kv
-        )
+        # a random or speculative shadow is paced by main: it hears of every iteration
+        pace = cfg.shadow.mode == "random" or cfg.alignment.mode == "speculative"
         self.engine = MainEngine(
-            main, tokenizer, self.experts, schedule, pace_shadow=cfg.shadow.mode == "random"
+            main, tokenizer, self.experts, lambda: make_plan(cfg.alignment), pace_shadow=pace
         )
         self.requests = RequestQueue(cfg.server.max_waiting, cfg.server.request_timeout_s)
         self.metrics = ServerMetrics(self.requests)

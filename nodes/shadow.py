@@ -4,10 +4,14 @@ choices as predictions (OD-MoE "scaled emulative prediction", paper §3.2).
 Lifecycle: load the model at `shadow.precision`, bind a PULL socket (main's Begin/Align/End) and a
 PUB socket (predictions), announce readiness, then serve requests one after another:
   1) Begin: prefill its own cache from the prompt (no predictions: prefill spreads every expert);
-  2) each decode iteration n: wait for main's alignment when the schedule says so (the wait is the
-     late departure), take main's token and/or overwrite its newest K/V rows with main's, run the
-     forward pass; a hook on each MoE layer's router publishes (request, n, layer, experts) the moment
-     the router has run, so later layers' predictions reach workers while main is still earlier;
+  2) each decode iteration n, `alignment.mode=wait` (the paper's): wait for main's alignment where
+     main said it would send one (the wait is the late departure), take main's token and/or overwrite
+     its newest K/V rows with main's, run the forward pass. `alignment.mode=speculative`: never wait
+     for alignment; run on from its own token and let main's reports catch up (odmoe.speculation):
+     a token that differs from what it fed rolls the cache back to that iteration, main's K/V rows
+     overwrite its own in place; at most `alignment.max_ahead` iterations ahead of main.
+     Either way a hook on each MoE layer's router publishes (request, n, layer, experts, hedges) the
+     moment the router has run, so later layers' predictions reach workers while main is earlier;
   3) End (or a new Begin) stops it. A shadow that is wrong or late never changes main's output.
 
 `shadow.mode=random` publishes uniformly random experts instead (ablation case 5) and loads no model.
@@ -31,14 +35,15 @@ import zmq
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from odmoe.alignment import AlignmentSchedule
+from odmoe.alignment import make_plan
 from odmoe.announce import announce
 from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
 from odmoe.dropped import DropLog
 from odmoe.families import family_of
 from odmoe.faults import FaultTrigger
-from odmoe.kv_rows import overwrite_newest_rows
+from odmoe.hedging import hedges_of
+from odmoe.kv_rows import overwrite_newest_rows, overwrite_rows
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
     Align,
@@ -54,6 +59,7 @@ from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
 from odmoe.security import NodeSecurity, secure_server
 from odmoe.shadow_model import choice_scores, load_shadow_model, model_bytes, router_modules
+from odmoe.speculation import Speculation
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.shadow")
@@ -71,9 +77,8 @@ class ShadowNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.cfg, self.scfg = cfg, cfg.shadow
         self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size)
-        self.schedule = AlignmentSchedule(
-            cfg.alignment.token_period, cfg.alignment.kv_period, cfg.alignment.prefill_kv
-        )
+        self.alignment = cfg.alignment
+        self.first_wait = make_plan(cfg.alignment).next_after(0)  # main's plan says the same
         config = AutoConfig.from_pretrained(model_path)
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
@@ -143,7 +148,9 @@ class ShadowNode:
             scores = choice_scores(module, output[0][-1])  # the newest token's, [E]
             probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
             experts = output[2][-1].tolist()
-            self.publish(layer, iteration, request, experts, candidates.tolist(), probs.tolist())
+            candidates, probs = candidates.tolist(), probs.tolist()
+            hedges = hedges_of(candidates, probs, self.top_k, self.scfg.hedge_margin)
+            self.publish(layer, iteration, request, experts, candidates, probs, hedges)
             if self.tracer.enabled:
                 now = now_us()
                 self.tracer.span(
@@ -161,9 +168,11 @@ class ShadowNode:
         experts: list[int],
         candidates: list[int],
         probs: list[float],
+        hedges: list[int] = (),
     ) -> None:
         experts = self._inject(experts)
-        message = Prediction(Step(request, iteration, layer), experts, candidates, probs)
+        hedges = [h for h in hedges if h not in experts]
+        message = Prediction(Step(request, iteration, layer), experts, candidates, probs, hedges)
         frames = to_frames(message)
         self.pub.send_multipart([topic(self.topology.group_of_layer(layer)), *frames])
 
@@ -271,20 +280,20 @@ class ShadowNode:
         ids = torch.tensor([begin.prompt_ids], device=self.scfg.device)
         logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
         own_token = int(logits[0, -1].argmax())
-        forward_s = 0.0
+        if self.alignment.mode == "speculative":
+            return self.run_speculative(begin, cache, own_token)
+        forward_s, next_wait = 0.0, self.first_wait
         for iteration in range(1, begin.max_new_tokens):
             waited_us = now_us()
             token, main_started_us, received_us = own_token, 0.0, waited_us
-            if self.schedule.waits(iteration):
+            if iteration == next_wait:
                 align, tensors = self._await_align(request, iteration)
                 received_us, main_started_us = now_us(), align.sent_at_us
-                if self.schedule.align_token(iteration) and align.token >= 0:
+                next_wait = align.next_align if align.next_align > iteration else 0
+                if align.token >= 0:
                     token = align.token
-                if self.schedule.align_kv(iteration) and align.kv:
-                    if len(tensors) != 2 or any(
-                        t.dim() != 4 or t.shape[0] != len(cache.layers) for t in tensors
-                    ):
-                        raise ValueError("an Align's K/V rows do not fit the cache")
+                if align.kv:
+                    self._check_rows(tensors, cache)
                     overwrite_newest_rows(cache, tensors[0], tensors[1])
             else:
                 self._check_interrupt(request)
@@ -306,14 +315,91 @@ class ShadowNode:
                     "shadow", "late departure", start_us - late_us, start_us, iteration=iteration
                 )
             start = time.perf_counter()
-            logits = self.model(
-                input_ids=torch.tensor([[token]], device=self.scfg.device),
-                past_key_values=cache,
-                use_cache=True,
-                logits_to_keep=1,
-            ).logits
-            own_token = int(logits[0, -1].argmax())
+            own_token = self._forward(token, cache)
             forward_s = time.perf_counter() - start
+
+    def run_speculative(self, begin: BeginRequest, cache: DynamicCache, own_token: int) -> None:
+        """Never wait for alignment: run from own tokens, roll back where main's token differs."""
+        request = begin.request
+        spec = Speculation(len(begin.prompt_ids), self.alignment.max_ahead)
+        rows: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # main's K/V rows not yet placed
+        forward_s = 0.0
+        while spec.next_iteration < begin.max_new_tokens:
+            waited_us = now_us()
+            self._take_alignments(request, spec, cache, rows, block=False)
+            while not spec.may_run():  # far enough ahead: wait for main to report progress
+                self._take_alignments(request, spec, cache, rows, block=True)
+            received_us = now_us()
+            token = spec.token_for(own_token)
+            iteration = spec.next_iteration
+            self.step = (request, iteration)
+            self._layer_since_us = now_us()
+            started = ShadowIteration(
+                request,
+                iteration,
+                late_departure_s=0.0,
+                alignment_wait_s=(received_us - waited_us) / 1e6,
+                previous_forward_s=forward_s,
+                ahead=spec.ahead,
+                rollbacks=spec.rollbacks,
+            )
+            self.pub.send_multipart([b"main", *to_frames(started)])
+            if received_us - waited_us > 50:
+                self.tracer.span("shadow", "ahead: waiting", waited_us, received_us, iteration=iteration)
+            start = time.perf_counter()
+            own_token = self._forward(token, cache)
+            forward_s = time.perf_counter() - start
+            spec.ran(token)
+            self._place_rows(cache, rows)
+
+    def _take_alignments(self, request: str, spec: Speculation, cache: DynamicCache, rows: list, block: bool):
+        """Read main's reports (waiting for one when `block`): note its tokens, roll back on a
+        mismatch, keep its K/V rows until the cache has their positions."""
+        item = self._next_control(block)
+        while item is not None:
+            message, tensors = item
+            if isinstance(message, BeginRequest | EndRequest):
+                self.pending.insert(0, item)
+                raise Interrupted
+            if isinstance(message, Align) and message.request == request:
+                if message.kv:
+                    self._check_rows(tensors, cache)
+                    start, end = spec.rows_span(message.iteration, tensors[0].shape[2])
+                    if start < 0:
+                        raise ValueError(f"an Align's {end - start} K/V rows do not fit its iteration")
+                    rows.append((start, end, tensors[0], tensors[1]))
+                back = spec.on_main(message.iteration, message.token)
+                if back is not None:
+                    cache.crop(spec.keep_length(back) - cache.get_seq_length())
+                    spec.roll_back(back)
+                    log.debug("request %s: main's token differs at iteration %d: rolled back", request, back)
+            item = self._next_control(False)
+        self._place_rows(cache, rows)
+
+    @staticmethod
+    def _place_rows(cache: DynamicCache, rows: list) -> None:
+        """Overwrite the shadow's K/V rows with main's wherever the cache already has them."""
+        length = cache.get_seq_length()
+        for item in [r for r in rows if r[1] <= length]:
+            overwrite_rows(cache, item[0], item[2], item[3])
+            rows.remove(item)
+
+    def _check_rows(self, tensors: list[torch.Tensor], cache: DynamicCache) -> None:
+        if len(tensors) != 2 or any(t.dim() != 4 or t.shape[0] != len(cache.layers) for t in tensors):
+            raise ValueError("an Align's K/V rows do not fit the cache")
+
+    def _forward(self, token: int, cache: DynamicCache) -> int:
+        """One decode step of the shadow's copy (its routers' hooks publish); its own next token."""
+        logits = self.model(
+            input_ids=torch.tensor([[token]], device=self.scfg.device),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+        token = int(logits[0, -1].argmax())
+        if self.scfg.inject_wrong_token > 0 and self.rng.random() < self.scfg.inject_wrong_token:
+            token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size  # any other
+        return token
 
     def run_random(self, begin: BeginRequest) -> None:
         """Ablation case 5: no model, a random guess per layer, paced by main's iterations."""

@@ -70,6 +70,11 @@ Position = tuple[int, int]  # (iteration, layer): the order main visits layers i
 MAX_OPEN_BATCHES = 64  # prefill batches still missing parts; beyond this the oldest is dropped
 
 
+def _position(slot: Slot) -> Position:
+    """When main needs what a slot holds: (iteration, layer); untagged slots first."""
+    return (slot.tag[1] if slot.tag else -1, slot.holds[0])
+
+
 def compute_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -137,6 +142,9 @@ class WorkerNode:
         self.request = ""  # the request predictions and preloads belong to
         self.done: Position = (-1, -1)  # the last (iteration, layer) main has finished with us
         self.preloads: list[tuple[int, int, int]] = []  # heap of (iteration, layer, expert)
+        self.hedge_queue: list[tuple[int, int, int]] = []  # low priority: only into a slot nobody needs
+        self.hedged: set[int] = set()  # slots (by index) holding a hedge
+        self.hedge_counts = [0, 0, 0]  # this request's hedge loads, hedges used, bytes hedges loaded
         self.served: set[tuple[int, int, int]] = set()  # (iteration, layer, expert) main already asked for
         # prefill batches being assembled, by (peer, step, expert): parts by part number
         self.batches: OrderedDict[tuple, dict[int, torch.Tensor]] = OrderedDict()
@@ -169,7 +177,7 @@ class WorkerNode:
         log.info("worker %d serving on %s", self.index, self.address)
         try:
             while True:
-                can_preload = bool(self.preloads) and self.slots.free > 0
+                can_preload = self._can_preload()
                 ready = dict(self.poller.poll(0 if can_preload else 1000))
                 if self.sock in ready:  # main's requests first: they are on the critical path
                     self._serve_request()
@@ -242,7 +250,9 @@ class WorkerNode:
             self.queue_preloads(prediction)
 
     def queue_preloads(self, prediction: Prediction) -> None:
-        """Queue this worker's share of a layer's predicted experts, unless main got there first."""
+        """Queue this worker's share of a layer's predicted (and hedged) experts, unless main got
+        there first. A prediction for a step already predicted supersedes the earlier one (a
+        speculative shadow rolled back): what only the old one asked for is dropped."""
         step = prediction.step
         self.tracer.instant(
             "load", f"prediction L{step.layer}", iteration=step.iteration, experts=prediction.experts
@@ -252,21 +262,56 @@ class WorkerNode:
             return  # main is already past this layer: too late to help
         try:
             placement = self.topology.decode_placement(step.layer, prediction.experts, self.live)
+            hedged = self.topology.hedge_placement(
+                step.layer, prediction.experts, prediction.hedges, self.live
+            )
         except LayerUnavailable:
             return
-        for expert, worker in placement.items():
-            position = (step.iteration, step.layer, expert)
-            if worker == self.index and (step.layer, expert) in self.store and position not in self.served:
-                heapq.heappush(self.preloads, position)
+        mine = {e for e, w in placement.items() if w == self.index}
+        mine_hedged = {e for e, w in hedged.items() if w == self.index} - mine
+        self._supersede(step.iteration, step.layer, mine | mine_hedged)
+        for queue, experts in ((self.preloads, mine), (self.hedge_queue, mine_hedged)):
+            for expert in sorted(experts):
+                position, key = (step.iteration, step.layer, expert), (step.layer, expert)
+                if key not in self.store or position in self.served or position in queue:
+                    continue
+                if self.slots.find(key, (self.request, step.iteration)) is None:  # not loaded already
+                    heapq.heappush(queue, position)
+
+    def _supersede(self, iteration: int, layer: int, keep: set[int]) -> None:
+        """Forget queued or loaded preloads of (iteration, layer) that are not in `keep`."""
+        for name in ("preloads", "hedge_queue"):
+            queue = getattr(self, name)
+            kept = [p for p in queue if (p[0], p[1]) != (iteration, layer) or p[2] in keep]
+            if len(kept) != len(queue):
+                heapq.heapify(kept)
+                setattr(self, name, kept)
+        for slot in self.slots.held():
+            if slot.tag == (self.request, iteration) and slot.holds[0] == layer and slot.holds[1] not in keep:
+                self._evict(slot)
+
+    def _can_preload(self) -> bool:
+        if self.preloads:
+            return self.slots.free > 0 or any(s.index in self.hedged for s in self.slots.held())
+        return bool(self.hedge_queue) and self.slots.free > 0
 
     def _preload_next(self) -> None:
-        iteration, layer, expert = heapq.heappop(self.preloads)
-        if (iteration, layer) > self.done:
-            self.slots.load_async((layer, expert), tag=(self.request, iteration))
+        """The earliest confident preload (evicting a hedge when no slot is free), else a hedge."""
+        hedge = not self.preloads
+        iteration, layer, expert = heapq.heappop(self.hedge_queue if hedge else self.preloads)
+        if (iteration, layer) <= self.done:
+            return
+        if not self.slots.free:
+            self._evict(max((s for s in self.slots.held() if s.index in self.hedged), key=_position))
+        slot = self.slots.load_async((layer, expert), tag=(self.request, iteration))
+        if hedge:
+            self.hedged.add(slot.index)
+            self.hedge_counts[0] += 1
 
     def _switch_request(self, request: str) -> None:
         if request != self.request:
             self.request, self.done, self.preloads, self.served = request, (-1, -1), [], set()
+            self.hedge_queue, self.hedge_counts = [], [0, 0, 0]
             for slot in self.slots.held():
                 self._evict(slot)
 
@@ -279,6 +324,8 @@ class WorkerNode:
                 self._evict(slot)
         self.preloads = [p for p in self.preloads if (p[0], p[1]) > self.done]
         heapq.heapify(self.preloads)
+        self.hedge_queue = [p for p in self.hedge_queue if (p[0], p[1]) > self.done]
+        heapq.heapify(self.hedge_queue)
         self.served = {p for p in self.served if (p[0], p[1]) > self.done}
 
     def _serving(self, step, expert: int) -> None:
@@ -288,15 +335,20 @@ class WorkerNode:
         self._finish(step.request, (step.iteration, step.layer - 1))
         position = (step.iteration, step.layer, expert)
         self.served.add(position)
-        if position in self.preloads:
-            self.preloads.remove(position)
-            heapq.heapify(self.preloads)
+        for queue in (self.preloads, self.hedge_queue):
+            if position in queue:
+                queue.remove(position)
+                heapq.heapify(queue)
 
     def _make_room(self) -> None:
-        """A compute must load and every slot is busy: give back the latest-needed preload."""
+        """A compute must load and every slot is busy: give back a hedge, else the latest-needed preload."""
         if self.slots.free:
             return
-        latest = max(self.slots.held(), key=lambda s: (s.tag[1] if s.tag else -1, s.holds[0]))
+        hedges = [s for s in self.slots.held() if s.index in self.hedged]
+        if hedges:
+            self._evict(max(hedges, key=_position))
+            return
+        latest = max(self.slots.held(), key=_position)
         if latest.tag is not None:
             heapq.heappush(self.preloads, (latest.tag[1], latest.holds[0], latest.holds[1]))
         self._evict(latest)
@@ -314,6 +366,10 @@ class WorkerNode:
                 used=used,
             )
         self.slots.evict(slot)
+        if slot.index in self.hedged:
+            self.hedged.discard(slot.index)
+            self.hedge_counts[1] += used
+            self.hedge_counts[2] += slot.nbytes
 
     # -- computing ---------------------------------------------------------------------------
     def compute(self, request: ComputeExpert, hidden: torch.Tensor, peer: bytes = b"") -> list | None:
@@ -421,4 +477,5 @@ class WorkerNode:
             preloaded=preloaded,
             waited_s=waited_s,
             part=request.part if request.per_part else 0,
+            hedges=list(self.hedge_counts) if request.step.request == self.request else [],
         )

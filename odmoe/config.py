@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from odmoe.alignment import AlignmentSchedule
+from odmoe.alignment import make_plan
 from odmoe.miss_policy import MissConfig
 from odmoe.placement import Topology
+from odmoe.speculation import Speculation
 
 ROLES = ("local", "main", "worker", "shadow")
 
@@ -102,6 +103,10 @@ class ShadowConfig:
     precision: str = "fp32"  # fp32 / bf16 / fp16 / int8 / nf4 (bitsandbytes) / int8_dynamic (fast CPU int8)
     device: str = "cpu"
     inject_wrong: float = 0.0  # fault injection: this fraction of predicted experts is made wrong
+    inject_wrong_token: float = 0.0  # fault injection: this fraction of the shadow's own tokens is made wrong
+    # hedged prefetch (odmoe.hedging): also preload the (k+1)-th expert when its router score is within
+    # this of the k-th's (0: off); it needs a spare slot (worker.slots above what lookahead fills)
+    hedge_margin: float = 0.0
     seed: int = 0
 
 
@@ -110,6 +115,17 @@ class AlignmentConfig:
     token_period: int = 1  # every P-th decode iteration the shadow takes main's token (0: never)
     kv_period: int = 1  # every Q-th iteration it overwrites its newest K/V rows with main's (0: never)
     prefill_kv: bool = False  # also hand the shadow main's prompt K/V before the first decode iteration
+    # wait: the shadow waits for main's data at aligned iterations (the paper); speculative: it never
+    # waits, rolls back where main's token differs, and stays at most max_ahead iterations ahead
+    mode: str = "wait"
+    max_ahead: int = 2
+    # tune: main adapts both periods per request (odmoe.alignment.PeriodTuner): +1 after grow_after
+    # windows whose wrong predictions stay within tolerance, halved after one that does not
+    tune: bool = False
+    min_period: int = 1
+    max_period: int = 16
+    tolerance: float = 0.02
+    grow_after: int = 2
 
 
 @dataclass
@@ -234,14 +250,18 @@ def validate(cfg: OdmoeConfig) -> None:
         )
     if cfg.shadow.mode not in SHADOW_MODES:
         raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
-    if not 0.0 <= cfg.shadow.inject_wrong <= 1.0:
-        raise ValueError(f"shadow.inject_wrong must lie in [0, 1], got {cfg.shadow.inject_wrong}")
+    for name in ("inject_wrong", "inject_wrong_token"):
+        if not 0.0 <= getattr(cfg.shadow, name) <= 1.0:
+            raise ValueError(f"shadow.{name} must lie in [0, 1], got {getattr(cfg.shadow, name)}")
     from odmoe.shadow_model import PRECISIONS
 
     if cfg.shadow.precision not in PRECISIONS:
         raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
     cfg.miss.validate()
-    AlignmentSchedule(cfg.alignment.token_period, cfg.alignment.kv_period)  # raises on negative periods
+    make_plan(cfg.alignment)  # raises on a bad mode, negative periods or bounds
+    if cfg.shadow.hedge_margin < 0:
+        raise ValueError(f"shadow.hedge_margin must be >= 0 (0: off), got {cfg.shadow.hedge_margin}")
+    Speculation(1, cfg.alignment.max_ahead)  # raises on max_ahead < 1
     if cfg.prefill.mini_batch < 0:
         raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")
     if cfg.prefill.placement not in ("modulo", "balanced"):

@@ -20,13 +20,13 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from odmoe.alignment import AlignmentSchedule
+from odmoe.alignment import AlignmentPlan, AlignmentSchedule
 from odmoe.kv_rows import newest_rows
 from odmoe.main_model import MainModel
 from odmoe.memory import peak_rss_bytes
@@ -72,11 +72,12 @@ class MainEngine:
         main: MainModel,
         tokenizer: PreTrainedTokenizerBase,
         experts: RemoteExperts,
-        schedule: AlignmentSchedule | None = None,
+        make_plan: Callable[[], AlignmentPlan] | None = None,
         pace_shadow: bool = False,
     ):
         self.main, self.tokenizer, self.experts = main, tokenizer, experts
-        self.schedule = schedule or AlignmentSchedule()
+        self.make_plan = make_plan or (lambda: AlignmentPlan(AlignmentSchedule()))
+        self.plan = self.make_plan()  # per request: a tuned plan learns within one request
         self.pace_shadow = pace_shadow  # send an Align every iteration even when nothing is aligned
         main.attach(experts)
         config = main.model.config
@@ -144,6 +145,7 @@ class MainEngine:
         new_ids: list[int] = []
         text = _Detokenizer(self.tokenizer)
         step_input, first_token_at = ids, 0.0
+        self.plan = self.make_plan()
         if self.shadow is not None:
             self.shadow.begin(request.request_id, ids[0].tolist(), request.max_new_tokens)
         try:
@@ -204,6 +206,7 @@ class MainEngine:
         stats["finish_reason"] = finish_reason
         stats["seed"] = chooser.seed if chooser.sampling else None
         stats["failover"] = self._failover_stats(start_us)
+        stats["alignment"] = self.plan.report()
         yield DoneEvent(stats, logits[0].clone() if request.return_logits else None)
 
     def _failover_stats(self, since_us: float) -> dict:
@@ -217,13 +220,21 @@ class MainEngine:
         }
 
     def _align_shadow(self, iteration: int, token: int, cache: DynamicCache, rows: int) -> None:
-        """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1."""
-        if self.shadow is None or not (self.schedule.waits(iteration) or self.pace_shadow):
+        """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1,
+        where the plan says; with the next iteration it will align, so a waiting shadow knows."""
+        if self.shadow is None:
+            return
+        wrong, predicted = self.experts.traffic.timely_recall.arrived.get(iteration - 1, (0, 0))
+        self.plan.observe(iteration - 1, wrong, predicted)
+        send_token, send_kv = self.plan.aligns(iteration)
+        if not (send_token or send_kv or self.pace_shadow):
             return
         keys = values = None
-        if self.schedule.align_kv(iteration):
+        if send_kv:
             keys, values = newest_rows(cache, rows)  # [L, heads, rows, D]
-        self.shadow.align(iteration, token if self.schedule.align_token(iteration) else -1, keys, values)
+        self.plan.sent(iteration, send_token, send_kv)
+        next_align = self.plan.next_after(iteration)
+        self.shadow.align(iteration, token if send_token else -1, keys, values, next_align)
 
     def _stats(self, request, prompt_len, new_ids, start, first_token_at, end) -> dict:
         traffic = self.experts.traffic
@@ -270,7 +281,25 @@ class MainEngine:
             "substitutions": sum(traffic.substitutions_per_layer.values()),
             "substitutions_per_layer": dict(sorted(traffic.substitutions_per_layer.items())),
             "substituted": [list(s) for s in traffic.substituted],  # [iteration, layer, missing, computed]
+            "hedging": self._hedging_stats(),
             **self._shadow_stats(),
+        }
+
+    def _hedging_stats(self) -> dict:
+        """Hedged prefetch: what the hedges cost (bytes loaded) against what they saved (hits).
+        Counted by the workers as of their last answer in this request, so a hedge loaded after a
+        worker's last answer is missing (at most one layer's)."""
+        t = self.experts.traffic
+        loads, used, nbytes = (sum(row[i] for row in t.hedging.values()) for i in range(3))
+        timely = t.timely_recall.report()
+        activated, hits = timely["activated"], (timely["overall"] or 0.0) * timely["activated"]
+        return {
+            "hedge_loads": loads,
+            "hedges_used": used,
+            "hedge_bytes": nbytes,
+            "hedge_bytes_fraction": nbytes / t.bytes_loaded if t.bytes_loaded else 0.0,
+            "hedge_hits": t.hedge_hits,
+            "timely_recall_with_hedges": (hits + t.hedge_hits) / activated if activated else None,
         }
 
     def _prefill_stats(self, ttft: float) -> dict:
@@ -298,12 +327,17 @@ class MainEngine:
             return {"shadow": False, **lost}
         seen = self.shadow.seen
         ahead, late, forward = seen.lookahead_layers, seen.late_departure_s, seen.forward_s
-        idle = seen.alignment_wait_s
+        idle, layers = seen.alignment_wait_s, max(len(self.shadow.order), 1)
         return {
             "shadow": True,
             "shadow_forward_s_mean": sum(forward.values()) / len(forward) if forward else None,
             "shadow_alignment_wait_s_mean": sum(idle.values()) / len(idle) if idle else None,
             "lookahead_layers_mean": sum(ahead) / len(ahead) if ahead else None,
+            # the same lookahead in decode iterations (MoE layers per iteration)
+            "lookahead_iterations_mean": sum(ahead) / len(ahead) / layers if ahead else None,
+            # speculative: iterations ahead of main's newest report when it started one; rollbacks
+            "shadow_ahead_mean": sum(seen.ahead.values()) / len(seen.ahead) if seen.ahead else None,
+            "shadow_rollbacks": seen.rollbacks,
             "late_departure_s": sum(late.values()),
             "late_departure_s_mean": sum(late.values()) / len(late) if late else None,
             **lost,

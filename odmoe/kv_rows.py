@@ -35,3 +35,12 @@ def overwrite_newest_rows(cache: DynamicCache, keys: torch.Tensor, values: torch
     for i, layer in enumerate(cache.layers):
         layer.keys[0, :, -rows:] = keys[i].to(layer.keys.dtype)
         layer.values[0, :, -rows:] = values[i].to(layer.values.dtype)
+
+
+def overwrite_rows(cache: DynamicCache, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+    """Replace positions [start, start + rows) in every layer with main's K/V (a speculative shadow
+    may be ahead of them: its newer rows stay)."""
+    end = start + keys.shape[2]
+    for i, layer in enumerate(cache.layers):
+        layer.keys[0, :, start:end] = keys[i].to(layer.keys.dtype)
+        layer.values[0, :, start:end] = values[i].to(layer.values.dtype)

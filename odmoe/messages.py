@@ -57,6 +57,8 @@ class ExpertResult:
     preloaded: bool = False  # the shadow's prediction had loaded it before main asked
     part: int = 0  # with per_part mini-batches: which part this answers
     waited_s: float = 0.0  # how long the request waited for the expert's load (0: it was ready)
+    # hedged prefetch, this request so far on this worker: [hedge loads, hedges used, bytes hedges loaded]
+    hedges: list[int] = field(default_factory=list)
     kind: str = "result"
 
 
@@ -78,14 +80,17 @@ class Release:
 class Prediction:
     """shadow -> workers of the layer's group and main: the experts the shadow's router chose.
 
-    `candidates`/`probs` are the top-(k+1) router probabilities, kept so a later policy can hedge
-    slots whose k-th and (k+1)-th are nearly tied.
+    `candidates`/`probs` are the top-(k+1) router probabilities. `hedges`: experts the shadow also
+    asks to preload at low priority, because they nearly tie with a predicted one
+    (`odmoe.hedging`). A later prediction for the same step (after a speculative shadow rolled
+    back) supersedes this one.
     """
 
     step: Step
     experts: list[int]
     candidates: list[int]
     probs: list[float]
+    hedges: list[int] = field(default_factory=list)
     kind: str = "prediction"
 
 
@@ -102,6 +107,8 @@ class ShadowIteration:
     late_departure_s: float
     alignment_wait_s: float = 0.0
     previous_forward_s: float = 0.0  # how long its forward pass of iteration-1 took
+    ahead: int = 0  # speculative: iterations ahead of the newest one main had reported
+    rollbacks: int = 0  # speculative: rollbacks so far in this request
     kind: str = "shadow_iteration"
 
 
@@ -125,6 +132,7 @@ class Align:
     token: int = -1
     kv: bool = False
     sent_at_us: float = 0.0  # main's wall clock when it sent this (it starts iteration `iteration` then)
+    next_align: int = 0  # the next iteration main will align (0: none): where a waiting shadow waits
     kind: str = "align"
 
 

@@ -147,22 +147,41 @@ class Topology:
             load[worker] += tokens_per_expert[e]
         return placement
 
+    def hedge_placement(
+        self,
+        layer: int,
+        predicted: list[int],
+        hedges: list[int],
+        live: Collection[WorkerId] | None = None,
+    ) -> dict[int, WorkerId]:
+        """Where hedged experts are preloaded: on the worker of the last predicted expert (the
+        shadow lists its choice by score, so that is the k-th, the one a hedge would replace)."""
+        if not hedges or not predicted:
+            return {}
+        twin = self.decode_placement(layer, predicted, live)[predicted[-1]]
+        return {h: twin for h in hedges if h not in predicted}
+
     def repair_placement(
         self,
         layer: int,
         predicted: list[int],
         activated: list[int],
         live: Collection[WorkerId] | None = None,
+        hedges: list[int] = (),
     ) -> dict[int, WorkerId]:
         """Where main sends the activated experts when the shadow predicted `predicted`.
 
-        A correctly predicted expert goes to the worker that preloaded it. A missed one goes to a
-        worker whose preloaded expert turned out unused (it must evict and reload anyway), else to
-        its own round-robin place: the output is the same either way, only the load is late.
+        A correctly predicted expert goes to the worker that preloaded it; a hedged one to the
+        worker that preloaded the hedge. A missed one goes to a worker whose preloaded expert turned
+        out unused (it must evict and reload anyway), else to its own round-robin place: the output
+        is the same either way, only the load is late.
         """
         preloaded = self.decode_placement(layer, predicted, live)
+        hedged = self.hedge_placement(layer, predicted, list(hedges), live)
         placement = {e: preloaded[e] for e in activated if e in preloaded}
-        idle = [preloaded[e] for e in sorted(preloaded) if e not in placement]
+        placement.update({e: hedged[e] for e in activated if e in hedged and e not in placement})
+        taken = {placement[e] for e in activated if e in hedged}
+        idle = [preloaded[e] for e in sorted(preloaded) if e not in placement and preloaded[e] not in taken]
         fallback = self.decode_placement(layer, activated, live)
         for e in sorted(set(activated) - set(placement)):
             placement[e] = idle.pop(0) if idle else fallback[e]

@@ -16,12 +16,18 @@ class RecallCounter:
     _token: dict[int, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     _layer: dict[int, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
     late: int = 0  # layers whose prediction had not arrived when main needed it
+    # iteration -> [wrong, predicted] over the predictions that did arrive (what alignment can fix)
+    arrived: dict[int, list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
 
     def add(self, iteration: int, layer: int, predicted: list[int] | None, activated: list[int]) -> None:
         if iteration < 1:
             return  # prefill uses no prediction
         if predicted is None:
             self.late += 1
+        else:
+            row = self.arrived[iteration]
+            row[0] += len(set(predicted) - set(activated))
+            row[1] += len(set(predicted))
         hits = len(set(predicted or ()) & set(activated))
         for table, key in ((self._token, iteration), (self._layer, layer)):
             table[key][0] += hits

@@ -79,6 +79,9 @@ class ExpertTraffic:
     substituted: list[tuple[int, int, int, int]] = field(default_factory=list)
     # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"}; the request's totals are their sums
     per_worker: dict[int, dict] = field(default_factory=dict)
+    # hedged prefetch (odmoe.hedging): worker -> its latest [hedge loads, hedges used, bytes hedges loaded]
+    hedging: dict[int, list[int]] = field(default_factory=dict)
+    hedge_hits: int = 0  # activated experts the shadow had hedged (not predicted) and that arrived in time
 
     # decode iterations only: what the pipeline model needs (main's own time = decode time - wait)
     decode: dict = field(
@@ -235,15 +238,19 @@ class RemoteExperts:
         groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
         experts = [rows.expert for rows in groups]
         decode = self.iteration >= 1
+        predicted, hedges = None, []
         if decode:
             prediction = self.shadow.prediction(step) if self.shadow is not None else None
             predicted = prediction.experts if prediction is not None else None
             self.traffic.timely_recall.add(self.iteration, layer, predicted, experts)
             self.traffic.activated[(self.iteration, layer)] = experts
+            if prediction is not None and prediction.hedges:
+                hedges = prediction.hedges
+                self.traffic.hedge_hits += len((set(hedges) - set(predicted)) & set(experts))
         # lossy policy only: missing expert -> the resident expert computed in its place
         stand_in = self._stand_ins(layer, top_k_index, top_k_weights, predicted) if decode else {}
         computed = [stand_in.get(e, e) for e in experts]
-        placement = self._place(step, computed, hidden.shape[0], predicted if decode else None, groups)
+        placement = self._place(step, computed, hidden.shape[0], predicted, groups, hedges)
         start = time.perf_counter()
         rows_of = {stand_in.get(rows.expert, rows.expert): hidden[rows.token_idx] for rows in groups}
         outputs = self._exchange(step, rows_of, placement)
@@ -280,14 +287,14 @@ class RemoteExperts:
         return chosen
 
     def _place(
-        self, step: Step, experts: list[int], tokens: int, predicted: list[int] | None, groups
+        self, step: Step, experts: list[int], tokens: int, predicted: list[int] | None, groups, hedges=()
     ) -> dict[int, int]:
-        """Decode: where the shadow's prediction preloaded (repair the misses); prefill: spread over
-        every live worker storing the layer; all over the live workers only."""
+        """Decode: where the shadow's prediction (and its hedges) preloaded, repairing the misses;
+        prefill: spread over every live worker storing the layer; all over the live workers only."""
         live, layer = self.members.live, step.layer
         try:
             if step.iteration >= 1:
-                return self.topology.repair_placement(layer, predicted or [], experts, live)
+                return self.topology.repair_placement(layer, predicted or [], experts, live, hedges)
             if tokens > 1:
                 counts = {rows.expert: len(rows.token_idx) for rows in groups}
                 return self.topology.prefill_placement(
@@ -398,6 +405,8 @@ class RemoteExperts:
             return None
         self.tracer.message("main", "result", step, result.expert, sent=False)
         self.traffic.add(result)
+        if len(result.hedges) == 3:
+            self.traffic.hedging[worker] = result.hedges
         if step.iteration >= 1:
             self.traffic.preloaded += result.preloaded
             self.traffic.reloads += not result.preloaded

@@ -49,6 +49,8 @@ class ShadowObservations:
     late_departure_s: dict[int, float] = field(default_factory=dict)  # iteration -> seconds
     forward_s: dict[int, float] = field(default_factory=dict)  # iteration -> its forward pass, seconds
     alignment_wait_s: dict[int, float] = field(default_factory=dict)  # iteration -> idle for alignment
+    ahead: dict[int, int] = field(default_factory=dict)  # speculative: iteration -> iterations ahead of main
+    rollbacks: int = 0  # speculative: how often the shadow rolled back in this request
 
 
 class ShadowLink:
@@ -123,7 +125,12 @@ class ShadowLink:
             self._send(to_frames(BeginRequest(request, prompt_ids, max_new_tokens)))
 
     def align(
-        self, iteration: int, token: int, keys: torch.Tensor | None, values: torch.Tensor | None
+        self,
+        iteration: int,
+        token: int,
+        keys: torch.Tensor | None,
+        values: torch.Tensor | None,
+        next_align: int = 0,
     ) -> None:
         if not self.active:
             return
@@ -131,7 +138,9 @@ class ShadowLink:
             self.active = False
             return
         tensors = [keys, values] if keys is not None else []
-        message = Align(self.request, iteration, token=token, kv=keys is not None, sent_at_us=now_us())
+        message = Align(
+            self.request, iteration, token, keys is not None, sent_at_us=now_us(), next_align=next_align
+        )
         self._send(to_frames(message, tensors), copy=False)
 
     def end(self) -> None:
@@ -180,6 +189,8 @@ class ShadowLink:
             elif isinstance(message, ShadowIteration) and message.request == self.request:
                 self.seen.late_departure_s[message.iteration] = message.late_departure_s
                 self.seen.alignment_wait_s[message.iteration] = message.alignment_wait_s
+                self.seen.ahead[message.iteration] = message.ahead
+                self.seen.rollbacks = max(self.seen.rollbacks, message.rollbacks)
                 if message.iteration > 1:
                     self.seen.forward_s[message.iteration - 1] = message.previous_forward_s
 

@@ -62,3 +62,47 @@ def test_a_load_that_fails_is_an_error_answer_and_frees_its_slot(worker, monkeyp
     result, _ = from_frames(frames)
     assert "checksum" in result.error
     assert worker.slots.free == 2
+
+
+def test_a_later_prediction_for_the_same_step_supersedes_the_earlier(worker):
+    """A speculative shadow that rolled back republishes a step: only the new experts are wanted."""
+    worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
+    worker._preload_next()  # expert 3 loading
+    worker.queue_preloads(Prediction(Step("r", 1, 2), [0, 5], [0, 5, 1], [0.5, 0.3, 0.2]))
+    assert worker.preloads == [(1, 2, 0)]
+    worker.queue_preloads(Prediction(Step("r", 1, 0), [4, 6], [4, 6, 1], [0.5, 0.3, 0.2]))
+    assert worker.preloads == [(1, 0, 4), (1, 2, 0)]  # 4 replaces 3 ...
+    assert all(slot.holds != (0, 3) for slot in worker.slots.held())  # ... which is evicted
+
+
+def _hedged(worker):
+    # layer 0 -> workers 0, 1. Predicted [5, 3] by score: 3 is the k-th, dealt to worker 0, so
+    # worker 0 also preloads the hedge 6 - at low priority.
+    worker.queue_preloads(Prediction(Step("r", 1, 0), [5, 3], [5, 3, 6], [0.5, 0.26, 0.24], hedges=[6]))
+    assert worker.preloads == [(1, 0, 3)] and worker.hedge_queue == [(1, 0, 6)]
+    worker._preload_next()  # the confident one first
+    assert worker.hedge_queue == [(1, 0, 6)]
+    assert worker._can_preload()
+    worker._preload_next()  # then the hedge, into the slot nobody needs
+    assert {slot.holds for slot in worker.slots.held()} == {(0, 3), (0, 6)}
+    assert worker.hedge_counts[0] == 1
+
+
+def test_a_hedge_never_keeps_a_slot_from_a_confident_preload(worker):
+    _hedged(worker)
+    worker.queue_preloads(Prediction(Step("r", 1, 2), [1, 7], [1, 7, 2], [0.5, 0.3, 0.2]))
+    assert worker._can_preload()  # no free slot, but the hedge's is taken back
+    worker._preload_next()
+    assert {slot.holds for slot in worker.slots.held()} == {(0, 3), (2, 1)}
+    loads, used, nbytes = worker.hedge_counts
+    assert (loads, used) == (1, 0) and nbytes > 0  # the extra bytes are counted
+
+
+def test_a_hedged_expert_main_asks_for_is_a_hit(worker):
+    _hedged(worker)
+    frames = _compute(worker, 0, 6)  # main's router chose the hedge
+    from odmoe.messages import from_frames
+
+    result, _ = from_frames(frames)
+    assert result.preloaded and result.bytes_loaded > 0
+    assert result.hedges[:2] == [1, 1]  # one hedge loaded, one used
