@@ -153,8 +153,8 @@ class PeriodTuner(AlignmentPlan):
         before = (self.token_period, self.kv_period)
         if wrong / predicted > self.tolerance:
             self.clean_windows = 0
-            self.token_period = self._clamp(self.token_period // 2) if self.token_period else 0
-            self.kv_period = self._clamp(self.kv_period // 2) if self.kv_period else 0
+            self.token_period = self._clamp(max(self.token_period // 2, 1)) if self.token_period else 0
+            self.kv_period = self._clamp(max(self.kv_period // 2, 1)) if self.kv_period else 0
         else:
             self.clean_windows += 1
             if self.clean_windows >= self.grow_after:

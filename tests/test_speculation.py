@@ -97,6 +97,13 @@ def test_the_tuner_halves_after_misses():
     assert (tuner.token_period, tuner.kv_period) == (2, 2)
 
 
+def test_halving_a_period_of_one_keeps_it_on():
+    """1 // 2 is 0, which means "off": a tuner that halved to it stopped aligning for good."""
+    tuner = PeriodTuner(token_period=1, kv_period=2, tolerance=0.1)
+    _drive(tuner, lambda n: 4, iterations=20)
+    assert (tuner.token_period, tuner.kv_period) == (1, 1)
+
+
 def test_the_tuner_announces_where_it_will_align():
     """A waiting shadow waits at the announced iteration: main must align exactly there."""
     tuner = PeriodTuner(token_period=2, kv_period=3, grow_after=1)
