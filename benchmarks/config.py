@@ -21,6 +21,7 @@ SUITES = (
     "frontdoor",
     "security",
     "lossy",
+    "lookahead",
     "quick",
 )
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
@@ -186,6 +187,35 @@ class LossySuite:
 
 
 @dataclass
+class LookaheadSuite:
+    """Issue 13: timely recall, reloads and decode speed per alignment system (suites/lookahead.py)."""
+
+    precisions: list[str] = field(default_factory=lambda: ["int8_dynamic", "fp32"])
+    systems: list[str] = field(
+        default_factory=lambda: [
+            "wait",
+            "speculative",
+            "hedged",
+            "tuned",
+            "resident_workers",
+            "lru_offloader",
+        ]  # fmt: skip
+    )
+    prompts: int = 3
+    prompt_tokens: int = 32
+    new_tokens: int = 128
+    max_ahead: int = 2
+    hedge_margin: float = 0.05
+    hedge_slots: int = 3  # worker.slots of the hedged system: one more than lookahead fills
+    pin: bool = True  # also run speculative and resident with main on CPU 0, shadow + workers on CPU 1
+    # part 2: hedging recall on main's trajectory (no clock)
+    hedge_precisions: list[str] = field(default_factory=lambda: ["nf4", "int8_dynamic"])
+    hedge_margins: list[float] = field(default_factory=lambda: [0.0, 0.01, 0.02, 0.05, 0.1, 0.2])
+    replay_prompts: int = 4
+    replay_tokens: int = 128
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -207,6 +237,7 @@ class BenchConfig:
     frontdoor: FrontdoorSuite = field(default_factory=FrontdoorSuite)
     security: SecuritySuite = field(default_factory=SecuritySuite)
     lossy: LossySuite = field(default_factory=LossySuite)
+    lookahead: LookaheadSuite = field(default_factory=LookaheadSuite)
     log_level: str = "WARNING"
 
 

@@ -362,3 +362,38 @@ def lossy(rows: list[dict], out: Path, subtitle: str) -> None:
     )
     fig.tight_layout()
     _save(fig, out)
+
+
+def lookahead(report: dict, out: Path, subtitle: str) -> None:
+    """Issue 13: decode tokens/s and timely recall per system; hedging's recall vs extra loads."""
+    rows = report["rows"]
+    fig, (speed, hedge) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
+    labels = [f"{r['system']}\n{r['precision']}" for r in rows]
+    x = range(len(rows))
+    speeds, spread = [r["decode_tokens_per_s"] for r in rows], [r["decode_sd"] for r in rows]
+    bars = speed.bar(x, speeds, yerr=spread, color="C0", capsize=3)
+    for bar, r in zip(bars, rows, strict=True):
+        if r.get("timely_recall") is not None:
+            speed.text(
+                bar.get_x() + bar.get_width() / 2,
+                bar.get_height(),
+                f"in time\n{r['timely_recall']:.3f}",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
+    speed.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
+    speed.set_ylabel("decode tokens/s")
+    speed.set_title("decode speed and timely recall per system")
+    for precision in sorted({h["precision"] for h in report["hedging"]}):
+        points = [h for h in report["hedging"] if h["precision"] == precision]
+        extra, recall = [100 * h["extra_loads"] for h in points], [h["recall_with_hedges"] for h in points]
+        hedge.plot(extra, recall, "o-", label=precision)
+        for h in points:
+            hedge.annotate(f"{h['margin']:g}", (100 * h["extra_loads"], h["recall_with_hedges"]), fontsize=7)
+    hedge.set_xlabel("extra expert loads (%)")
+    hedge.set_ylabel("recall with hedges")
+    hedge.set_title("hedged prefetch (labels: margin)")
+    hedge.legend(fontsize=8)
+    fig.suptitle(subtitle, fontsize=9)
+    _save(fig, out)

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks.predictors import FrequencyPredictor, next_layer_gate
 from odmoe.kv_rows import newest_rows, overwrite_newest_rows
-from odmoe.shadow_model import load_shadow_model, router_modules
+from odmoe.shadow_model import choice_scores, load_shadow_model, router_modules
 
 Position = tuple[int, int]  # (decode iteration, layer)
 
@@ -42,16 +42,21 @@ class Trajectory:
 class _RouterTap:
     """Forward hooks on every router: the last call's top-k expert ids per layer, [T, k]."""
 
-    def __init__(self, model, num_experts: int):
+    def __init__(self, model, num_experts: int, top_k: int = 0):
         self.seen: dict[int, torch.Tensor] = {}
+        self.scores: dict[int, tuple[list[int], list[float]]] = {}  # layer -> top-(k+1) (when top_k)
+        self.top_k = top_k
         self.handles = [
             router.register_forward_hook(self._hook(layer))
             for layer, router in router_modules(model, num_experts)
         ]
 
     def _hook(self, layer: int):
-        def hook(_module, _inputs, output):
+        def hook(module, _inputs, output):
             self.seen[layer] = output[2].detach()
+            if self.top_k:  # what the shadow node publishes as candidates (hedging reads them)
+                probs, candidates = choice_scores(module, output[0][-1]).topk(self.top_k + 1)
+                self.scores[layer] = (candidates.tolist(), probs.tolist())
 
         return hook
 
@@ -115,10 +120,16 @@ def _capture_input(store: dict[int, torch.Tensor], layer: int):
 
 @torch.inference_mode()
 def replay_shadow(
-    shadow, traj: Trajectory, schedule: AlignmentSchedule, num_experts: int
+    shadow,
+    traj: Trajectory,
+    schedule: AlignmentSchedule,
+    num_experts: int,
+    scores: dict | None = None,
+    top_k: int = 0,
 ) -> dict[Position, list[int]]:
-    """What a shadow node with this model and schedule predicts for each decode (iteration, layer)."""
-    routers = _RouterTap(shadow, num_experts)
+    """What a shadow node with this model and schedule predicts for each decode (iteration, layer).
+    With `scores` (a dict) and `top_k`, it also gets each position's top-(k+1) (candidates, scores)."""
+    routers = _RouterTap(shadow, num_experts, top_k if scores is not None else 0)
     predicted: dict[Position, list[int]] = {}
     device = next(shadow.parameters()).device
     try:
@@ -144,6 +155,8 @@ def replay_shadow(
             own = int(logits[0, -1].argmax())
             for layer, index in routers.seen.items():
                 predicted[(iteration, layer)] = sorted(index[-1].tolist())
+                if scores is not None:
+                    scores[(iteration, layer)] = routers.scores[layer]
     finally:
         routers.close()
     return predicted

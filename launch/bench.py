@@ -9,6 +9,7 @@
     odmoe-bench suite=faults            # losing a worker / the shadow / main: detect, stall, recovery
     odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
     odmoe-bench suite=lossy             # lossy miss policies: perplexity / agreement vs speed
+    odmoe-bench suite=lookahead         # timely recall, reloads, decode vs resident per alignment mode
     odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
     odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
@@ -53,6 +54,7 @@ def run_suites(cfg: BenchConfig) -> None:
         faults,
         frontdoor,
         grid,
+        lookahead,
         lossy,
         recall,
         security,
@@ -73,6 +75,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "frontdoor": frontdoor.run,
         "security": security.run,
         "lossy": lossy.run,
+        "lookahead": lookahead.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)

@@ -1,0 +1,225 @@
+"""Suite `lookahead` (issue 13): do predictions reach main in time, and what does it buy?
+
+Part 1, clusters: for each shadow precision, the same prompts through one local cluster per system,
+on the suite's emulated link (the grid's settings):
+- `wait`: the paper's alignment, token + K/V every iteration (the shadow waits for main's data);
+- `speculative`: `alignment.mode=speculative` (never waits, rolls back on a different token);
+- `hedged`: speculative + hedged prefetch (`shadow.hedge_margin`, one more device slot per worker);
+- `tuned`: wait mode with `alignment.tune=true` (periods adapted from the wrong predictions seen);
+- `resident_workers`: the same cluster with every expert resident and no shadow (the ceiling);
+- `lru_offloader`: one process with an LRU expert cache over the same link (the grid's baseline).
+Per system: timely recall (predictions that were at main when it needed them), recall, reloads
+per decoded token, decode tokens/s against resident, lookahead (layers and iterations), rollbacks,
+hedge bytes, the periods a tuned plan chose. With `pin`, the speculative and resident clusters run
+again with main alone on CPU 0 and the shadow and workers on CPU 1 (`taskset`): on two shared cores
+the shadow's CPU time competes with main's, and pinning shows how much of a result that decides.
+
+Part 2, hedging without the clock (benchmarks/replay.py): each precision's shadow re-played on
+main's greedy trajectory with token + K/V alignment; recall with and without the hedges of each
+margin, and the extra expert loads the hedges cost (experts of a layer are equal in size, so that
+is also the extra bytes).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+
+from transformers import AutoTokenizer
+
+from odmoe.alignment import AlignmentSchedule
+from odmoe.benchmarks import plots
+from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
+from odmoe.benchmarks.config import BenchConfig
+from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
+from odmoe.benchmarks.results import ResultsDir, fmt
+from odmoe.benchmarks.workload import prompt_ids
+from odmoe.checkpoint import Checkpoint
+from odmoe.hedging import hedges_of
+from odmoe.launch.local_cluster import NodePlacement
+
+
+def _systems(cfg: BenchConfig) -> dict[str, list[str]]:
+    s = cfg.lookahead
+    slots = f"worker.slots={s.hedge_slots}"
+    return {
+        "wait": ["alignment.token_period=1", "alignment.kv_period=1"],
+        "speculative": ["alignment.mode=speculative", f"alignment.max_ahead={s.max_ahead}"],
+        "hedged": [
+            "alignment.mode=speculative",
+            f"alignment.max_ahead={s.max_ahead}",
+            f"shadow.hedge_margin={s.hedge_margin}",
+            slots,
+        ],
+        "tuned": ["alignment.tune=true", "alignment.token_period=1", "alignment.kv_period=1"],
+        "resident_workers": ["worker.resident=true", "shadow.enabled=false"],
+    }
+
+
+PINNED = ("speculative", "resident_workers")
+
+
+def _pinned(name: str) -> NodePlacement:
+    """main alone on CPU 0; the shadow and every worker on CPU 1."""
+    return NodePlacement(prefix=["taskset", "-c", "0" if name == "main" else "1"])
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    suite = cfg.lookahead
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    prompts = [prompt_ids(tokenizer, 300 + i, suite.prompt_tokens) for i in range(suite.prompts)]
+    systems = _systems(cfg)
+    rows: list[dict] = []
+    pin = suite.pin and shutil.which("taskset") is not None
+    for precision in suite.precisions:
+        for name in suite.systems:
+            variants = [False, True] if pin and name in PINNED else [False]
+            if name == "resident_workers" and precision != suite.precisions[0]:
+                continue  # no shadow: one run serves every precision
+            for pinned in variants:
+                if name == "lru_offloader":
+                    if precision == suite.precisions[0] and not pinned:
+                        rows.append(_lru_row(cfg, model_path, prompts))
+                    continue
+                words = cluster_words(cfg, f"shadow.precision={precision}", *systems[name])
+                label = name + (" (pinned)" if pinned else "")
+                print(f"-- {precision} {label}", flush=True)
+                run_ = run_cluster(
+                    model_path, words, prompts, suite.new_tokens, place=_pinned if pinned else None
+                )
+                rows.append(_row(label, precision, run_))
+    _ratios(rows)
+    identical = len({tuple(map(tuple, r.pop("token_ids"))) for r in rows}) == 1
+    _print_table(rows)
+    print(f"tokens identical across systems: {identical}")
+    hedging = _hedging(cfg, model_path, tokenizer)
+    report = {"rows": rows, "tokens_identical": identical, "hedging": hedging, "pinned": pin}
+    out.write("lookahead", "lookahead", report)
+    plots.lookahead(report, out.path("lookahead", "png"), out.describe(suite.new_tokens))
+    return report
+
+
+def _row(label: str, precision: str, run) -> dict:
+    stats = run.stats
+    decode = [s["decode_tokens_per_s"] for s in stats]
+    tokens = sum(max(s["new_tokens"] - 1, 0) for s in stats)
+    shadowed = [s for s in stats if s.get("shadow")]
+
+    def mean(key):
+        values = [s[key] for s in shadowed if s.get(key) is not None]
+        return statistics.mean(values) if values else None
+
+    hedging = [s.get("hedging") or {} for s in stats]
+    return {
+        "system": label,
+        "precision": precision if shadowed else "-",
+        "decode_tokens_per_s": statistics.mean(decode),
+        "decode_sd": statistics.stdev(decode) if len(decode) > 1 else 0.0,
+        "timely_recall": pooled_recall(stats, "timely_recall") if shadowed else None,
+        "recall": pooled_recall(stats) if shadowed else None,
+        "reloads_per_token": sum(s["reloads"] for s in stats) / tokens if tokens else None,
+        "stall_ms_per_token": 1e3 * sum(s["stall_s"] for s in stats) / tokens if tokens else None,
+        "lookahead_layers": mean("lookahead_layers_mean"),
+        "lookahead_iterations": mean("lookahead_iterations_mean"),
+        "rollbacks": sum(s.get("shadow_rollbacks") or 0 for s in stats),
+        "hedge_loads": sum(h.get("hedge_loads", 0) for h in hedging),
+        "hedge_bytes": sum(h.get("hedge_bytes", 0) for h in hedging),
+        "bytes_loaded": sum(s["bytes_loaded"] for s in stats),
+        "periods": [s["alignment"] for s in stats if s.get("alignment", {}).get("tuned")],
+        "token_ids": run.token_ids,
+    }
+
+
+def _lru_row(cfg: BenchConfig, model_path: str, prompts) -> dict:
+    from odmoe.benchmarks.suites.grid import _process_system
+
+    cell = {"name": "lookahead", "prompts": prompts, "new_tokens": cfg.lookahead.new_tokens}
+    result = _process_system(cfg, model_path, "lru_offloader", [cell])
+    runs = result["cells"][0]["runs"]
+    decode = [r["decode_tokens_per_s"] for r in runs]
+    print("-- lru_offloader", flush=True)
+    return {
+        "system": "lru_offloader",
+        "precision": "-",
+        "decode_tokens_per_s": statistics.mean(decode),
+        "decode_sd": statistics.stdev(decode) if len(decode) > 1 else 0.0,
+        "token_ids": [r["token_ids"] for r in runs],
+    }
+
+
+def _ratios(rows: list[dict]) -> None:
+    base = {r["system"]: r["decode_tokens_per_s"] for r in rows if r["system"].startswith("resident")}
+    for r in rows:
+        ref = base.get("resident_workers (pinned)" if "pinned" in r["system"] else "resident_workers")
+        r["vs_resident"] = r["decode_tokens_per_s"] / ref if ref else None
+
+
+def _print_table(rows: list[dict]) -> None:
+    print(
+        f"\n{'system':<28}{'shadow':>13}{'decode tok/s':>16}{'vs resident':>12}{'timely':>8}"
+        f"{'recall':>8}{'reloads/tok':>12}{'stall ms/tok':>13}{'ahead L':>8}{'ahead it':>9}"
+        f"{'rollbacks':>10}{'hedge MiB':>10}"
+    )
+    for r in rows:
+        speed = f"{r['decode_tokens_per_s']:.1f} ± {r['decode_sd']:.1f}"
+        hedge = r.get("hedge_bytes", 0) / 2**20 if r.get("hedge_bytes") is not None else None
+        print(
+            f"{r['system']:<28}{r['precision']:>13}{speed:>16}{fmt(r.get('vs_resident'), 12, '.3f')}"
+            f"{fmt(r.get('timely_recall'), 8, '.4f')}{fmt(r.get('recall'), 8, '.4f')}"
+            f"{fmt(r.get('reloads_per_token'), 12, '.3f')}{fmt(r.get('stall_ms_per_token'), 13, '.2f')}"
+            f"{fmt(r.get('lookahead_layers'), 8, '.2f')}{fmt(r.get('lookahead_iterations'), 9, '.2f')}"
+            f"{fmt(r.get('rollbacks'), 10, 'd')}{fmt(hedge, 10, '.2f')}",
+            flush=True,
+        )
+        for periods in r.get("periods") or []:
+            print(f"{'':<28}tuned periods: {periods}")
+
+
+def _hedging(cfg: BenchConfig, model_path: str, tokenizer) -> list[dict]:
+    """Recall with and without hedges per precision and margin, on main's trajectory (no clock)."""
+    suite = cfg.lookahead
+    ckpt = Checkpoint(model_path)
+    reference = load_reference(model_path)
+    prompts = [prompt_ids(tokenizer, 400 + i, suite.prompt_tokens) for i in range(suite.replay_prompts)]
+    eos = {tokenizer.eos_token_id}
+    trajs = [
+        reference_trajectory(reference, p, suite.replay_tokens, ckpt.num_experts, ckpt.top_k, eos)
+        for p in prompts
+    ]
+    rows = []
+    print(f"\n{'shadow':<14}{'margin':>8}{'recall':>9}{'with hedges':>13}{'extra loads':>13}")
+    for precision in suite.hedge_precisions:
+        shadow = load_shadow(model_path, precision)
+        replays = []
+        for traj in trajs:
+            scores: dict = {}
+            schedule = AlignmentSchedule(1, 1)
+            predicted = replay_shadow(shadow, traj, schedule, ckpt.num_experts, scores, ckpt.top_k)
+            replays.append((traj, predicted, scores))
+        for margin in suite.hedge_margins:
+            hits = hedged_hits = activated = predicted_n = hedges_n = 0
+            for traj, predicted, scores in replays:
+                for position, act in traj.activated.items():
+                    pred = set(predicted.get(position, []))
+                    candidates, probs = scores[position]
+                    hedges = set(hedges_of(candidates, probs, ckpt.top_k, margin)) - pred
+                    hits += len(pred & set(act))
+                    hedged_hits += len((pred | hedges) & set(act))
+                    activated += len(act)
+                    predicted_n += len(pred)
+                    hedges_n += len(hedges)
+            row = {
+                "precision": precision,
+                "margin": margin,
+                "recall": hits / activated,
+                "recall_with_hedges": hedged_hits / activated,
+                "extra_loads": hedges_n / predicted_n,
+            }
+            rows.append(row)
+            print(
+                f"{precision:<14}{margin:>8g}{row['recall']:>9.4f}{row['recall_with_hedges']:>13.4f}"
+                f"{row['extra_loads'] * 100:>12.1f}%",
+                flush=True,
+            )
+        del shadow
+    return rows
