@@ -45,6 +45,7 @@ def test_a_speculative_shadow_that_diverges_rolls_back_and_the_tokens_stay(model
     assert all(s["lookahead_iterations_mean"] is not None for s in stats)
 
 
+@pytest.mark.extended  # multi-process beyond the default run's budget: CI runs it
 def test_hedges_are_loaded_counted_and_change_nothing(model_dirs, reap_children):
     stats = _run(model_dirs["qwen2_moe"], HEDGED + ["alignment.mode=speculative"])
     hedging = [s["hedging"] for s in stats]
@@ -52,6 +53,7 @@ def test_hedges_are_loaded_counted_and_change_nothing(model_dirs, reap_children)
     assert all(h["hedge_bytes"] >= 0 and h["timely_recall_with_hedges"] is not None for h in hedging)
 
 
+@pytest.mark.extended  # multi-process beyond the default run's budget: CI runs it
 def test_tuned_periods_are_reported(model_dirs, reap_children):
     stats = _run(model_dirs["olmoe"], TUNED)
     for s in stats:
