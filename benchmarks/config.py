@@ -22,6 +22,7 @@ SUITES = (
     "security",
     "lossy",
     "lookahead",
+    "prefill",
     "quick",
 )
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
@@ -216,6 +217,52 @@ class LookaheadSuite:
 
 
 @dataclass
+class PrefillSuite:
+    """Batched prefill's TTFT per prefill setting beside one process, and what handing the shadow
+    main's prompt K/V does to recall (suites/prefill.py)."""
+
+    lengths: list[int] = field(default_factory=lambda: [16, 128])  # prompt tokens
+    repeats: int = 5  # requests per length and configuration (the same prompt), after a warm-up; median
+    # "MINI_BATCH:PLACEMENT" (prefill.mini_batch, prefill.placement), one local cluster each, no shadow;
+    # a third part ":per_mini_batch" computes each mini-batch on arrival (prefill.compute_per_mini_batch,
+    # opt-in because it is not bit-exact).
+    configurations: list[str] = field(
+        default_factory=lambda: [
+            "0:modulo",
+            "4:modulo",
+            "16:modulo",
+            "64:modulo",
+            "0:balanced",
+            "16:balanced",
+            "4:modulo:per_mini_batch",
+            "16:modulo:per_mini_batch",
+        ]
+    )
+    threads: int = 1  # torch threads of the single-process reference (each cluster node uses 1)
+    # Recall of the first decode tokens with the shadow's own prompt K/V vs main's
+    # (alignment.prefill_kv), a low-precision shadow aligned on tokens only: two clusters.
+    prompt_kv: bool = True
+    prompt_kv_precision: str = "int8_dynamic"
+    prompt_kv_lengths: list[int] = field(default_factory=lambda: [16, 64, 128])  # one request each
+    prompt_kv_tokens: list[int] = field(default_factory=lambda: [1, 2, 4, 8])  # decode tokens reported
+
+
+PREFILL_PLACEMENTS = ("modulo", "balanced")
+
+
+def prefill_configuration(text: str) -> tuple[int, str, bool]:
+    """ "16:balanced" -> (16, "balanced", False); "4:modulo:per_mini_batch" -> (4, "modulo", True)."""
+    parts = text.split(":")
+    ok = 2 <= len(parts) <= 3 and parts[0].isdigit() and parts[1] in PREFILL_PLACEMENTS
+    if not ok or parts[2:] not in ([], ["per_mini_batch"]):
+        raise ValueError(
+            f"prefill.configurations: {text!r} is not "
+            f"MINI_BATCH:<{'|'.join(PREFILL_PLACEMENTS)}>[:per_mini_batch]"
+        )
+    return int(parts[0]), parts[1], len(parts) == 3
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -238,6 +285,7 @@ class BenchConfig:
     security: SecuritySuite = field(default_factory=SecuritySuite)
     lossy: LossySuite = field(default_factory=LossySuite)
     lookahead: LookaheadSuite = field(default_factory=LookaheadSuite)
+    prefill: PrefillSuite = field(default_factory=PrefillSuite)
     log_level: str = "WARNING"
 
 
@@ -246,7 +294,8 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError(f"suite={cfg.suite!r} is not one of {', '.join(SUITES)}")
     from odmoe.shadow_model import PRECISIONS
 
-    for p in [*cfg.recall.precisions, cfg.cluster.shadow_precision, cfg.lossy.shadow_precision]:
+    shadows = [cfg.cluster.shadow_precision, cfg.lossy.shadow_precision, cfg.prefill.prompt_kv_precision]
+    for p in [*cfg.recall.precisions, *shadows]:
         if p not in PRECISIONS:
             raise ValueError(f"shadow precision {p!r} is not one of {', '.join(PRECISIONS)}")
     for name, periods in cfg.recall.alignments.items():
@@ -276,5 +325,13 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("faults.at_token must lie in 1 .. new_tokens - 5 (gaps after it are measured)")
     if cfg.soak.clients < 1 or cfg.soak.requests < cfg.soak.clients:
         raise ValueError("soak.clients must be >= 1 and soak.requests >= soak.clients")
+    p = cfg.prefill
+    for text in p.configurations:
+        prefill_configuration(text)
+    counts = [p.repeats, p.threads, *p.lengths, *p.prompt_kv_lengths, *p.prompt_kv_tokens]
+    if not p.lengths or min(counts) < 1:
+        raise ValueError("prefill: lengths must not be empty; repeats, threads and every length must be >= 1")
+    if p.prompt_kv and not (p.prompt_kv_lengths and p.prompt_kv_tokens):
+        raise ValueError("prefill.prompt_kv needs prompt_kv_lengths and prompt_kv_tokens")
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")

@@ -397,3 +397,47 @@ def lookahead(report: dict, out: Path, subtitle: str) -> None:
     hedge.legend(fontsize=8)
     fig.suptitle(subtitle, fontsize=9)
     _save(fig, out)
+
+
+def prefill(report: dict, out: Path, subtitle: str) -> None:
+    """TTFT per prefill configuration, one bar per prompt length, the single process's as dashed lines;
+    beside it, where measured, the shadow's recall of the first decode tokens with its own prompt K/V
+    and with main's."""
+    rows, reference, kv = report["rows"], report["reference_ttft_s"], report.get("prompt_kv")
+    left = max(4.5, 1.2 * len(rows) + 1.5)  # inches: eight configurations' labels side by side
+    fig, axes = plt.subplots(
+        1, 2 if kv else 1, figsize=(left + 5 if kv else left, 4.6), squeeze=False,
+        gridspec_kw={"width_ratios": [left, 5]} if kv else None,
+    )  # fmt: skip
+    ttft = axes[0][0]
+    width = 0.8 / len(reference)
+    for i, n in enumerate(reference):
+        offset = (i - (len(reference) - 1) / 2) * width
+        xs = [j + offset for j in range(len(rows))]
+        ttft.bar(xs, [r[n]["ttft_s"] * 1e3 for r in rows], width, color=f"C{i}", label=f"{n} prompt tokens")
+        ttft.axhline(reference[n] * 1e3, color=f"C{i}", ls="--", lw=1, label=f"one process, {n} tokens")
+    labels = [
+        f"{r['mini_batch'] or 'one batch'}\n{r['placement']}"
+        + ("" if r["bit_exact"] else "\ncomputed per\nmini-batch\n(not exact)")
+        for r in rows
+    ]
+    ttft.set_xticks(range(len(rows)), labels, fontsize=8)
+    ttft.set_xlabel("prefill.mini_batch, prefill.placement")
+    ttft.set_ylabel("TTFT ms (median)")
+    ttft.set_title("time to first token")
+    ttft.legend(fontsize=7)
+    if kv:
+        recall = axes[0][1]
+        for key, label, style in (
+            ("False", "shadow's own prompt K/V", "o-"),
+            ("True", "main's prompt K/V", "s--"),
+        ):
+            points = [(int(t), r) for t, r in kv["recall_per_token"][key].items() if r is not None]
+            recall.plot([t for t, _ in points], [r for _, r in points], style, label=label)
+        recall.set_xlabel("decode token")
+        recall.set_ylabel("recall")
+        recall.set_title(f"alignment.prefill_kv: {kv['precision']} shadow, token alignment only", fontsize=9)
+        recall.legend(fontsize=8)
+    fig.suptitle(f"Batched prefill\n{subtitle}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, out)

@@ -10,6 +10,7 @@
     odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
     odmoe-bench suite=lossy             # lossy miss policies: perplexity / agreement vs speed
     odmoe-bench suite=lookahead         # timely recall, reloads, decode vs resident per alignment mode
+    odmoe-bench suite=prefill           # TTFT of batched prefill per mini-batch / placement vs one process
     odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
     odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
@@ -56,6 +57,7 @@ def run_suites(cfg: BenchConfig) -> None:
         grid,
         lookahead,
         lossy,
+        prefill,
         recall,
         security,
         soak,
@@ -76,6 +78,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "security": security.run,
         "lossy": lossy.run,
         "lookahead": lookahead.run,
+        "prefill": prefill.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.baselines import build, timed_generate
-from odmoe.benchmarks.config import SUITES
+from odmoe.benchmarks.config import SUITES, prefill_configuration
 from odmoe.benchmarks.predictors import FrequencyPredictor
 from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
 from odmoe.benchmarks.suites.recall import score
@@ -48,6 +48,16 @@ def test_bad_bench_config_is_refused():
         compose_bench(["suite=ablation", "ablation.cases=[1,9]"])
     with pytest.raises(ValueError, match="precision"):
         compose_bench(["suite=recall", "recall.precisions=[fp8]"])
+    with pytest.raises(ValueError, match="prefill.configurations"):
+        compose_bench(["suite=prefill", "prefill.configurations=['4:striped']"])
+
+
+def test_prefill_configurations_name_mini_batch_placement_and_per_mini_batch():
+    assert prefill_configuration("0:modulo") == (0, "modulo", False)
+    assert prefill_configuration("16:balanced:per_mini_batch") == (16, "balanced", True)
+    for bad in ("modulo", "-4:modulo", "4:modulo:exact", "4:balanced:per_mini_batch:x"):
+        with pytest.raises(ValueError, match="MINI_BATCH"):
+            prefill_configuration(bad)
 
 
 def test_frequency_predictor_picks_most_frequent_then_lowest_id():
@@ -185,4 +195,18 @@ def test_a_figure_is_redrawn_from_its_committed_results_file(suite, draw, tmp_pa
     data = json.loads((RESULTS / f"{suite}.json").read_text())
     out = tmp_path / f"{suite}.png"
     draw(data, out)
+    assert out.stat().st_size > 10_000
+
+
+@pytest.mark.parametrize("prompt_kv", [False, True])
+def test_prefill_figure_is_redrawn_from_the_earlier_scripts_results(prompt_kv, tmp_path):
+    """The suite writes its rows as the earlier benchmarks/prefill.py script did (the committed
+    prefill.json and prefill-prompt-kv.json), so its figure draws from them: the TTFT bars, and the
+    recall panel where there is one."""
+    data = json.loads((RESULTS / "prefill.json").read_text())
+    if prompt_kv:
+        kv = json.loads((RESULTS / "prefill-prompt-kv.json").read_text())["recall_per_token"]
+        data["prompt_kv"] = {"precision": "int8_dynamic", "lengths": [16, 64, 128], "recall_per_token": kv}
+    out = tmp_path / "prefill.png"
+    plots.prefill(data, out, "redrawn")
     assert out.stat().st_size > 10_000
