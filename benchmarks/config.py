@@ -21,6 +21,7 @@ SUITES = (
     "frontdoor",
     "security",
     "lossy",
+    "dataplane",
     "quick",
 )
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
@@ -186,6 +187,19 @@ class LossySuite:
 
 
 @dataclass
+class DataplaneSuite:
+    """A remote decode layer's cost against the raw ZeroMQ round trip (benchmarks/suites/dataplane.py)."""
+
+    rounds: int = 2000  # round trips per wire variant per repeat (codec: calls per repeat)
+    warmup_rounds: int = 200
+    repeats: int = 5  # wire variants interleaved this many times; the median of the medians counts
+    prompts: int = 2
+    prompt_tokens: int = 16
+    new_tokens: int = 48
+    layer_repeats: int = 3  # requests per prompt per system (reference, security on, off), interleaved
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -207,6 +221,7 @@ class BenchConfig:
     frontdoor: FrontdoorSuite = field(default_factory=FrontdoorSuite)
     security: SecuritySuite = field(default_factory=SecuritySuite)
     lossy: LossySuite = field(default_factory=LossySuite)
+    dataplane: DataplaneSuite = field(default_factory=DataplaneSuite)
     log_level: str = "WARNING"
 
 
@@ -245,5 +260,10 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("faults.at_token must lie in 1 .. new_tokens - 5 (gaps after it are measured)")
     if cfg.soak.clients < 1 or cfg.soak.requests < cfg.soak.clients:
         raise ValueError("soak.clients must be >= 1 and soak.requests >= soak.clients")
+    d = cfg.dataplane
+    if min(d.rounds, d.repeats, d.prompts, d.layer_repeats, d.prompt_tokens) < 1 or d.new_tokens < 2:
+        raise ValueError(
+            "dataplane: rounds, repeats, prompts, layer_repeats, prompt_tokens >= 1, new_tokens >= 2"
+        )
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")

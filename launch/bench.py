@@ -11,6 +11,7 @@
     odmoe-bench suite=lossy             # lossy miss policies: perplexity / agreement vs speed
     odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
     odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
+    odmoe-bench suite=dataplane         # a remote decode layer's cost against the raw ZeroMQ round trip
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -50,6 +51,7 @@ def run_suites(cfg: BenchConfig) -> None:
         ablation,
         alignment,
         compression,
+        dataplane,
         faults,
         frontdoor,
         grid,
@@ -73,6 +75,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "frontdoor": frontdoor.run,
         "security": security.run,
         "lossy": lossy.run,
+        "dataplane": dataplane.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)
