@@ -172,3 +172,22 @@ def test_with_a_shadow_the_serving_group_is_released_after_the_layer():
     sent = _decode_layer(_Shadow())
     assert [kind for _, kind in sent[-2:]] == ["release", "release"]
     assert sorted(w for w, kind in sent if kind == "release") == [0, 1]
+
+
+# -- main's split of a decode step -------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm"])
+def test_a_decode_steps_split_is_the_general_one(kernel, monkeypatch):
+    """The one-token shortcut gives the very rows (and order) the kernels' own tensor ops give."""
+    from odmoe import expert_math
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randperm(16, generator=g)[:k].view(1, k) for k in (1, 2, 4, 8) for _ in range(10)]
+    cases.append(torch.tensor([[3, 3]]))  # not distinct (no router does this): the general path
+    fast = [expert_math.split_by_expert(c, 16, kernel) for c in cases]
+    monkeypatch.setattr(expert_math, "_SLOTS", [])  # the shortcut off
+    for c, got in zip(cases, fast, strict=True):
+        want = expert_math.split_by_expert(c, 16, kernel)
+        assert [r.expert for r in got] == [r.expert for r in want]
+        for a, b in zip(got, want, strict=True):
+            assert a.token_idx.tolist() == b.token_idx.tolist() and a.slot_idx.tolist() == b.slot_idx.tolist()
+            assert a.token_idx.dtype == b.token_idx.dtype == torch.long
