@@ -23,6 +23,7 @@ SUITES = (
     "lossy",
     "lookahead",
     "prefill",
+    "dataplane",
     "quick",
 )
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
@@ -263,6 +264,19 @@ def prefill_configuration(text: str) -> tuple[int, str, bool]:
 
 
 @dataclass
+class DataplaneSuite:
+    """A remote decode layer's cost against the raw ZeroMQ round trip (benchmarks/suites/dataplane.py)."""
+
+    rounds: int = 2000  # round trips per wire variant per repeat (codec: calls per repeat)
+    warmup_rounds: int = 200
+    repeats: int = 5  # wire variants interleaved this many times; the median of the medians counts
+    prompts: int = 2
+    prompt_tokens: int = 16
+    new_tokens: int = 48
+    layer_repeats: int = 3  # requests per prompt per system (reference, security on, off), interleaved
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -286,6 +300,7 @@ class BenchConfig:
     lossy: LossySuite = field(default_factory=LossySuite)
     lookahead: LookaheadSuite = field(default_factory=LookaheadSuite)
     prefill: PrefillSuite = field(default_factory=PrefillSuite)
+    dataplane: DataplaneSuite = field(default_factory=DataplaneSuite)
     log_level: str = "WARNING"
 
 
@@ -333,5 +348,10 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("prefill: lengths must not be empty; repeats, threads and every length must be >= 1")
     if p.prompt_kv and not (p.prompt_kv_lengths and p.prompt_kv_tokens):
         raise ValueError("prefill.prompt_kv needs prompt_kv_lengths and prompt_kv_tokens")
+    d = cfg.dataplane
+    if min(d.rounds, d.repeats, d.prompts, d.layer_repeats, d.prompt_tokens) < 1 or d.new_tokens < 2:
+        raise ValueError(
+            "dataplane: rounds, repeats, prompts, layer_repeats, prompt_tokens >= 1, new_tokens >= 2"
+        )
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")

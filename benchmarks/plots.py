@@ -440,4 +440,31 @@ def prefill(report: dict, out: Path, subtitle: str) -> None:
         recall.legend(fontsize=8)
     fig.suptitle(f"Batched prefill\n{subtitle}", fontsize=10)
     fig.tight_layout()
+
+
+def dataplane(report: dict, out: Path, subtitle: str) -> None:
+    """Issue 13: the wire's round trips beside a remote decode layer's overhead, plain and CURVE."""
+    wire, over = report["wire_us"], report["layers"]["overhead_us_per_layer"]
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    groups = ("plain", "CURVE")
+    bars = {
+        "raw ZeroMQ round trip": [wire["raw_plain"]["median"], wire["raw_curve"]["median"]],
+        "round trip through odmoe's codec": [wire["codec_plain"]["median"], wire["codec_curve"]["median"]],
+        "decode layer: cluster - one process": [over["security_off"], over["security_on"]],
+    }
+    width = 0.8 / len(bars)
+    for i, (label, values) in enumerate(bars.items()):
+        xs = [g + (i - 1) * width for g in range(len(groups))]
+        drawn = ax.bar(xs, values, width, label=label, color=f"C{i}")
+        ax.bar_label(drawn, fmt="%.0f", fontsize=8)
+    raw = bars["raw ZeroMQ round trip"]
+    for g, r in enumerate(raw):
+        ax.hlines(2 * r, g - 0.45, g + 0.45, colors="C3", linestyles="dashed")
+    ax.plot([], [], "--", color="C3", label="goal: 2 x raw round trip")
+    ax.set_xticks(range(len(groups)), [f"security {'off' if g == 'plain' else 'on'} ({g})" for g in groups])
+    ax.set_ylabel("µs")
+    ax.set_title(
+        f"data plane: one decode layer's call ({report['row_bytes']} B row)\n{subtitle}", fontsize=10
+    )
+    ax.legend(fontsize=8)
     _save(fig, out)

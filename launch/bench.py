@@ -13,6 +13,7 @@
     odmoe-bench suite=prefill           # TTFT of batched prefill per mini-batch / placement vs one process
     odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
     odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
+    odmoe-bench suite=dataplane         # a remote decode layer's cost against the raw ZeroMQ round trip
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -52,6 +53,7 @@ def run_suites(cfg: BenchConfig) -> None:
         ablation,
         alignment,
         compression,
+        dataplane,
         faults,
         frontdoor,
         grid,
@@ -79,6 +81,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "lossy": lossy.run,
         "lookahead": lookahead.run,
         "prefill": prefill.run,
+        "dataplane": dataplane.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)

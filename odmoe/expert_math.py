@@ -30,8 +30,25 @@ class ExpertRows:
     slot_idx: torch.Tensor  # [n] long, position in top-k
 
 
+_ROW0 = torch.zeros(1, dtype=torch.long)  # token_idx of a one-token batch (never written to)
+_SLOTS = [torch.tensor([s]) for s in range(64)]  # slot_idx of each top-k position (never written to)
+
+
 def split_by_expert(top_k_index: torch.Tensor, num_experts: int, kernel: str = "eager") -> list[ExpertRows]:
     """Experts hit by this batch, ascending, each with its rows in that kernel's order."""
+    if (
+        top_k_index.shape[0] == 1
+        and top_k_index.shape[-1] <= len(_SLOTS)
+        and top_k_index.device.type == "cpu"
+    ):
+        # A decode step: one token, k distinct experts, one row each. Both kernels visit experts in
+        # ascending order with that single row: the same rows as below without a dozen tensor ops.
+        ids = top_k_index[0].tolist()
+        if len(set(ids)) == len(ids):
+            return [
+                ExpertRows(expert=e, token_idx=_ROW0, slot_idx=_SLOTS[s])
+                for s, e in sorted(enumerate(ids), key=lambda p: p[1])
+            ]
     if kernel == "grouped_mm":
         # grouped_mm sorts the flattened (token, slot) pairs by expert with this very call (not a
         # stable sort), then multiplies each expert's run of rows in that order.

@@ -264,10 +264,12 @@ class RemoteExperts:
         if decode:
             self.traffic.decode["wait_s"] += waited
             self.traffic.decode["layers"] += 1
-            # whatever the group preloaded for this layer and did not use is now stale
-            release = to_frames(Release(step))
-            for worker in self._serving(layer):
-                self.members.send(worker, release)
+            # whatever the group preloaded for this layer and did not use is now stale (without a
+            # shadow nothing is ever preloaded: two messages per layer saved, and two worker wake-ups)
+            if self.shadow is not None:
+                release = to_frames(Release(step))
+                for worker in self._serving(layer):
+                    self.members.send(worker, release)
         else:
             self.traffic.note_prefill_layer(layer, waited, len(groups))
         parts = [(rows, outputs[stand_in.get(rows.expert, rows.expert)]) for rows in groups]

@@ -1,0 +1,269 @@
+"""Suite `dataplane`: what a remote decode layer costs against the wire it travels on (issue 13).
+
+Measured in one run, on one machine, so the figures can be set against each other:
+
+1. wire: round trips of a message shaped like one decode layer's expert call (a ComputeExpert
+   header and one hidden row in, an ExpertResult header and one row out) between this process's
+   DEALER and a ROUTER in a process of its own (benchmarks/wire_echo.py): `raw` (the frames echoed,
+   nothing decoded: ZeroMQ's own cost) and `codec` (both ends encode and decode with odmoe's codec,
+   as main and a worker do), each plain and with CURVE. Variants are interleaved round by round so
+   load on the machine hits all of them alike; medians count.
+2. codec: encoding and decoding each message in-process, microseconds.
+3. layers: a resident-experts local cluster (`worker.resident=true`, no shadow: nothing is loaded,
+   so what remains is the data plane), security on and off, against the same model in this process
+   through transformers' `generate()` (one torch thread, as every cluster node has). Per decode
+   layer: (cluster's decode seconds per token - the reference's) / MoE layers. Requests are
+   interleaved over the three; tokens must be identical.
+
+The issue's goal: a remote decode layer costs at most ~2x the raw round trip (the layer overhead
+with security on against raw CURVE, off against raw plain).
+"""
+
+from __future__ import annotations
+
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+import zmq
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import odmoe
+from odmoe.benchmarks import plots
+from odmoe.benchmarks.baselines import timed_generate
+from odmoe.benchmarks.cluster_runs import cluster_words
+from odmoe.benchmarks.config import BenchConfig, DataplaneSuite
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.workload import prompt_ids
+from odmoe.checkpoint import Checkpoint
+from odmoe.main_model import resolve_dtype
+from odmoe.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
+
+WIRE = (("raw", "plain"), ("raw", "curve"), ("codec", "plain"), ("codec", "curve"))
+SYSTEMS = ("reference", "security_on", "security_off")
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    suite = cfg.dataplane
+    ckpt = Checkpoint(model_path)
+    row = torch.randn(1, ckpt.config.hidden_size).to(resolve_dtype("auto", ckpt))
+    print(f"-- wire: one decode layer's message, {row.numel() * row.element_size()} B row", flush=True)
+    wire = measure_wire(suite, row)
+    codec = measure_codec(suite, row)
+    print("-- layers: resident-experts cluster (security on, off) vs one process", flush=True)
+    layers = measure_layers(cfg, model_path, len(ckpt.moe_layers))
+    report = {
+        "hidden_size": ckpt.config.hidden_size,
+        "row_bytes": row.numel() * row.element_size(),
+        "moe_layers": len(ckpt.moe_layers),
+        "wire_us": wire,
+        "codec_us": codec,
+        "layers": layers,
+    }
+    report["goal"] = goal(report)
+    print_report(report)
+    out.write("dataplane", "dataplane", report)
+    plots.dataplane(report, out.path("dataplane", "png"), f"{model_path.rstrip('/').split('/')[-1]}")
+    return report
+
+
+# -- 1. wire ---------------------------------------------------------------------------------------
+def _message(row: torch.Tensor) -> tuple[ComputeExpert, list]:
+    step = Step("dataplane-0123456789abcdef", 17, 3)  # a request id as long as main's (uuid hex)
+    return ComputeExpert(step=step, expert=5, kernel="eager"), [row]
+
+
+def _echo(mode: str, security: str) -> tuple[subprocess.Popen, zmq.Socket]:
+    """One echo process and this process's DEALER connected to it."""
+    cmd = [sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
+    public = secret = b""
+    if security == "curve":
+        public, secret = zmq.curve_keypair()
+        cmd.append("--curve")
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    if secret:
+        proc.stdin.write(secret.decode() + "\n")
+        proc.stdin.flush()
+    port = int(proc.stdout.readline())
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if public:
+        sock.curve_serverkey = public
+        sock.curve_publickey, sock.curve_secretkey = zmq.curve_keypair()
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    return proc, sock
+
+
+def _round_trips(sock: zmq.Socket, mode: str, row: torch.Tensor, rounds: int) -> list[float]:
+    """Each round trip's seconds: raw sends fixed frames and touches nothing that comes back;
+    codec encodes the call and decodes the answer, as main's _send/_take do."""
+    message, tensors = _message(row)
+    fixed = [bytes(f) for f in to_frames(message, tensors)]
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        if mode == "raw":
+            sock.send_multipart(fixed, copy=False)
+            sock.recv_multipart(copy=False)
+        else:
+            sock.send_multipart(to_frames(message, tensors), copy=False)
+            result, rows = from_frames(sock.recv_multipart(copy=False))
+            assert isinstance(result, ExpertResult) and rows[0].shape == row.shape
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def measure_wire(suite: DataplaneSuite, row: torch.Tensor) -> dict:
+    """Median round trip in µs per variant (and each repeat's median, to show the spread)."""
+    ends = {v: _echo(*v) for v in WIRE}
+    try:
+        per_repeat: dict[str, list[float]] = {f"{m}_{s}": [] for m, s in WIRE}
+        for (mode, _), (_, sock) in ends.items():
+            _round_trips(sock, mode, row, suite.warmup_rounds)  # connect, handshake, first allocations
+        for _ in range(suite.repeats):
+            for (mode, security), (_, sock) in ends.items():
+                times = _round_trips(sock, mode, row, suite.rounds)
+                per_repeat[f"{mode}_{security}"].append(statistics.median(times) * 1e6)
+    finally:
+        for proc, sock in ends.values():
+            sock.close(0)
+            proc.stdin.close()
+            proc.wait(timeout=10)
+    return {k: {"median": statistics.median(v), "repeats": v} for k, v in per_repeat.items()}
+
+
+# -- 2. codec --------------------------------------------------------------------------------------
+def measure_codec(suite: DataplaneSuite, row: torch.Tensor) -> dict:
+    """µs to encode / decode each message of a decode layer's exchange, in this process."""
+    message, tensors = _message(row)
+    result = ExpertResult(message.step, message.expert, 0, 1e-4, 2e-4, 0, 123_456_789)
+    frames = {
+        "compute": [zmq.Frame(bytes(f)) for f in to_frames(message, tensors)],
+        "result": [zmq.Frame(bytes(f)) for f in to_frames(result, tensors)],
+    }
+    work = {
+        "encode_compute": lambda: to_frames(message, tensors),
+        "decode_compute": lambda: from_frames(frames["compute"]),
+        "encode_result": lambda: to_frames(result, tensors),
+        "decode_result": lambda: from_frames(frames["result"]),
+    }
+    samples: dict[str, list[float]] = {k: [] for k in work}
+    for _ in range(suite.repeats):
+        for name, fn in work.items():
+            for _ in range(50):
+                fn()
+            start = time.perf_counter()
+            for _ in range(suite.rounds):
+                fn()
+            samples[name].append((time.perf_counter() - start) / suite.rounds * 1e6)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+# -- 3. layers -------------------------------------------------------------------------------------
+def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int) -> dict:
+    suite = cfg.dataplane
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = [prompt_ids(tok, 200 + i, suite.prompt_tokens) for i in range(suite.prompts)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every node of a local cluster (cluster.torch_threads=1)
+    reference = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    clusters = {}
+    rows: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
+    differ = 0
+    try:
+        for system in SYSTEMS[1:]:
+            on = "true" if system == "security_on" else "false"
+            words = cluster_words(
+                cfg, "worker.resident=true", "shadow.enabled=false", f"security.enabled={on}"
+            )
+            clusters[system] = odmoe.LocalCluster(model_path, overrides=words).start()
+        for system in SYSTEMS:  # warm-up: first-request costs are not the data plane's
+            _generate(system, reference, clusters, prompts[0], 4)
+        for r in range(suite.layer_repeats):
+            for i, ids in enumerate(prompts):
+                order = SYSTEMS[(r + i) % 3 :] + SYSTEMS[: (r + i) % 3]
+                tokens = {}
+                for system in order:
+                    row = _generate(system, reference, clusters, ids, suite.new_tokens)
+                    tokens[system] = row.pop("token_ids")
+                    rows[system].append(row)
+                differ += any(t != tokens["reference"] for t in tokens.values())
+    finally:
+        torch.set_num_threads(threads)
+        for cluster in clusters.values():
+            cluster.stop()
+    per_token = {s: statistics.median(r["decode_s_per_token"] for r in rows[s]) for s in SYSTEMS}
+    summary = {
+        "prompts": suite.prompts,
+        "repeats": suite.layer_repeats,
+        "new_tokens": suite.new_tokens,
+        "token_sequences_differing": differ,
+        "decode_ms_per_token": {s: v * 1e3 for s, v in per_token.items()},
+        # per decode layer, above the same layer in one process
+        "overhead_us_per_layer": {
+            s: (per_token[s] - per_token["reference"]) / moe_layers * 1e6 for s in SYSTEMS[1:]
+        },
+        # main blocked on workers per decode layer, and one expert's compute on a worker
+        "wait_us_per_layer": {s: _median(rows[s], "wait_us_per_layer") for s in SYSTEMS[1:]},
+        "worker_compute_us_per_expert": {s: _median(rows[s], "compute_us_per_expert") for s in SYSTEMS[1:]},
+        "rows": rows,
+    }
+    return summary
+
+
+def _generate(system: str, reference, clusters: dict, ids: list[int], new_tokens: int) -> dict:
+    if system == "reference":
+        run = timed_generate(reference, ids, new_tokens)
+        decode_tokens = run["new_tokens"] - 1
+        return {
+            "decode_s_per_token": 1 / run["decode_tokens_per_s"] if decode_tokens else None,
+            "token_ids": run["token_ids"],
+        }
+    result = clusters[system].client.generate(ids, max_new_tokens=new_tokens)
+    d = result.stats["decode"]
+    return {
+        "decode_s_per_token": d["seconds"] / d["tokens"],
+        "wait_us_per_layer": d["wait_s"] / d["layers"] * 1e6,
+        "compute_us_per_expert": d["compute_s"] / d["experts"] * 1e6,
+        "token_ids": result.token_ids,
+    }
+
+
+def _median(rows: list[dict], key: str) -> float:
+    return statistics.median(r[key] for r in rows)
+
+
+# -- the verdict -----------------------------------------------------------------------------------
+def goal(report: dict) -> dict:
+    """The issue's figure: layer overhead / raw round trip, security on against CURVE, off against plain."""
+    wire, over = report["wire_us"], report["layers"]["overhead_us_per_layer"]
+    return {
+        "security_on": over["security_on"] / wire["raw_curve"]["median"],
+        "security_off": over["security_off"] / wire["raw_plain"]["median"],
+        "target": 2.0,
+    }
+
+
+def print_report(report: dict) -> None:
+    w, c, lay = report["wire_us"], report["codec_us"], report["layers"]
+    print(f"\nround trip of one decode layer's call ({report['row_bytes']} B row), µs, median:")
+    print(f"{'':<8}{'plain':>10}{'CURVE':>10}")
+    for mode in ("raw", "codec"):
+        print(f"{mode:<8}{w[f'{mode}_plain']['median']:10.1f}{w[f'{mode}_curve']['median']:10.1f}")
+    print("codec in-process, µs: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()))
+    ms = lay["decode_ms_per_token"]
+    print(
+        f"decode ms/token: one process {ms['reference']:.2f}, cluster security on {ms['security_on']:.2f}, "
+        f"off {ms['security_off']:.2f} ({report['moe_layers']} MoE layers; "
+        f"token sequences differing: {lay['token_sequences_differing']})"
+    )
+    for s in ("security_on", "security_off"):
+        raw = w["raw_curve" if s == "security_on" else "raw_plain"]["median"]
+        print(
+            f"{s:<13} overhead per decode layer {lay['overhead_us_per_layer'][s]:8.1f} µs "
+            f"= {report['goal'][s]:.2f} x raw round trip ({raw:.1f} µs); main waited "
+            f"{lay['wait_us_per_layer'][s]:.1f} µs per layer, worker computed "
+            f"{lay['worker_compute_us_per_expert'][s]:.1f} µs per expert"
+        )

@@ -1,0 +1,193 @@
+"""The per-layer data plane's fast paths (issue 13.4): the hand-written header encoding is the same
+wire format asdict wrote, decoding checks exactly what it did, and main sends no message per layer
+that nothing needs. Timings are the `dataplane` suite's, never asserted here."""
+
+import warnings
+from dataclasses import asdict
+
+import msgpack
+import pytest
+import torch
+import zmq
+
+from odmoe.codec import CodecError, decode, encode
+from odmoe.membership import Membership
+from odmoe.messages import (
+    _ALL,
+    Align,
+    ComputeExpert,
+    ExpertResult,
+    Pong,
+    Prediction,
+    Release,
+    Step,
+    from_frames,
+    to_frames,
+)
+from odmoe.messages import (
+    Membership as MembershipMessage,
+)
+from odmoe.placement import Topology
+from odmoe.remote_experts import RemoteExperts
+
+STEP = Step("r-1", 3, 2)
+SAMPLES = [
+    ComputeExpert(step=STEP, expert=6, kernel="eager", part=1, parts=3, per_part=True),
+    ExpertResult(STEP, 6, 1, 0.5, 0.25, 7, 8, error="", preloaded=True, part=2, waited_s=0.125),
+    Pong(1, [0, 2], 10, 11, [8.0, 0.1], 12),
+    Release(STEP),
+    Prediction(STEP, [1, 4], [1, 4, 5], [0.5, 0.25, 0.125]),
+    Align("r-1", 4, 9, True, 1.5),
+    MembershipMessage([0, 1], "tcp://127.0.0.1:5"),
+]
+
+
+def test_samples_cover_every_kind_with_steps():
+    assert {type(m) for m in SAMPLES} >= {cls for cls in _ALL if "step" in cls.__dataclass_fields__}
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.kind)
+def test_header_is_the_wire_format_asdict_wrote(message):
+    """Peers of an older build decode what this one sends, and the other way round."""
+    tensors = [torch.ones(1, 2)] if message.kind == "compute" else []
+    meta = [["float32", [1, 2]]] if tensors else []
+    frames = to_frames(message, tensors)
+    assert msgpack.unpackb(frames[0]) == {**asdict(message), "_tensors": meta}
+    assert from_frames([msgpack.packb({**asdict(message), "_tensors": meta}), *frames[1:]])[0] == message
+
+
+@pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.kind)
+def test_every_kind_round_trips_through_received_frames(message):
+    tensors = [torch.ones(2, 3)] if message.kind == "compute" else []
+    frames = [zmq.Frame(bytes(f)) for f in to_frames(message, tensors)]  # as recv_multipart(copy=False)
+    back, got = from_frames(frames)
+    assert back == message and type(back.step if hasattr(back, "step") else back) is not dict
+    assert [t.tolist() for t in got] == [t.tolist() for t in tensors]
+
+
+def _compute_header(**changes) -> bytes:
+    h = {**asdict(ComputeExpert(step=STEP, expert=6, kernel="eager")), "_tensors": [["float32", [1, 2]]]}
+    h.update(changes)
+    return msgpack.packb(h)
+
+
+@pytest.mark.parametrize(
+    "changes, match",
+    [
+        ({"expert": True}, "bool"),
+        ({"expert": 1.5}, "float, not int"),
+        ({"kernel": 3}, "int, not str"),
+        ({"per_part": 1}, "int, not bool"),
+        ({"step": {"request": "r", "iteration": 1}}, "not a step"),
+        ({"step": {"request": "r", "iteration": 1, "layer": 2, "x": 0}}, "not a step"),
+        ({"step": {"request": "r", "iteration": 1, "lay": 2}}, "not a step"),
+        ({"step": ["r", 1, 2]}, "not a step"),
+        ({"step": {"request": b"r", "iteration": 1, "layer": 2}}, "step.request"),
+        ({"step": {"request": "r", "iteration": False, "layer": 2}}, "bool"),
+    ],
+)
+def test_field_checks_refuse_what_they_refused_before(changes, match):
+    with pytest.raises(CodecError, match=match):
+        from_frames([_compute_header(**changes), b"\0" * 8])
+
+
+def test_an_int_for_a_float_field_becomes_a_float_and_lists_are_checked_per_item():
+    h = {**asdict(Prediction(STEP, [1], [1, 2], [0.5, 0.5])), "probs": [1, 0.5], "_tensors": []}
+    back, _ = from_frames([msgpack.packb(h)])
+    assert back.probs == [1.0, 0.5] and type(back.probs[0]) is float
+    h["experts"] = [1, "2"]
+    with pytest.raises(CodecError, match="str, not int"):
+        from_frames([msgpack.packb(h)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool])
+def test_received_frames_decode_without_a_warning_and_bit_exact(dtype):
+    t = (torch.randn(3, 5) * 100).to(dtype)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for frames in (encode({}, [t]), [zmq.Frame(bytes(f)) for f in encode({}, [t])]):
+            _, (back,) = decode(frames)
+            assert back.dtype == dtype and torch.equal(back.view(torch.uint8), t.view(torch.uint8))
+
+
+def test_encoding_does_not_copy_a_contiguous_row_and_copies_a_view():
+    t = torch.arange(8, dtype=torch.float32).view(2, 4)
+    frames = encode({}, [t])
+    t[0, 0] = 42.0  # the frame is the tensor's memory: zero-copy until ZeroMQ takes it
+    assert torch.frombuffer(bytearray(frames[1]), dtype=torch.float32)[0] == 42.0
+    _, (back,) = decode(encode({}, [t.t()]))
+    assert torch.equal(back, t.t())
+    with torch.enable_grad():
+        g = torch.ones(2, 2, requires_grad=True)
+        _, (back,) = decode(encode({}, [g]))
+    assert torch.equal(back, torch.ones(2, 2))
+
+
+# -- main's messages per layer -----------------------------------------------------------------------
+class _Workers(Membership):
+    """Membership without sockets: each ComputeExpert is answered at once with its rows doubled."""
+
+    def __init__(self, topology: Topology):
+        self.topology, self.pongs, self.events = topology, {}, []
+        self.links = {w: None for w in range(topology.workers)}
+        self.sent: list[tuple[int, str]] = []
+        self.inbox: list[tuple[int, list]] = []
+
+    def send(self, worker, frames, copy=True):
+        message, tensors = from_frames(frames)
+        self.sent.append((worker, message.kind))
+        if isinstance(message, ComputeExpert):
+            result = ExpertResult(message.step, message.expert, worker, 0.0, 0.0, 0, 0)
+            self.inbox.append((worker, to_frames(result, [tensors[0] * 2])))
+        return True
+
+    def wait(self, timeout_ms):
+        received, self.inbox = self.inbox, []
+        return received, []
+
+
+class _Shadow:
+    pub_address = ""
+
+    def prediction(self, step):
+        return None
+
+
+def _decode_layer(shadow) -> list[tuple[int, str]]:
+    members = _Workers(Topology(workers=2, group_size=2))
+    experts = RemoteExperts(members, num_experts=4, kernel="eager", shadow=shadow)
+    experts.begin("r", 1)
+    hidden = torch.randn(1, 8)
+    out = experts(0, hidden, torch.tensor([[1, 3]]), torch.tensor([[0.75, 0.25]]))
+    assert torch.equal(out, (hidden * 2 * 0.75) + (hidden * 2 * 0.25))
+    return members.sent
+
+
+def test_without_a_shadow_a_decode_layer_sends_only_its_expert_calls():
+    """Nothing is ever preloaded without a shadow, so a Release would only wake the workers."""
+    assert sorted(kind for _, kind in _decode_layer(None)) == ["compute", "compute"]
+
+
+def test_with_a_shadow_the_serving_group_is_released_after_the_layer():
+    sent = _decode_layer(_Shadow())
+    assert [kind for _, kind in sent[-2:]] == ["release", "release"]
+    assert sorted(w for w, kind in sent if kind == "release") == [0, 1]
+
+
+# -- main's split of a decode step -------------------------------------------------------------------
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm"])
+def test_a_decode_steps_split_is_the_general_one(kernel, monkeypatch):
+    """The one-token shortcut gives the very rows (and order) the kernels' own tensor ops give."""
+    from odmoe import expert_math
+
+    g = torch.Generator().manual_seed(0)
+    cases = [torch.randperm(16, generator=g)[:k].view(1, k) for k in (1, 2, 4, 8) for _ in range(10)]
+    cases.append(torch.tensor([[3, 3]]))  # not distinct (no router does this): the general path
+    fast = [expert_math.split_by_expert(c, 16, kernel) for c in cases]
+    monkeypatch.setattr(expert_math, "_SLOTS", [])  # the shortcut off
+    for c, got in zip(cases, fast, strict=True):
+        want = expert_math.split_by_expert(c, 16, kernel)
+        assert [r.expert for r in got] == [r.expert for r in want]
+        for a, b in zip(got, want, strict=True):
+            assert a.token_idx.tolist() == b.token_idx.tolist() and a.slot_idx.tolist() == b.slot_idx.tolist()
+            assert a.token_idx.dtype == b.token_idx.dtype == torch.long
