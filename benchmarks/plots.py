@@ -440,6 +440,7 @@ def prefill(report: dict, out: Path, subtitle: str) -> None:
         recall.legend(fontsize=8)
     fig.suptitle(f"Batched prefill\n{subtitle}", fontsize=10)
     fig.tight_layout()
+    _save(fig, out)
 
 
 def dataplane(report: dict, out: Path, subtitle: str) -> None:
