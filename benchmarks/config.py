@@ -207,9 +207,11 @@ class LookaheadSuite:
     prompt_tokens: int = 32
     new_tokens: int = 128
     max_ahead: int = 2
-    hedge_margin: float = 0.05
+    hedge_margin: float = 0.02
     hedge_slots: int = 3  # worker.slots of the hedged system: one more than lookahead fills
-    pin: bool = True  # also run speculative and resident with main on CPU 0, shadow + workers on CPU 1
+    pin: bool = True  # also run speculative, hedged, resident pinned: the shadow on CPU 1, the rest on CPU 0
+    pinned_only: bool = False  # only the pinned runs
+    hedging: bool = True  # part 2 (the replay)
     # part 2: hedging recall on main's trajectory (no clock)
     hedge_precisions: list[str] = field(default_factory=lambda: ["nf4", "int8_dynamic"])
     hedge_margins: list[float] = field(default_factory=lambda: [0.0, 0.01, 0.02, 0.05, 0.1, 0.2])

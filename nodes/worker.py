@@ -46,6 +46,7 @@ from odmoe.dropped import DropLog
 from odmoe.expert_math import KERNELS, expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
 from odmoe.faults import FaultTrigger
+from odmoe.hedging import hedge_rank
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import parse_bytes, peak_rss_bytes
 from odmoe.messages import (
@@ -290,19 +291,30 @@ class WorkerNode:
             if slot.tag == (self.request, iteration) and slot.holds[0] == layer and slot.holds[1] not in keep:
                 self._evict(slot)
 
+    def _latest_hedge(self) -> Slot | None:
+        held = [s for s in self.slots.held() if s.index in self.hedged]
+        return max(held, key=lambda s: hedge_rank(_position(s))) if held else None
+
     def _can_preload(self) -> bool:
-        if self.preloads:
-            return self.slots.free > 0 or any(s.index in self.hedged for s in self.slots.held())
-        return bool(self.hedge_queue) and self.slots.free > 0
+        if self.slots.free:
+            return bool(self.preloads or self.hedge_queue)
+        latest = self._latest_hedge()  # a confident preload needed sooner may take a hedge's slot
+        if not self.preloads or latest is None:
+            return False
+        return self.preloads[0][:2] < hedge_rank(_position(latest))
 
     def _preload_next(self) -> None:
-        """The earliest confident preload (evicting a hedge when no slot is free), else a hedge."""
-        hedge = not self.preloads
+        """Whatever main needs first: confident preloads by position, hedges ranked `HEDGE_LAG` layers
+        later than their own (they outrank confident preloads further ahead, whose slots would sit
+        idle). With no free slot, the confident preload takes the slot of the latest-ranked hedge."""
+        hedge = bool(self.slots.free and self.hedge_queue) and (
+            not self.preloads or hedge_rank(self.hedge_queue[0][:2]) < self.preloads[0][:2]
+        )  # no free slot: _can_preload found a confident preload that outranks a held hedge
         iteration, layer, expert = heapq.heappop(self.hedge_queue if hedge else self.preloads)
         if (iteration, layer) <= self.done:
             return
         if not self.slots.free:
-            self._evict(max((s for s in self.slots.held() if s.index in self.hedged), key=_position))
+            self._evict(self._latest_hedge())
         slot = self.slots.load_async((layer, expert), tag=(self.request, iteration))
         if hedge:
             self.hedged.add(slot.index)

@@ -7,13 +7,23 @@ If main's router swaps the two, the hedge is the expert main asks for, so it sho
 main will send that expert's rows: on the worker that preloaded the k-th (the one it would
 replace). Main places a missed expert that was hedged there (`Topology.repair_placement`).
 
-A hedge is a low-priority preload on the worker (nodes/worker.py): it takes a slot only when no
-confident preload is waiting for one, and a confident preload that finds no free slot evicts it.
-So hedging needs a slot that would otherwise sit idle (`worker.slots` above what lookahead fills),
-and every hedge load is counted: the bytes it costs are reported beside the bytes it saved.
+A hedge is a low-priority preload on the worker (nodes/worker.py). It is ranked as if it were
+needed `HEDGE_LAG` layers after its own: before the confident preloads of layers further ahead
+(a slot holding one of those would only sit waiting), after the confident preloads of its own and
+the next layer. A confident preload that finds no free slot takes the slot of a hedge ranked after
+it, never the other way round. With speculative alignment the shadow runs iterations ahead, so
+without that ranking every slot would always hold a far-ahead confident preload and no hedge would
+ever load. Every hedge load is counted: the bytes it costs are reported beside the hits it made.
 """
 
 from __future__ import annotations
+
+HEDGE_LAG = 1  # layers
+
+
+def hedge_rank(position: tuple[int, int]) -> tuple[int, int]:
+    """The (iteration, layer) a hedge for `position` competes for a slot as."""
+    return position[0], position[1] + HEDGE_LAG
 
 
 def hedges_of(candidates: list[int], probs: list[float], top_k: int, margin: float) -> list[int]:

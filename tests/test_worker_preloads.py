@@ -88,14 +88,31 @@ def _hedged(worker):
     assert worker.hedge_counts[0] == 1
 
 
-def test_a_hedge_never_keeps_a_slot_from_a_confident_preload(worker):
-    _hedged(worker)
-    worker.queue_preloads(Prediction(Step("r", 1, 2), [1, 7], [1, 7, 2], [0.5, 0.3, 0.2]))
+def test_a_hedge_never_keeps_a_slot_from_a_confident_preload_needed_sooner(worker):
+    # worker 0 serves layers 0 and 2 (2 slots). Layer 2's prediction comes first, with a hedge.
+    worker.queue_preloads(Prediction(Step("r", 1, 2), [5, 3], [5, 3, 6], [0.5, 0.26, 0.24], hedges=[6]))
+    worker._preload_next()
+    worker._preload_next()
+    assert {slot.holds for slot in worker.slots.held()} == {(2, 3), (2, 6)}
+    # then layer 0's (a speculative shadow rolled back, say): needed before the hedge's layer
+    worker.queue_preloads(Prediction(Step("r", 1, 0), [1, 7], [1, 7, 2], [0.5, 0.3, 0.2]))
     assert worker._can_preload()  # no free slot, but the hedge's is taken back
     worker._preload_next()
-    assert {slot.holds for slot in worker.slots.held()} == {(0, 3), (2, 1)}
+    assert {slot.holds for slot in worker.slots.held()} == {(2, 3), (0, 1)}
     loads, used, nbytes = worker.hedge_counts
     assert (loads, used) == (1, 0) and nbytes > 0  # the extra bytes are counted
+
+
+def test_a_hedge_outranks_confident_preloads_far_ahead(worker):
+    """With speculative lookahead the confident queue is never empty: a hedge for an early layer
+    must still load before a confident preload iterations ahead (whose slot would sit idle)."""
+    worker.queue_preloads(Prediction(Step("r", 1, 0), [5, 3], [5, 3, 6], [0.5, 0.26, 0.24], hedges=[6]))
+    worker.queue_preloads(Prediction(Step("r", 2, 0), [1, 7], [1, 7, 2], [0.5, 0.3, 0.2]))
+    worker._preload_next()  # (1, 0) expert 3
+    worker._preload_next()  # the hedge (ranked as layer 1) before iteration 2's layer 0
+    assert {slot.holds for slot in worker.slots.held()} == {(0, 3), (0, 6)}
+    assert not worker._can_preload()  # iteration 2's preload waits: it does not evict the hedge
+    assert worker.preloads == [(2, 0, 1)]
 
 
 def test_a_hedged_expert_main_asks_for_is_a_hit(worker):

@@ -10,9 +10,11 @@ on the suite's emulated link (the grid's settings):
 - `lru_offloader`: one process with an LRU expert cache over the same link (the grid's baseline).
 Per system: timely recall (predictions that were at main when it needed them), recall, reloads
 per decoded token, decode tokens/s against resident, lookahead (layers and iterations), rollbacks,
-hedge bytes, the periods a tuned plan chose. With `pin`, the speculative and resident clusters run
-again with main alone on CPU 0 and the shadow and workers on CPU 1 (`taskset`): on two shared cores
-the shadow's CPU time competes with main's, and pinning shows how much of a result that decides.
+hedge bytes, the periods a tuned plan chose. With `pin`, the speculative, hedged and resident
+clusters run again pinned with `taskset`: the shadow alone on CPU 1, main and the workers on CPU 0.
+On two shared cores the shadow's CPU time competes with main's; giving it a core of its own (as a
+shadow box of its own would) shows how much of a result that decides. Main and the workers take
+turns (main waits for the workers, they wait for main), so they share a core at little cost.
 
 Part 2, hedging without the clock (benchmarks/replay.py): each precision's shadow re-played on
 main's greedy trajectory with token + K/V alignment; recall with and without the hedges of each
@@ -56,12 +58,12 @@ def _systems(cfg: BenchConfig) -> dict[str, list[str]]:
     }
 
 
-PINNED = ("speculative", "resident_workers")
+PINNED = ("speculative", "hedged", "resident_workers")
 
 
 def _pinned(name: str) -> NodePlacement:
-    """main alone on CPU 0; the shadow and every worker on CPU 1."""
-    return NodePlacement(prefix=["taskset", "-c", "0" if name == "main" else "1"])
+    """The shadow alone on CPU 1; main and every worker on CPU 0."""
+    return NodePlacement(prefix=["taskset", "-c", "1" if name == "shadow" else "0"])
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -74,6 +76,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     for precision in suite.precisions:
         for name in suite.systems:
             variants = [False, True] if pin and name in PINNED else [False]
+            if suite.pinned_only:
+                variants = [True] if pin and name in PINNED else []
             if name == "resident_workers" and precision != suite.precisions[0]:
                 continue  # no shadow: one run serves every precision
             for pinned in variants:
@@ -92,8 +96,9 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     identical = len({tuple(map(tuple, r.pop("token_ids"))) for r in rows}) == 1
     _print_table(rows)
     print(f"tokens identical across systems: {identical}")
-    hedging = _hedging(cfg, model_path, tokenizer)
-    report = {"rows": rows, "tokens_identical": identical, "hedging": hedging, "pinned": pin}
+    hedging = _hedging(cfg, model_path, tokenizer) if suite.hedging else []
+    pinning = "the shadow on CPU 1, main and the workers on CPU 0" if pin else None
+    report = {"rows": rows, "tokens_identical": identical, "hedging": hedging, "pinned": pinning}
     out.write("lookahead", "lookahead", report)
     plots.lookahead(report, out.path("lookahead", "png"), out.describe(suite.new_tokens))
     return report
