@@ -7,6 +7,8 @@ on the suite's emulated link (the grid's settings):
 - `hedged`: speculative + hedged prefetch (`shadow.hedge_margin`, one more device slot per worker);
 - `tuned`: wait mode with `alignment.tune=true` (periods adapted from the wrong predictions seen);
 - `resident_workers`: the same cluster with every expert resident and no shadow (the ceiling);
+- `resident_with_shadow` (not in the default list, a diagnosis): resident experts *and* a speculative
+  shadow: what the shadow's CPU time and the prediction protocol cost without any load;
 - `lru_offloader`: one process with an LRU expert cache over the same link (the grid's baseline).
 Per system: timely recall (predictions that were at main when it needed them), recall, reloads
 per decoded token, decode tokens/s against resident, lookahead (layers and iterations), rollbacks,
@@ -55,6 +57,10 @@ def _systems(cfg: BenchConfig) -> dict[str, list[str]]:
         ],
         "tuned": ["alignment.tune=true", "alignment.token_period=1", "alignment.kv_period=1"],
         "resident_workers": ["worker.resident=true", "shadow.enabled=false"],
+        # a diagnosis, not a system: every expert resident, yet a speculative shadow running and
+        # main doing all of its prediction bookkeeping (the workers ignore predictions): what the
+        # shadow's CPU and protocol cost without a single load
+        "resident_with_shadow": ["worker.resident=true", "alignment.mode=speculative"],
     }
 
 
