@@ -394,7 +394,8 @@ def lookahead(report: dict, out: Path, subtitle: str) -> None:
     hedge.set_xlabel("extra expert loads (%)")
     hedge.set_ylabel("recall with hedges")
     hedge.set_title("hedged prefetch (labels: margin)")
-    hedge.legend(fontsize=8)
+    if report["hedging"]:
+        hedge.legend(fontsize=8)
     fig.suptitle(subtitle, fontsize=9)
     _save(fig, out)
 
