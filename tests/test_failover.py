@@ -117,6 +117,7 @@ def test_a_slow_load_is_not_a_lost_worker(model_dirs, reap_children):
     assert got.stats["failover"]["events"] == [] and got.stats["worker_load_s"] > 1.5
 
 
+@pytest.mark.extended  # 50 s: beyond the default run's budget, CI runs it
 def test_main_killed_then_the_standby_frozen_the_client_resumes_each_time(model_dirs, reap_children):
     path = model_dirs["olmoe"]
     iteration = RNG.randrange(2, 12)

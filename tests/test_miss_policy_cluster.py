@@ -68,7 +68,12 @@ def test_buddy_substitutes_only_buddies_within_budget_and_says_so(model_dirs, mi
     ("policy", "open_gate", "closed_gate"),
     [
         ("buddy", ["miss.tae_threshold=0.0"], ["miss.tae_threshold=1.0"]),  # TAE never exceeds 1
-        ("importance", ["miss.importance_alpha=50"], ["miss.importance_alpha=0.0"]),  # α=0: none is low
+        pytest.param(  # α=0: none is low (a minute: the extended run)
+            "importance",
+            ["miss.importance_alpha=50"],
+            ["miss.importance_alpha=0.0"],
+            marks=pytest.mark.extended,
+        ),
     ],
 )
 def test_a_closed_gate_reloads_and_stays_exact(policy, open_gate, closed_gate, model_dirs, mixtral_profile):
