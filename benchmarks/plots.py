@@ -20,6 +20,14 @@ def _save(fig, out: Path) -> None:
     print(f"wrote {out}", flush=True)
 
 
+def _label_bars(ax, bars, labels: list[str | None]) -> None:
+    """Write each label (None: none) just above its bar."""
+    for bar, label in zip(bars, labels, strict=True):
+        if label is not None:
+            x = bar.get_x() + bar.get_width() / 2
+            ax.text(x, bar.get_height(), label, ha="center", va="bottom", fontsize=7)
+
+
 def ablation(rows: list[dict], out: Path, subtitle: str) -> None:
     """Fig. 8: decode tokens/s per case as a box over requests, stall per token beside it."""
     fig, (speed, stall) = plt.subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"width_ratios": [3, 2]})
@@ -30,16 +38,7 @@ def ablation(rows: list[dict], out: Path, subtitle: str) -> None:
     speed.set_ylabel("decode tokens/s")
     speed.set_title("decode speed (box: requests, diamond: mean)")
     bars = stall.bar(range(len(rows)), [r["stall_ms_per_token"] for r in rows], color="C1")
-    for bar, r in zip(bars, rows, strict=True):
-        if r["recall"] is not None:
-            stall.text(
-                bar.get_x() + bar.get_width() / 2,
-                bar.get_height(),
-                f"recall\n{r['recall']:.2f}",
-                ha="center",
-                va="bottom",
-                fontsize=7,
-            )
+    _label_bars(stall, bars, [None if r["recall"] is None else f"recall\n{r['recall']:.2f}" for r in rows])
     stall.set_xticks(range(len(rows)), [str(r["case"]) for r in rows])
     stall.set_xlabel("case")
     stall.set_ylabel("stall ms per decode token")
@@ -372,16 +371,8 @@ def lookahead(report: dict, out: Path, subtitle: str) -> None:
     x = range(len(rows))
     speeds, spread = [r["decode_tokens_per_s"] for r in rows], [r["decode_sd"] for r in rows]
     bars = speed.bar(x, speeds, yerr=spread, color="C0", capsize=3)
-    for bar, r in zip(bars, rows, strict=True):
-        if r.get("timely_recall") is not None:
-            speed.text(
-                bar.get_x() + bar.get_width() / 2,
-                bar.get_height(),
-                f"in time\n{r['timely_recall']:.3f}",
-                ha="center",
-                va="bottom",
-                fontsize=7,
-            )
+    timely = [r.get("timely_recall") for r in rows]
+    _label_bars(speed, bars, [None if t is None else f"in time\n{t:.3f}" for t in timely])
     speed.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
     speed.set_ylabel("decode tokens/s")
     speed.set_title("decode speed and timely recall per system")
