@@ -59,6 +59,55 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
     return 0
 
 
+def run_ray(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    """Place the cluster on a running Ray cluster, print where each node landed and the main
+    address, relay node logs and Ray's restarts, and stop every actor on Ctrl-C."""
+    from odmoe.launch.ray_cluster import RayCluster, RayUnavailable, placement_table
+
+    try:
+        cluster = RayCluster(cfg, overrides)
+        cluster.start()
+    except (CheckpointError, UnsupportedModelError, ValueError, RayUnavailable) as exc:
+        print(f"odmoe-launch: {exc}", file=sys.stderr)
+        return BAD_INPUT
+    except ClusterStartError as exc:
+        print(f"odmoe-launch: {exc}", file=sys.stderr)
+        return 1
+    try:
+        print(f"odmoe: placed on Ray in {cluster.start_s:.1f} s:", file=sys.stderr)
+        print(placement_table(cluster.placement), file=sys.stderr)
+        print(f"odmoe: main at {', '.join(cluster.main_addresses)} (odmoe.Client)", file=sys.stderr)
+        for url in filter(None, cluster.http_urls):
+            key = f" --key-dir {cluster.key_dir}" if cluster.key_dir else ""
+            print(
+                f"odmoe: OpenAI-compatible API at {url}/v1; try: odmoe-chat --url {url}{key}", file=sys.stderr
+            )
+        print("odmoe: Ctrl-C stops every node", file=sys.stderr, flush=True)
+        return _watch(cluster)
+    except KeyboardInterrupt:
+        print("\nodmoe-launch: interrupted; stopping every node", file=sys.stderr)
+        return 130
+    finally:
+        cluster.stop()
+
+
+def _watch(cluster) -> int:
+    """Say when Ray restarts a node elsewhere or one dies; end when no main is left."""
+    last = {name: info["where"] for name, info in cluster.placement.items()}
+    while True:
+        time.sleep(2.0)
+        state = cluster.watch()
+        for name, now in state.items():
+            seen = now if isinstance(now, str) else now["where"]
+            if seen != last.get(name):
+                where = seen if isinstance(now, str) else f"up on {seen} at {now['address']}"
+                print(f"odmoe: {name}: {where}", file=sys.stderr, flush=True)
+                last[name] = seen
+        if all(state[n] == "dead" for n in state if n.startswith("main")):
+            print("odmoe-launch: every main is gone; stopping the cluster", file=sys.stderr)
+            return 1
+
+
 def run_local(cfg: OdmoeConfig, overrides: list[str]) -> int:
     skip = ("role=", "prompt=", "max_new_tokens=", "model.path=", "serve=")
     passthrough = [w for w in overrides if not w.startswith(skip)]

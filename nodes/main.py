@@ -124,6 +124,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.experts.ping_all(cfg.worker.ready_timeout_s)
         self.connect_s = time.perf_counter() - connect_start
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
+        self.shadow_where = cfg.cluster.shadow_where  # a rejoining shadow says where it now runs
         self.heartbeat = heartbeat
         # a random or speculative shadow is paced by main: it hears of every iteration
         pace = cfg.shadow.mode == "random" or cfg.alignment.mode == "speculative"
@@ -292,6 +293,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             ],
             "live_workers": sorted(members.live),
             "shadow": None if shadow is None else {"address": shadow.address, "up": shadow.control.connected},
+            "placement": self._placement(),
         }
         return odmoe_pb2.InfoReply(
             model_path=self.model_path,
@@ -300,6 +302,17 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             group_size=self.cfg.cluster.group_size,
             info_json=json.dumps(info),
         )
+
+    def _placement(self) -> dict[str, str]:
+        """Where each node runs, as its launcher named it (cluster.where; "" where none did): a
+        worker's from its last Pong, so a worker that Ray restarted elsewhere shows its new place."""
+        pongs = self.experts.members.pongs
+        places = {"main": self.cfg.cluster.where}
+        if self.cfg.shadow.enabled:
+            places["shadow"] = self.shadow_where
+        for i in range(self.cfg.cluster.workers):
+            places[f"worker{i}"] = pongs[i].where if i in pongs else ""
+        return places
 
     def Join(self, request, context):
         if request.role == "worker":
@@ -314,6 +327,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             if not self.cfg.shadow.enabled:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, "this main runs with shadow.enabled=false")
             self.shadow_joins.put((request.address, request.pub_address))
+            self.shadow_where = request.where
             detail = f"shadow at {request.address} will be used from the next request"
         else:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"role {request.role!r} cannot join")

@@ -124,6 +124,7 @@ class ShadowNode:
         self._layer_since_us = 0.0  # when the current layer's computation began (timeline only)
         self.pending: list = []  # control messages read ahead while waiting
         self.main_addresses = cfg.cluster.main_addresses
+        self.where = cfg.cluster.where
         self.fault = FaultTrigger(cfg.fault, "shadow")
         self.dropped = DropLog(log, "shadow")
 
@@ -241,6 +242,7 @@ class ShadowNode:
             "shadow",
             self.address,
             pub_address=self.pub_address,
+            where=self.where,
             credentials=self.security.client,
         )
         log.info(

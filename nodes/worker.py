@@ -135,6 +135,7 @@ class WorkerNode:
             port = self.sock.bind_to_random_port(f"tcp://{cfg.cluster.host}")
         self.address = f"tcp://{cfg.cluster.host}:{port}"
         self.main_addresses = cfg.cluster.main_addresses
+        self.where = cfg.cluster.where
         self.predictions: zmq.Socket | None = None
         self.shadow_pub = ""
         self.live: list[int] | None = None  # None until main says: every worker
@@ -173,7 +174,12 @@ class WorkerNode:
     def serve(self, ready_file: str | None = None) -> None:
         announce_ready(ready_file, role="worker", index=self.index, address=self.address)
         announce(
-            self.main_addresses, "worker", self.address, index=self.index, credentials=self.security.client
+            self.main_addresses,
+            "worker",
+            self.address,
+            index=self.index,
+            where=self.where,
+            credentials=self.security.client,
         )
         log.info("worker %d serving on %s", self.index, self.address)
         try:
@@ -236,6 +242,7 @@ class WorkerNode:
                 peak_rss_bytes(),
                 emulated,
                 self.slots.device_bytes,
+                self.where,
             )
             return to_frames(pong)
         if isinstance(message, ComputeExpert):

@@ -27,13 +27,16 @@ def announce(
     address: str,
     index: int = 0,
     pub_address: str = "",
+    where: str = "",
     retry_s: float = 1.0,
     credentials: ClientCredentials | None = None,
 ) -> threading.Thread | None:
     if not mains:
         return None
     metadata = credentials.metadata if credentials else None
-    request = odmoe_pb2.JoinRequest(role=role, index=index, address=address, pub_address=pub_address)
+    request = odmoe_pb2.JoinRequest(
+        role=role, index=index, address=address, pub_address=pub_address, where=where
+    )
 
     def run() -> None:
         pending = list(mains)

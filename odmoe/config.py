@@ -13,7 +13,7 @@ from odmoe.miss_policy import MissConfig
 from odmoe.placement import Topology
 from odmoe.speculation import Speculation
 
-ROLES = ("local", "main", "worker", "shadow")
+ROLES = ("local", "main", "worker", "shadow", "ray")
 
 
 @dataclass
@@ -48,6 +48,10 @@ class ClusterConfig:
     # Intra-op threads per node process (0: torch's default). Nodes sharing one machine's cores must
     # not each spin a full thread pool: on 2 cores that made decoding 4-5x slower.
     torch_threads: int = 0
+    # Where this node runs, as its launcher names it (role=ray: the Ray node and its IP). Only shown:
+    # main's Info lists every node's (a worker's from its Pong, the shadow's from its start or Join).
+    where: str = ""
+    shadow_where: str = ""  # role=main: the shadow's `where` at start (a rejoining shadow says its own)
 
 
 @dataclass
@@ -149,6 +153,35 @@ class ServerConfig:
 
 
 @dataclass
+class RayRoleConfig:
+    """What one role's Ray actors ask for (odmoe.launch.ray_cluster). Ray places an actor only on a
+    node that has all of it: custom resources (`ray start --resources='{"role_worker": 1}'`) and node
+    labels (`ray start --labels=odmoe-role=worker`) are how a role is pinned to chosen machines."""
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)  # e.g. {role_worker: 1}
+    labels: dict[str, str] = field(default_factory=dict)  # e.g. {odmoe-role: worker} (a label_selector)
+
+
+@dataclass
+class RayConfig:
+    """role=ray: place the cluster on a running Ray cluster (`pip install odmoe[ray]`)."""
+
+    address: str = "auto"  # a running cluster: "auto" (this machine's `ray start`), or "host:6379"
+    namespace: str = "odmoe"
+    main: RayRoleConfig = field(default_factory=RayRoleConfig)
+    shadow: RayRoleConfig = field(default_factory=RayRoleConfig)
+    worker: RayRoleConfig = field(default_factory=RayRoleConfig)
+    standby_mains: int = 0  # more mains, each on a Ray node other than every other main's
+    # How often Ray starts a worker's or the shadow's actor again after it died with its node (-1:
+    # always). A restarted node announces itself to every main, which takes it back. Mains are never
+    # restarted by Ray: standby mains (and the client's failover) cover a lost main without Ray.
+    max_restarts: int = -1
+    ready_timeout_s: float = 300.0  # placement + start of every node (a cold model load included)
+
+
+@dataclass
 class SecurityConfig:
     """Who may talk to the cluster (odmoe/security.py): CurveZMQ between nodes, TLS + a bearer token
     for clients. On unless enabled=false; role=local makes its own keys."""
@@ -198,6 +231,7 @@ class OdmoeConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     miss: MissConfig = field(default_factory=MissConfig)  # what a missed prediction costs: time or exactness
+    ray: RayConfig = field(default_factory=RayConfig)  # role=ray only
     results_file: str | None = None  # role=local: append this run's stats as one JSON line (sweeps)
     # role=local: keep the cluster serving (gRPC + the OpenAI-compatible API on server.http_port) until
     # Ctrl-C instead of answering `prompt` and stopping.
@@ -287,7 +321,7 @@ def exposed_hosts(cfg: OdmoeConfig) -> list[str]:
 def _validate_security(cfg: OdmoeConfig) -> None:
     sec = cfg.security
     if sec.enabled:
-        if cfg.role.name != "local" and not sec.key_dir:
+        if cfg.role.name not in ("local", "ray") and not sec.key_dir:  # those two make their own
             raise ValueError(
                 f"role={cfg.role.name} with security on needs security.key_dir=DIR (make it once with "
                 "`odmoe-keys init DIR --workers N`, see README: Several machines on a LAN), or "

@@ -151,6 +151,7 @@ class Pong:
     peak_rss: int
     link: list[float] = field(default_factory=list)  # [Gbit/s, ms] of an emulated load link; [] when off
     device_bytes: int = 0  # what its experts take on the compute device (slots, or all when resident)
+    where: str = ""  # where it runs, as its launcher names it (cluster.where); shown in main's Info
     kind: str = "pong"
 
 

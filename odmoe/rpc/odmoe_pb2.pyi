@@ -89,16 +89,18 @@ class InfoReply(_message.Message):
     def __init__(self, model_path: _Optional[str] = ..., family: _Optional[str] = ..., workers: _Optional[int] = ..., group_size: _Optional[int] = ..., info_json: _Optional[str] = ...) -> None: ...
 
 class JoinRequest(_message.Message):
-    __slots__ = ("role", "index", "address", "pub_address")
+    __slots__ = ("role", "index", "address", "pub_address", "where")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PUB_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    WHERE_FIELD_NUMBER: _ClassVar[int]
     role: str
     index: int
     address: str
     pub_address: str
-    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., pub_address: _Optional[str] = ...) -> None: ...
+    where: str
+    def __init__(self, role: _Optional[str] = ..., index: _Optional[int] = ..., address: _Optional[str] = ..., pub_address: _Optional[str] = ..., where: _Optional[str] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("detail",)

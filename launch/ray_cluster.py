@@ -1,0 +1,562 @@
+"""`odmoe-launch role=ray`: place main, the shadow and every worker on a running Ray cluster.
+
+    ray start --head                                          # one box
+    ray start --address=HEAD:6379 --resources='{"role_worker": 1}'   # each worker box
+    odmoe-launch role=ray model.path=/models/mixtral cluster.workers=4 '+ray.worker.resources={role_worker:1}'
+
+Contract. Every odmoe node runs as one long-lived Ray actor (`NodeActor`) that starts the node
+program unchanged, `python -m odmoe.launch.cli role=<role> ...`, as a child process on the actor's
+Ray node, bound to that node's IP, talking ZeroMQ and gRPC to the others as on a LAN. Ray only
+places and supervises: the data plane never goes through Ray. Each role's actors ask for the
+resources and node labels in `ray.<role>` (`RayRoleConfig`), so a role lands only on the nodes
+meant for it; mains go to distinct nodes (a STRICT_SPREAD placement group) when there are standbys.
+
+Order of start: the mains' actors are placed first (only their addresses are needed: each picks a
+free port on its node); then the shadow and the workers start and report their addresses; then
+each main starts with them. A node's readiness is its ready file (`nodes/ready.py`), as for
+`role=local`; its stdout and stderr go through the actor to Ray's log stream, so the launcher
+prints every node's log prefixed with the node's name.
+
+Failures, through the failover mechanisms rather than Ray's:
+- A Ray node that dies takes its actor and the actor's child with it (PR_SET_PDEATHSIG); main
+  notices the lost worker by its heartbeat and repairs as for any lost worker.
+- Ray restarts a worker's or the shadow's actor (`ray.max_restarts`, -1 always) on a node that has
+  its resources; the restarted node announces itself to every main, which checks it and takes it
+  back. A node program that exits by itself makes its actor exit too, so Ray restarts that as well.
+- Mains are never restarted by Ray: standby mains (`ray.standby_mains`) and the client's failover
+  along every main's address do that without Ray, so a lost Ray head node does not stop a request.
+  (Ray itself ends every actor once its head has been gone for its GCS timeout: for a cluster that
+  must outlive its Ray head, run Ray with GCS fault tolerance.)
+
+Security applies unchanged. The launcher makes the keys (or reads `security.key_dir`) and gives
+each actor only the files its role needs (every public key, its own secret key, the certificate and
+token; the TLS key to mains only), through Ray's object store inside a wrapper that never prints
+its contents, never as plain actor arguments; the actor writes them into a directory only its user
+can read. Ray's own traffic is as private as the Ray cluster is: turn on Ray's TLS on an untrusted
+network.
+
+The model: `model.path` must name the same checkpoint on every Ray node (a shared file system or
+the same download at the same path); each actor checks its copy's fingerprint against the
+launcher's before it starts a node and refuses with a clear error when they differ.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from odmoe.checkpoint import Checkpoint
+from odmoe.client import Client
+from odmoe.config import OdmoeConfig, RayRoleConfig
+from odmoe.expert_pack import checkpoint_fingerprint
+from odmoe.launch.local_cluster import _SPAWNER, ClusterStartError, _die_with_parent, resolve_model_path
+from odmoe.security import ClientCredentials, KeyDir, init_key_dir
+
+log = logging.getLogger("odmoe.ray")
+# Words of the launcher's command line its nodes must not get: the actor sets them per node.
+LAUNCHER_ONLY = (
+    "role=",
+    "prompt=",
+    "max_new_tokens=",
+    "model.path=",
+    "serve=",
+    "ready_file=",
+    "cluster.host=",
+    "cluster.where=",
+    "security.key_dir=",
+    "ray.",
+    "+ray.",
+    "++ray.",
+)
+STOP_GRACE_S = 10.0
+
+
+class RayUnavailable(RuntimeError):
+    """Ray is not installed, or no Ray cluster answers at ray.address."""
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as exc:
+        raise RayUnavailable("role=ray needs Ray: pip install 'odmoe[ray]'") from exc
+    return ray
+
+
+# -- what each actor is given ----------------------------------------------------------------------
+class SecretFiles:
+    """Key files by relative path. Its repr never shows them: Ray prints arguments in some errors."""
+
+    def __init__(self, files: dict[str, bytes]):
+        self.files = files
+
+    def __repr__(self) -> str:
+        return f"SecretFiles({len(self.files)} files)"
+
+    def write(self, root: Path) -> Path:
+        """Into root (made 0700); secrets 0600, public keys and the certificate 0644."""
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for rel, data in self.files.items():
+            path = root / rel
+            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            secret = rel.startswith("private/") or rel in ("token", "tls/key.pem")
+            mode = 0o600 if secret else 0o644
+            path.touch(mode=mode)
+            path.chmod(mode)
+            path.write_bytes(data)
+        return root
+
+
+def role_key_files(keys: KeyDir, node: str, key_name: str) -> SecretFiles:
+    """What node `node` (main, shadow, worker<i>) needs of the cluster's keys, and nothing more."""
+    files = {f"public/{p.name}": p.read_bytes() for p in sorted(keys.public.glob("*.key"))}
+    files[f"private/{key_name}.key_secret"] = keys.secret_key(key_name).read_bytes()
+    files["tls/cert.pem"] = keys.cert.read_bytes()
+    files["token"] = keys.token.read_bytes()
+    if node.startswith("main"):
+        files["tls/key.pem"] = keys.tls_key.read_bytes()
+    return SecretFiles(files)
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One node as its actor starts it: the words every node gets, then its role's own."""
+
+    name: str  # main, main1 (a standby), shadow, worker<i>
+    role: str  # main | shadow | worker
+    words: list[str]
+    model_path: str
+    fingerprint: dict | None  # the launcher's checkpoint_fingerprint; None: not checked
+    ready_timeout_s: float
+    role_words: list[str] = field(default_factory=list)
+    main_addresses: list[str] = field(default_factory=list)  # announced to after a restart
+
+
+class NodeActor:
+    """One odmoe node under Ray (applied as `ray.remote(NodeActor)` at run time, so importing this
+    module needs no Ray). A worker's or the shadow's node starts in __init__, so Ray's restart of
+    the actor starts the node again; a main starts when `launch` gives it the others' addresses."""
+
+    def __init__(self, spec: NodeSpec, keys: SecretFiles | None):
+        import ray
+
+        self.spec, self.keys = spec, keys
+        context = ray.get_runtime_context()
+        self.node_id = context.get_node_id()
+        with warnings.catch_warnings():  # Ray deprecated a property this one reads, not this one
+            warnings.simplefilter("ignore")
+            self.restarted = context.was_current_actor_reconstructed
+        self.ip = ray.util.get_node_ip_address()
+        self.hostname = socket.gethostname()
+        self.where = f"ray node {self.node_id[:8]} ({self.hostname}, {self.ip})"
+        self.dir = Path(tempfile.mkdtemp(prefix=f"odmoe-{spec.name}-"))  # 0700
+        self.process: subprocess.Popen | None = None
+        self.ready: dict = {}
+        self.tail: collections.deque[str] = collections.deque(maxlen=30)
+        self.stopping = False
+        self.main_address = ""
+        self._check_model()
+        if spec.role == "main":
+            self.main_address = f"{self.ip}:{self._main_port()}"
+        else:
+            again = []
+            if self.restarted:  # a fault meant for the first run must not fire again; tell main
+                again = ["fault.node=", f"cluster.main_addresses=[{','.join(spec.main_addresses)}]"]
+            self._start([*spec.role_words, *again], keys)
+
+    def __repr__(self) -> str:  # Ray prefixes this node's log lines with it
+        return self.spec.name
+
+    def _check_model(self) -> None:
+        want = self.spec.fingerprint
+        if want is None:
+            return
+        try:
+            have = checkpoint_fingerprint(Checkpoint(self.spec.model_path))
+        except Exception as exc:  # noqa: BLE001 - any reason the model is unusable here is the message
+            raise ClusterStartError(f"{self.spec.name} on {self.where}: model.path: {exc}") from exc
+        if have != want:
+            raise ClusterStartError(
+                f"{self.spec.name} on {self.where}: {self.spec.model_path} is not the launcher's checkpoint "
+                "(its files differ): every Ray node needs the same model at the same path"
+            )
+
+    def _main_port(self) -> int:
+        for word in self.spec.words:
+            if word.startswith("cluster.main_port=") and int(word.partition("=")[2]):
+                return int(word.partition("=")[2])
+        with socket.socket() as s:  # a free port now; main binds it a moment later
+            s.bind((self.ip, 0))
+            return s.getsockname()[1]
+
+    def _start(self, role_words: list[str], keys: SecretFiles | None) -> None:
+        ready = self.dir / "ready.json"
+        words = [*self.spec.words, f"model.path={self.spec.model_path}", f"cluster.host={self.ip}"]
+        words.append(f"cluster.where='{self.where}'")  # quoted: Hydra's grammar takes it as it is
+        if keys is not None:
+            words.append(f"security.key_dir={keys.write(self.dir / 'keys')}")
+        words += [*role_words, f"ready_file={ready}"]
+        self.process = _SPAWNER.submit(
+            subprocess.Popen,
+            [sys.executable, "-m", "odmoe.launch.cli", *words],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            preexec_fn=_die_with_parent,  # the node dies with its actor (a lost Ray node)
+        ).result()
+        threading.Thread(target=self._relay, name="odmoe-log", daemon=True).start()
+        deadline = time.monotonic() + self.spec.ready_timeout_s
+        while not ready.exists():
+            if self.process.poll() is not None:
+                raise ClusterStartError(
+                    f"{self.spec.name} on {self.where} exited with code {self.process.returncode} while "
+                    "starting:\n" + "\n".join(self.tail)
+                )
+            if time.monotonic() > deadline:
+                raise ClusterStartError(f"{self.spec.name} on {self.where} did not come up in time")
+            time.sleep(0.05)
+        self.ready = json.loads(ready.read_text())
+
+    def _relay(self) -> None:
+        """The node's output into this actor's stdout (Ray streams it to the launcher); once it ends
+        on its own, this actor ends too, so that Ray restarts both (workers and the shadow)."""
+        assert self.process is not None and self.process.stdout is not None
+        for raw in self.process.stdout:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            self.tail.append(line)
+            print(line, flush=True)
+        code = self.process.wait()
+        if not self.stopping and self.ready:
+            print(f"odmoe: the {self.spec.name} node exited with code {code}; its actor ends too", flush=True)
+            os._exit(1)
+
+    # -- called by the launcher --------------------------------------------------------------
+    def launch(self, role_words: list[str], keys: SecretFiles | None) -> dict:
+        """Main only: start the node with the other nodes' addresses; returns `info()`."""
+        self._start([*role_words, f"cluster.main_port={self.main_address.rpartition(':')[2]}"], keys)
+        return self.info()
+
+    def info(self) -> dict:
+        return {
+            "name": self.spec.name,
+            "role": self.spec.role,
+            "node_id": self.node_id,
+            "ip": self.ip,
+            "hostname": self.hostname,
+            "where": self.where,
+            "restarted": self.restarted,
+            "pid": self.process.pid if self.process else None,
+            "address": self.ready.get("address") or self.main_address,
+            **{k: v for k, v in self.ready.items() if k not in ("address", "pid")},
+        }
+
+    def stop(self) -> None:
+        self.stopping = True
+        process = self.process
+        if process is not None and process.poll() is None:
+            process.send_signal(signal.SIGCONT)  # a frozen node cannot act on SIGTERM
+            process.send_signal(signal.SIGTERM)
+            try:
+                process.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+# -- the launcher's side ---------------------------------------------------------------------------
+def _options(role: RayRoleConfig) -> dict:
+    options: dict = {"num_cpus": role.num_cpus, "num_gpus": role.num_gpus}
+    if role.resources:
+        options["resources"] = dict(role.resources)
+    if role.labels:
+        options["label_selector"] = dict(role.labels)
+    return options
+
+
+def _bundle(role: RayRoleConfig) -> dict:
+    bundle = {"CPU": role.num_cpus, "GPU": role.num_gpus, **role.resources}
+    return {k: v for k, v in bundle.items() if v}
+
+
+def offered(nodes: list[dict], role: RayRoleConfig) -> list[dict]:
+    """The alive Ray nodes (as `ray.nodes()` lists them) that could hold one actor of this role."""
+    need = _bundle(role)
+    return [
+        n
+        for n in nodes
+        if n.get("Alive")
+        and all(n.get("Resources", {}).get(k, 0) >= v for k, v in need.items())
+        and all(n.get("Labels", {}).get(k) == v for k, v in role.labels.items())
+    ]
+
+
+class RayCluster:
+    """An odmoe cluster placed on a Ray cluster; `with RayCluster(cfg, words) as c: c.client...`.
+
+    `words` are the launcher's Hydra overrides; those meant for every node pass through (not the
+    launcher's own: role, prompt, ray.*, ...). `placement` lists where each node landed."""
+
+    def __init__(self, cfg: OdmoeConfig, words: list[str] = ()):
+        self.cfg = cfg
+        self.words = [w for w in words if not w.startswith(LAUNCHER_ONLY)]
+        if not any(w.startswith("server.http_port=") for w in self.words):
+            self.words.append(f"server.http_port={cfg.server.http_port}")
+        self.model_path = resolve_model_path(cfg)
+        self.checkpoint = Checkpoint(self.model_path)  # a missing or non-MoE model fails here
+        self.actors: dict[str, object] = {}
+        self.placement: dict[str, dict] = {}
+        self.main_addresses: list[str] = []
+        self.http_urls: list[str] = []
+        self.credentials: ClientCredentials | None = None
+        self.key_dir: Path | None = None
+        self._scratch: Path | None = None
+        self._client: Client | None = None
+        self._ray = None
+        self._we_connected = False
+        self._keep: list = []  # ObjectRefs of key files: alive while a restarted actor may need them
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> RayCluster:
+        ray = self._connect()
+        try:
+            self._check_feasible(ray)
+            self._start_nodes(ray)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _connect(self):
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")  # every node's lines, not "repeated 3x"
+        ray = import_ray()
+        self._ray = ray
+        if not ray.is_initialized():
+            try:
+                ray.init(address=self.cfg.ray.address, namespace=self.cfg.ray.namespace, log_to_driver=True)
+            except (ConnectionError, RuntimeError) as exc:
+                raise RayUnavailable(
+                    f"no Ray cluster at ray.address={self.cfg.ray.address}: {exc} "
+                    "(start one with `ray start --head`)"
+                ) from exc
+            self._we_connected = True
+        return ray
+
+    def _check_feasible(self, ray) -> None:
+        nodes = ray.nodes()
+        roles = [("main", self.cfg.ray.main, 1 + self.cfg.ray.standby_mains)]
+        if self.cfg.shadow.enabled:
+            roles.append(("shadow", self.cfg.ray.shadow, 1))
+        roles.append(("worker", self.cfg.ray.worker, 1))
+        for name, role, distinct in roles:
+            fits = offered(nodes, role)
+            if len(fits) < distinct:
+                want = {**_bundle(role), **({"labels": role.labels} if role.labels else {})}
+                raise ClusterStartError(
+                    f"no{'' if not fits else 't enough'} alive Ray node offers what a {name} asks for "
+                    f"({want}; ray.{name}.*): start a node with it, e.g. "
+                    f"ray start --address=... --resources='{{\"role_{name}\": 1}}'"
+                )
+
+    def _start_nodes(self, ray) -> None:
+        cfg, started = self.cfg, time.perf_counter()
+        fingerprint = checkpoint_fingerprint(self.checkpoint)
+        actor = ray.remote(NodeActor)
+        timeout = cfg.ray.ready_timeout_s
+
+        def spec(name: str, role: str, role_words=(), mains=()) -> NodeSpec:
+            return NodeSpec(
+                name, role, self.words, self.model_path, fingerprint, timeout, list(role_words), list(mains)
+            )
+
+        # 1. mains: placed (distinct nodes when several), not started yet
+        names = ["main"] + [f"main{i}" for i in range(1, cfg.ray.standby_mains + 1)]
+        main_options = _options(cfg.ray.main)
+        if len(names) > 1:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = ray.util.placement_group(
+                [_bundle(cfg.ray.main)] * len(names),
+                strategy="STRICT_SPREAD",
+                bundle_label_selector=[dict(cfg.ray.main.labels)] * len(names)
+                if cfg.ray.main.labels
+                else None,
+            )
+            self._keep.append(group)
+            main_options.pop("label_selector", None)
+            main_options.pop("resources", None)
+        for i, name in enumerate(names):
+            options = dict(main_options, name=f"odmoe-{name}", max_restarts=0)
+            if len(names) > 1:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, i)
+            self.actors[name] = actor.options(**options).remote(spec(name, "main"), None)
+        mains = self._infos(names, timeout, "placed")
+        self.main_addresses = [m["address"] for m in mains]
+        # 2. keys, now that the mains' addresses are known (the certificate names them)
+        keys = self._keys(tuple(m["ip"] for m in mains))
+        # 3. the shadow and the workers start; a restarted one announces itself to every main
+        others = (["shadow"] if cfg.shadow.enabled else []) + [
+            f"worker{i}" for i in range(cfg.cluster.workers)
+        ]
+        for name in others:
+            role = "shadow" if name == "shadow" else "worker"
+            role_words = ["role=shadow"] if role == "shadow" else ["role=worker", f"worker.index={name[6:]}"]
+            options = dict(
+                _options(cfg.ray.shadow if role == "shadow" else cfg.ray.worker),
+                name=f"odmoe-{name}",
+                max_restarts=cfg.ray.max_restarts,
+            )
+            secrets = self._secrets(keys, name)
+            self.actors[name] = actor.options(**options).remote(
+                spec(name, role, role_words, self.main_addresses), secrets
+            )
+        ready = dict(zip(others, self._infos(others, timeout, "started"), strict=True))
+        workers = [ready[f"worker{i}"]["address"] for i in range(cfg.cluster.workers)]
+        main_words = ["role=main", f"cluster.worker_addresses=[{','.join(workers)}]"]
+        if cfg.shadow.enabled:
+            shadow = ready["shadow"]
+            main_words += [
+                f"cluster.shadow_address={shadow['address']}",
+                f"cluster.shadow_pub_address={shadow['pub_address']}",
+                f"cluster.shadow_where='{shadow['where']}'",
+            ]
+        # 4. the mains
+        refs = []
+        for name in names:
+            words = main_words + ([] if name == "main" else ["fault.node="])  # a fault meant for main
+            refs.append(self.actors[name].launch.remote(words, self._secrets(keys, name)))
+        mains = self._get(refs, names, timeout, "started")
+        self.http_urls = [m.get("http_address", "") for m in mains]
+        self.placement = {m["name"]: m for m in mains} | ready
+        self.start_s = time.perf_counter() - started
+        log.info("odmoe on Ray: %d nodes up in %.1f s", len(self.placement), self.start_s)
+
+    def _keys(self, hosts: tuple[str, ...]) -> KeyDir | None:
+        sec = self.cfg.security
+        if not sec.enabled:
+            return None
+        if sec.key_dir:
+            self.key_dir = Path(sec.key_dir)
+        else:  # ephemeral, as role=local's: gone with the launcher
+            self._scratch = Path(tempfile.mkdtemp(prefix="odmoe-ray-"))
+            self.key_dir = self._scratch / "keys"
+            init_key_dir(self.key_dir, self.cfg.cluster.workers, hosts)
+        self.credentials = ClientCredentials.from_key_dir(self.key_dir)
+        return KeyDir(self.key_dir)
+
+    def _secrets(self, keys: KeyDir | None, name: str):
+        if keys is None:
+            return None
+        key_name = "main" if name.startswith("main") else name  # standbys share main's key
+        ref = self._ray.put(role_key_files(keys, name, key_name))
+        self._keep.append(ref)
+        return ref
+
+    def _infos(self, names: list[str], timeout: float, what: str) -> list[dict]:
+        return self._get([self.actors[n].info.remote() for n in names], names, timeout, what)
+
+    def _get(self, refs: list, names: list[str], timeout: float, what: str) -> list[dict]:
+        ray = self._ray
+        try:
+            return ray.get(refs, timeout=timeout)
+        except ray.exceptions.GetTimeoutError:
+            done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            late = [n for n, r in zip(names, refs, strict=True) if r not in done]
+            raise ClusterStartError(
+                f"{', '.join(late)} not {what} within {timeout:.0f}s (ray.ready_timeout_s): "
+                "too few Ray nodes with their resources (see `ray status`), or a slow model load"
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            cause = exc.__cause__ or exc
+            raise ClusterStartError(str(getattr(exc, "error_msg", "") or cause)) from None
+
+    def stop(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        ray = self._ray
+        if ray is not None and self.actors:
+            refs = []
+            for handle in self.actors.values():
+                try:
+                    refs.append(handle.stop.remote())
+                except Exception:  # noqa: BLE001,S110 - an actor already gone stops nothing
+                    pass
+            try:
+                ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S + 5)
+            except Exception:  # noqa: BLE001,S110 - killed below either way
+                pass
+            for handle in self.actors.values():
+                ray.kill(handle, no_restart=True)
+            self.actors = {}
+        for item in self._keep:
+            if type(item).__name__ == "PlacementGroup":
+                ray.util.remove_placement_group(item)
+        self._keep = []
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
+            self._scratch = None
+        if ray is not None and self._we_connected:
+            ray.shutdown()
+            self._we_connected = False
+
+    def __enter__(self) -> RayCluster:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- use -------------------------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return self.main_addresses[0]
+
+    @property
+    def client(self) -> Client:
+        if self._client is None:
+            self._client = Client(
+                self.main_addresses,
+                keepalive_s=self.cfg.failover.client_keepalive_s,
+                credentials=self.credentials,
+            )
+        return self._client
+
+    def watch(self) -> dict[str, dict | str]:
+        """Each node's current info, or "restarting" / "dead" (one round of calls, ~1 s at most)."""
+        ray = self._ray
+        names = list(self.actors)
+        refs = [self.actors[n].info.remote() for n in names]
+        ray.wait(refs, num_returns=len(refs), timeout=1.0)
+        state: dict[str, dict | str] = {}
+        for name, ref in zip(names, refs, strict=True):
+            try:
+                state[name] = ray.get(ref, timeout=0)
+            except ray.exceptions.ActorDiedError:
+                state[name] = "dead"
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                state[name] = "restarting"
+            except ray.exceptions.RayActorError:
+                state[name] = "dead"
+        return state
+
+
+def placement_table(placement: dict[str, dict]) -> str:
+    """One line per node: name, Ray node, host, its address."""
+    lines = []
+    for name, info in placement.items():
+        http = f"  http {info['http_address']}" if info.get("http_address") else ""
+        lines.append(f"  {name:<8} {info['where']:<44} {info['address']}{http}")
+    return "\n".join(lines)
