@@ -24,6 +24,7 @@ SUITES = (
     "lookahead",
     "prefill",
     "dataplane",
+    "placement",
     "quick",
 )
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
@@ -279,6 +280,16 @@ class DataplaneSuite:
 
 
 @dataclass
+class PlacementSuite:
+    """Issue 17: start-up through Ray against role=local (suites/placement.py; the `ray` extra)."""
+
+    rounds: int = 3  # each starts the cluster both ways, in alternating order
+    prompt_tokens: int = 16
+    new_tokens: int = 16  # the first request after start-up: TTFT and tokens (identical both ways)
+    ray_address: str = ""  # "": start a multi-node Ray cluster on this machine (timed apart)
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -303,6 +314,7 @@ class BenchConfig:
     lookahead: LookaheadSuite = field(default_factory=LookaheadSuite)
     prefill: PrefillSuite = field(default_factory=PrefillSuite)
     dataplane: DataplaneSuite = field(default_factory=DataplaneSuite)
+    placement: PlacementSuite = field(default_factory=PlacementSuite)
     log_level: str = "WARNING"
 
 

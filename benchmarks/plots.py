@@ -461,3 +461,28 @@ def dataplane(report: dict, out: Path, subtitle: str) -> None:
     )
     ax.legend(fontsize=8)
     _save(fig, out)
+
+
+def placement(report: dict, out: Path, subtitle: str) -> None:
+    """Issue 17: start-up of the same cluster spawned by the launcher and placed through Ray."""
+    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    ways = list(report["ways"])
+    for i, way in enumerate(ways):
+        values = report["ways"][way]["start_s_all"]
+        ax.bar(i, report["ways"][way]["start_s"], 0.6, color=f"C{i}", alpha=0.7)
+        ax.plot([i] * len(values), values, "o", color="k", markersize=4)
+        ax.text(
+            i,
+            report["ways"][way]["start_s"],
+            f"{report['ways'][way]['start_s']:.1f} s",
+            ha="center",
+            va="bottom",
+        )
+    ax.set_xticks(range(len(ways)), [f"role={w}" for w in ways])
+    ax.set_ylabel("seconds from the call to every node serving")
+    ray_s = report["ray_cluster_start_s"]
+    ray_note = f"; the Ray cluster itself: {ray_s:.1f} s, once" if ray_s is not None else ""
+    ax.set_title(
+        f"start-up, {report['nodes']} nodes (bar: median, dots: rounds{ray_note})\n{subtitle}", fontsize=9
+    )
+    _save(fig, out)

@@ -14,6 +14,7 @@
     odmoe-bench suite=frontdoor         # the OpenAI HTTP path's overhead against gRPC, same requests
     odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
     odmoe-bench suite=dataplane         # a remote decode layer's cost against the raw ZeroMQ round trip
+    odmoe-bench suite=placement         # start-up through Ray (role=ray) vs role=local (the ray extra)
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -59,6 +60,7 @@ def run_suites(cfg: BenchConfig) -> None:
         grid,
         lookahead,
         lossy,
+        placement,
         prefill,
         recall,
         security,
@@ -82,10 +84,13 @@ def run_suites(cfg: BenchConfig) -> None:
         "lookahead": lookahead.run,
         "prefill": prefill.run,
         "dataplane": dataplane.run,
+        "placement": placement.run,
     }
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)
-    names = [n for n in suites if n != "soak"] if cfg.suite == "quick" else [cfg.suite]
+    # quick leaves out the soak (it is one long run) and placement (it needs the ray extra and starts
+    # a Ray cluster; tests/test_ray_cluster.py exercises the same path)
+    names = [n for n in suites if n not in ("soak", "placement")] if cfg.suite == "quick" else [cfg.suite]
     for name in names:
         start = time.perf_counter()
         print(f"\n== suite {name} on {model_path}", flush=True)
