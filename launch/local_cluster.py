@@ -26,7 +26,6 @@ the cluster's certificate), e.g. `httpx.get(c.http_url + "/v1/models", **c.http_
 from __future__ import annotations
 
 import atexit
-import ctypes
 import json
 import logging
 import shutil
@@ -36,7 +35,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,10 +42,10 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
 from odmoe.config import OdmoeConfig
 from odmoe.launch.settings import compose
+from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent  # noqa: F401 - re-exported
 from odmoe.security import ClientCredentials, init_key_dir
 
 log = logging.getLogger("odmoe.local")
-_PR_SET_PDEATHSIG = 1
 
 
 @dataclass(frozen=True)
@@ -57,20 +55,6 @@ class NodePlacement:
 
     prefix: list[str] = field(default_factory=list)
     words: list[str] = field(default_factory=list)
-
-
-class ClusterStartError(RuntimeError):
-    """A node failed to start or did not come up in time; the message names it."""
-
-
-def _die_with_parent() -> None:
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-# PR_SET_PDEATHSIG fires when the *thread* that forked the child ends, not its process: a node
-# (re)started from a short-lived thread (a test's or the soak's chaos thread) was SIGTERMed as soon
-# as that thread returned. Every node is therefore forked by this one long-lived thread.
-_SPAWNER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odmoe-spawn")
 
 
 @dataclass
@@ -275,13 +259,13 @@ class LocalCluster:
             f"ready_file={ready}",
         ]
         with open(log_file, "ab") as out:
-            process = _SPAWNER.submit(
+            process = SPAWNER.submit(
                 subprocess.Popen,
                 [*where.prefix, sys.executable, "-m", "odmoe.launch.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=_die_with_parent,
+                preexec_fn=die_with_parent,
             ).result()
         node = NodeProcess(name, process, ready, log_file)
         self.nodes.append(node)

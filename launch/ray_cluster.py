@@ -4,7 +4,8 @@
     ray start --address=HEAD:6379 --resources='{"role_worker": 1}'   # each worker box
     odmoe-launch role=ray model.path=/models/mixtral cluster.workers=4 '+ray.worker.resources={role_worker:1}'
 
-Contract. Every odmoe node runs as one long-lived Ray actor (`NodeActor`) that starts the node
+Contract. Every odmoe node runs as one long-lived Ray actor (`NodeActor`, odmoe.launch.ray_node,
+a light module of its own) that starts the node
 program unchanged, `python -m odmoe.launch.cli role=<role> ...`, as a child process on the actor's
 Ray node, bound to that node's IP, talking ZeroMQ and gRPC to the others as on a LAN. Ray only
 places and supervises: the data plane never goes through Ray. Each role's actors ask for the
@@ -42,27 +43,19 @@ launcher's before it starts a node and refuses with a clear error when they diff
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import os
 import shutil
-import signal
-import socket
-import subprocess
-import sys
 import tempfile
-import threading
 import time
-import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
 from odmoe.config import OdmoeConfig, RayRoleConfig
-from odmoe.expert_pack import checkpoint_fingerprint
-from odmoe.launch.local_cluster import _SPAWNER, ClusterStartError, _die_with_parent, resolve_model_path
+from odmoe.launch.local_cluster import resolve_model_path
+from odmoe.launch.ray_node import STOP_GRACE_S, NodeActor, NodeSpec, SecretFiles, model_fingerprint
+from odmoe.launch.spawn import ClusterStartError
 from odmoe.security import ClientCredentials, KeyDir, init_key_dir
 
 log = logging.getLogger("odmoe.ray")
@@ -81,7 +74,6 @@ LAUNCHER_ONLY = (
     "+ray.",
     "++ray.",
 )
-STOP_GRACE_S = 10.0
 
 
 class RayUnavailable(RuntimeError):
@@ -96,30 +88,6 @@ def import_ray():
     return ray
 
 
-# -- what each actor is given ----------------------------------------------------------------------
-class SecretFiles:
-    """Key files by relative path. Its repr never shows them: Ray prints arguments in some errors."""
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files = files
-
-    def __repr__(self) -> str:
-        return f"SecretFiles({len(self.files)} files)"
-
-    def write(self, root: Path) -> Path:
-        """Into root (made 0700); secrets 0600, public keys and the certificate 0644."""
-        root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        for rel, data in self.files.items():
-            path = root / rel
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            secret = rel.startswith("private/") or rel in ("token", "tls/key.pem")
-            mode = 0o600 if secret else 0o644
-            path.touch(mode=mode)
-            path.chmod(mode)
-            path.write_bytes(data)
-        return root
-
-
 def role_key_files(keys: KeyDir, node: str, key_name: str) -> SecretFiles:
     """What node `node` (main, shadow, worker<i>) needs of the cluster's keys, and nothing more."""
     files = {f"public/{p.name}": p.read_bytes() for p in sorted(keys.public.glob("*.key"))}
@@ -129,152 +97,6 @@ def role_key_files(keys: KeyDir, node: str, key_name: str) -> SecretFiles:
     if node.startswith("main"):
         files["tls/key.pem"] = keys.tls_key.read_bytes()
     return SecretFiles(files)
-
-
-@dataclass(frozen=True)
-class NodeSpec:
-    """One node as its actor starts it: the words every node gets, then its role's own."""
-
-    name: str  # main, main1 (a standby), shadow, worker<i>
-    role: str  # main | shadow | worker
-    words: list[str]
-    model_path: str
-    fingerprint: dict | None  # the launcher's checkpoint_fingerprint; None: not checked
-    ready_timeout_s: float
-    role_words: list[str] = field(default_factory=list)
-    main_addresses: list[str] = field(default_factory=list)  # announced to after a restart
-
-
-class NodeActor:
-    """One odmoe node under Ray (applied as `ray.remote(NodeActor)` at run time, so importing this
-    module needs no Ray). A worker's or the shadow's node starts in __init__, so Ray's restart of
-    the actor starts the node again; a main starts when `launch` gives it the others' addresses."""
-
-    def __init__(self, spec: NodeSpec, keys: SecretFiles | None):
-        import ray
-
-        self.spec, self.keys = spec, keys
-        context = ray.get_runtime_context()
-        self.node_id = context.get_node_id()
-        with warnings.catch_warnings():  # Ray deprecated a property this one reads, not this one
-            warnings.simplefilter("ignore")
-            self.restarted = context.was_current_actor_reconstructed
-        self.ip = ray.util.get_node_ip_address()
-        self.hostname = socket.gethostname()
-        self.where = f"ray node {self.node_id[:8]} ({self.hostname}, {self.ip})"
-        self.dir = Path(tempfile.mkdtemp(prefix=f"odmoe-{spec.name}-"))  # 0700
-        self.process: subprocess.Popen | None = None
-        self.ready: dict = {}
-        self.tail: collections.deque[str] = collections.deque(maxlen=30)
-        self.stopping = False
-        self.main_address = ""
-        self._check_model()
-        if spec.role == "main":
-            self.main_address = f"{self.ip}:{self._main_port()}"
-        else:
-            again = []
-            if self.restarted:  # a fault meant for the first run must not fire again; tell main
-                again = ["fault.node=", f"cluster.main_addresses=[{','.join(spec.main_addresses)}]"]
-            self._start([*spec.role_words, *again], keys)
-
-    def __repr__(self) -> str:  # Ray prefixes this node's log lines with it
-        return self.spec.name
-
-    def _check_model(self) -> None:
-        want = self.spec.fingerprint
-        if want is None:
-            return
-        try:
-            have = checkpoint_fingerprint(Checkpoint(self.spec.model_path))
-        except Exception as exc:  # noqa: BLE001 - any reason the model is unusable here is the message
-            raise ClusterStartError(f"{self.spec.name} on {self.where}: model.path: {exc}") from exc
-        if have != want:
-            raise ClusterStartError(
-                f"{self.spec.name} on {self.where}: {self.spec.model_path} is not the launcher's checkpoint "
-                "(its files differ): every Ray node needs the same model at the same path"
-            )
-
-    def _main_port(self) -> int:
-        for word in self.spec.words:
-            if word.startswith("cluster.main_port=") and int(word.partition("=")[2]):
-                return int(word.partition("=")[2])
-        with socket.socket() as s:  # a free port now; main binds it a moment later
-            s.bind((self.ip, 0))
-            return s.getsockname()[1]
-
-    def _start(self, role_words: list[str], keys: SecretFiles | None) -> None:
-        ready = self.dir / "ready.json"
-        words = [*self.spec.words, f"model.path={self.spec.model_path}", f"cluster.host={self.ip}"]
-        words.append(f"cluster.where='{self.where}'")  # quoted: Hydra's grammar takes it as it is
-        if keys is not None:
-            words.append(f"security.key_dir={keys.write(self.dir / 'keys')}")
-        words += [*role_words, f"ready_file={ready}"]
-        self.process = _SPAWNER.submit(
-            subprocess.Popen,
-            [sys.executable, "-m", "odmoe.launch.cli", *words],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            preexec_fn=_die_with_parent,  # the node dies with its actor (a lost Ray node)
-        ).result()
-        threading.Thread(target=self._relay, name="odmoe-log", daemon=True).start()
-        deadline = time.monotonic() + self.spec.ready_timeout_s
-        while not ready.exists():
-            if self.process.poll() is not None:
-                raise ClusterStartError(
-                    f"{self.spec.name} on {self.where} exited with code {self.process.returncode} while "
-                    "starting:\n" + "\n".join(self.tail)
-                )
-            if time.monotonic() > deadline:
-                raise ClusterStartError(f"{self.spec.name} on {self.where} did not come up in time")
-            time.sleep(0.05)
-        self.ready = json.loads(ready.read_text())
-
-    def _relay(self) -> None:
-        """The node's output into this actor's stdout (Ray streams it to the launcher); once it ends
-        on its own, this actor ends too, so that Ray restarts both (workers and the shadow)."""
-        assert self.process is not None and self.process.stdout is not None
-        for raw in self.process.stdout:
-            line = raw.decode("utf-8", "replace").rstrip("\n")
-            self.tail.append(line)
-            print(line, flush=True)
-        code = self.process.wait()
-        if not self.stopping and self.ready:
-            print(f"odmoe: the {self.spec.name} node exited with code {code}; its actor ends too", flush=True)
-            os._exit(1)
-
-    # -- called by the launcher --------------------------------------------------------------
-    def launch(self, role_words: list[str], keys: SecretFiles | None) -> dict:
-        """Main only: start the node with the other nodes' addresses; returns `info()`."""
-        self._start([*role_words, f"cluster.main_port={self.main_address.rpartition(':')[2]}"], keys)
-        return self.info()
-
-    def info(self) -> dict:
-        return {
-            "name": self.spec.name,
-            "role": self.spec.role,
-            "node_id": self.node_id,
-            "ip": self.ip,
-            "hostname": self.hostname,
-            "where": self.where,
-            "restarted": self.restarted,
-            "pid": self.process.pid if self.process else None,
-            "address": self.ready.get("address") or self.main_address,
-            **{k: v for k, v in self.ready.items() if k not in ("address", "pid")},
-        }
-
-    def stop(self) -> None:
-        self.stopping = True
-        process = self.process
-        if process is not None and process.poll() is None:
-            process.send_signal(signal.SIGCONT)  # a frozen node cannot act on SIGTERM
-            process.send_signal(signal.SIGTERM)
-            try:
-                process.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait()
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 # -- the launcher's side ---------------------------------------------------------------------------
@@ -373,7 +195,7 @@ class RayCluster:
 
     def _start_nodes(self, ray) -> None:
         cfg, started = self.cfg, time.perf_counter()
-        fingerprint = checkpoint_fingerprint(self.checkpoint)
+        fingerprint = model_fingerprint(self.model_path)
         actor = ray.remote(NodeActor)
         timeout = cfg.ray.ready_timeout_s
 

@@ -3,14 +3,18 @@
 Public API: `Client` (talk to a running cluster) and `LocalCluster` (start one on this machine).
 """
 
-from odmoe.client import Client, GenerateResult, Piece
-
 __all__ = ["Client", "GenerateResult", "LocalCluster", "Piece"]
 
 
 def __getattr__(name: str):
+    # Loaded on first use so that `import odmoe.<anything>` stays light: a Ray actor importing
+    # odmoe.launch.ray_node must not pay for torch (odmoe.client's sampling imports it).
     # LocalCluster lives in odmoe.launch (it owns processes and reads Hydra configs, which library
-    # code must not); it is loaded lazily so `import odmoe` stays light and imports flow one way.
+    # code must not), so imports still flow one way.
+    if name in ("Client", "GenerateResult", "Piece"):
+        from odmoe import client
+
+        return getattr(client, name)
     if name == "LocalCluster":
         from odmoe.launch.local_cluster import LocalCluster
 

@@ -27,11 +27,12 @@ NEW = 48
 
 @pytest.fixture(scope="module")
 def ray_nodes():
-    """A head (no odmoe role) and five nodes: main (a custom resource), shadow (a node label), and
-    three worker nodes (a custom resource each): two in use, one spare for Ray's restart."""
+    """A head (no odmoe role) and seven nodes: two for mains (a custom resource), the shadow's (a node
+    label), and three worker nodes (a custom resource each): two in use, one spare for Ray's restart."""
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     nodes = {
         "main": cluster.add_node(num_cpus=1, resources={"role_main": 1}),
+        "main2": cluster.add_node(num_cpus=1, resources={"role_main": 1}),
         "shadow": cluster.add_node(num_cpus=1, labels={"odmoe-role": "shadow"}),
         **{f"w{i}": cluster.add_node(num_cpus=1, resources={"role_worker": 1}) for i in range(3)},
     }
@@ -103,7 +104,7 @@ def test_roles_land_where_constrained_tokens_match_and_a_lost_worker_node_change
     words = _words(cluster, path)
     with RayCluster(compose(["role=ray", *words]), words) as odmoe:
         where = {name: _node_of(nodes, info["node_id"]) for name, info in odmoe.placement.items()}
-        assert where["main"] == "main" and where["shadow"] == "shadow", where
+        assert where["main"] in ("main", "main2") and where["shadow"] == "shadow", where
         assert {where["worker0"], where["worker1"]} <= {"w0", "w1", "w2"}
         assert where["worker0"] != where["worker1"], where
         info = odmoe.client.info()
@@ -170,3 +171,23 @@ def test_launch_role_ray_prints_placement_and_ctrl_c_stops_every_actor(ray_nodes
             launcher.kill()
     with pytest.raises(ValueError):
         ray.get_actor("odmoe-worker0", namespace="odmoe")
+
+
+def test_a_standby_main_on_another_ray_node_takes_over_when_mains_node_goes(
+    ray_nodes, model_dirs, no_node_left
+):
+    """Mains are spread over Ray nodes; the client fails over without Ray when main's node goes."""
+    cluster, nodes = ray_nodes
+    path = model_dirs["mixtral"]
+    want, _ = reference(path, PROMPTS[1], new_tokens=NEW)
+    words = [*_words(cluster, path), "ray.standby_mains=1"]
+    with RayCluster(compose(["role=ray", *words]), words) as odmoe:
+        where = {name: _node_of(nodes, info["node_id"]) for name, info in odmoe.placement.items()}
+        assert {where["main"], where["main1"]} == {"main", "main2"}, where
+        got = []
+        for piece in odmoe.client.stream(PROMPTS[1], max_new_tokens=NEW):
+            got.append(piece.token_id)
+            if len(got) == 4:
+                cluster.remove_node(nodes[where["main"]])
+        assert got == want, "the stream after main's Ray node went"
+        assert odmoe.watch()["main"] == "dead"
