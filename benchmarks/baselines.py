@@ -7,6 +7,13 @@ memory is its own:
   experts in host memory, an LRU cache of `--lru-experts` device slots; a miss loads the expert over
   the same emulated link the cluster's workers use (`odmoe.expert_store.DeviceSlots`). It computes
   with odmoe's bit-exact expert kernels, so its tokens equal the reference's too.
+- `accelerate_offload` (suite gpu): what a Hugging Face user tries first on one GPU too small for the
+  model: `from_pretrained(device_map="auto", max_memory={gpu: --gpu-memory, "cpu": ...})`; accelerate
+  places whole decoder layers on the GPU until the budget is spent, keeps the others in host memory
+  and copies their weights (all experts of the layer) to the GPU at every forward.
+
+`--device cuda[:i]` runs a baseline on the GPU (experts of the LRU offloader then rest in pinned host
+memory and load by async copies, as on a CUDA worker); the report adds CUDA's own peak counter.
 
     python -m odmoe.benchmarks.baselines --system lru_offloader --model DIR --cells cells.json --out out.json
 
@@ -27,6 +34,7 @@ from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 from odmoe.checkpoint import Checkpoint
+from odmoe.device_slots import device_peak_bytes
 from odmoe.expert_math import combine, expert_forward, split_by_expert
 from odmoe.expert_store import DeviceSlots, ExpertKey, ExpertStore, Link, Slot
 from odmoe.main_model import build_main_model, resolve_dtype
@@ -37,9 +45,16 @@ class LruExperts:
     """An experts call (see main_model.ExpertCall) computing locally through an LRU expert cache."""
 
     def __init__(
-        self, store: ExpertStore, capacity: int, link: Link, kernel: str, hidden_act: str, experts: int
+        self,
+        store: ExpertStore,
+        capacity: int,
+        link: Link,
+        kernel: str,
+        hidden_act: str,
+        experts: int,
+        device: torch.device | None = None,
     ):
-        self.slots = DeviceSlots(store, torch.device("cpu"), capacity, link)
+        self.slots = DeviceSlots(store, device or torch.device("cpu"), capacity, link)
         self.kernel, self.hidden_act, self.num_experts = kernel, hidden_act, experts
         self.cached: OrderedDict[ExpertKey, Slot] = OrderedDict()  # least recently used first
         self.hits = self.misses = 0
@@ -60,11 +75,17 @@ class LruExperts:
         parts = []
         for rows in split_by_expert(top_k_index, self.num_experts, self.kernel):
             slot = self._fetch((layer, rows.expert))
+            self.slots.await_on_device(slot)  # CUDA: compute waits for the copy on the GPU
             parts.append(
                 (
                     rows,
                     expert_forward(
-                        hidden[rows.token_idx], slot.gate_up, slot.down, self.hidden_act, self.kernel
+                        hidden[rows.token_idx],
+                        slot.gate_up,
+                        slot.down,
+                        self.hidden_act,
+                        self.kernel,
+                        (top_k_index.numel(), self.num_experts),
                     ),
                 )
             )
@@ -85,8 +106,8 @@ class _Clock(BaseStreamer):
 
 
 @torch.inference_mode()
-def timed_generate(model, ids: list[int], new_tokens: int) -> dict:
-    x = torch.tensor([ids])
+def timed_generate(model, ids: list[int], new_tokens: int, device: str = "cpu") -> dict:
+    x = torch.tensor([ids], device=device)
     clock = _Clock()
     start = time.perf_counter()
     out = model.generate(
@@ -105,24 +126,61 @@ def timed_generate(model, ids: list[int], new_tokens: int) -> dict:
     }
 
 
-def build(system: str, path: str, lru_experts: int, link: Link, dtype: str = "auto"):
-    """The model to generate with (at `dtype`, "auto": as saved), its device bytes, and the LRU cache
-    when there is one."""
+def accelerate_max_memory(device: str, gpu_memory: str) -> dict:
+    """accelerate's `max_memory` for one GPU with `gpu_memory` ("8GiB" or bytes) and the host for the
+    rest. On a CPU device (the suite's dry run) everything goes to the host."""
+    if torch.device(device).type == "cpu":
+        return {"cpu": "1000GiB"}
+    index = torch.device(device).index or 0
+    return {index: int(gpu_memory) if gpu_memory.isdigit() else gpu_memory, "cpu": "1000GiB"}
+
+
+def build(
+    system: str,
+    path: str,
+    lru_experts: int,
+    link: Link,
+    dtype: str = "auto",
+    device: str = "cpu",
+    gpu_memory: str = "",
+):
+    """The model to generate with (at `dtype`, "auto": as saved, on `device`), its device bytes, and
+    the LRU cache when there is one."""
+    kwargs = {} if dtype == "auto" else {"dtype": resolve_dtype(dtype, Checkpoint(path))}
     if system == "single_process":
-        kwargs = {} if dtype == "auto" else {"dtype": resolve_dtype(dtype, Checkpoint(path))}
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
         return model, sum(p.numel() * p.element_size() for p in model.parameters()), None
+    if system == "accelerate_offload":
+        if not gpu_memory:
+            raise ValueError("accelerate_offload needs --gpu-memory (the GPU budget, e.g. 8GiB)")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, device_map="auto", max_memory=accelerate_max_memory(device, gpu_memory), **kwargs
+        ).eval()
+        on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cpu")
+        return model, on_gpu, None
     ckpt = Checkpoint(path)
-    main = build_main_model(ckpt, resolve_dtype(dtype, ckpt))
-    store = ExpertStore.from_checkpoint(ckpt, ckpt.moe_layers, main.dtype)
-    lru = LruExperts(store, lru_experts, link, main.kernel, ckpt.config.hidden_act, ckpt.num_experts)
+    main = build_main_model(ckpt, resolve_dtype(dtype, ckpt), device)
+    store = ExpertStore.build(
+        ckpt, ckpt.moe_layers, main.dtype, pin_memory=torch.device(device).type == "cuda"
+    )
+    lru = LruExperts(
+        store,
+        lru_experts,
+        link,
+        main.kernel,
+        ckpt.config.hidden_act,
+        ckpt.num_experts,
+        torch.device(device),
+    )
     main.attach(lru)
     return main.model, main.device_bytes + lru.slots.device_bytes, lru
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--system", choices=["single_process", "lru_offloader"], required=True)
+    parser.add_argument(
+        "--system", choices=["single_process", "lru_offloader", "accelerate_offload"], required=True
+    )
     parser.add_argument("--model", required=True)
     parser.add_argument("--cells", required=True)
     parser.add_argument("--out", required=True)
@@ -131,19 +189,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto", help="auto (as saved) | bfloat16 | float16 | float32")
+    parser.add_argument("--device", default="cpu", help="cpu | cuda | cuda:<i>")
+    parser.add_argument(
+        "--gpu-memory", default="", help="accelerate_offload: max_memory of the GPU, e.g. 8GiB"
+    )
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
     torch.set_num_threads(args.threads)
     link = Link(args.bandwidth_gbps, args.latency_ms)
-    model, device_bytes, lru = build(args.system, args.model, args.lru_experts, link, args.dtype)
+    model, device_bytes, lru = build(
+        args.system, args.model, args.lru_experts, link, args.dtype, args.device, args.gpu_memory
+    )
     cells = json.loads(open(args.cells).read())
-    timed_generate(model, cells[0]["prompts"][0], 4)  # warm-up, as the clusters get
+    timed_generate(model, cells[0]["prompts"][0], 4, args.device)  # warm-up, as the clusters get
     results = []
     for cell in cells:
         hits, misses = (lru.hits, lru.misses) if lru else (0, 0)
-        runs = [timed_generate(model, ids, cell["new_tokens"]) for ids in cell["prompts"]]
+        runs = [timed_generate(model, ids, cell["new_tokens"], args.device) for ids in cell["prompts"]]
         entry = {"name": cell["name"], "runs": runs}
         if lru:
             looked_up = lru.hits - hits + lru.misses - misses
@@ -156,10 +220,21 @@ def main(argv: list[str] | None = None) -> None:
         "emulated_link": [link.bandwidth_gbps, link.latency_ms] if lru and link.enabled else None,
         "peak_rss_bytes": peak_rss_bytes(),
         "device_bytes": device_bytes,
+        "device": args.device,
+        "device_peak_bytes": device_peak_bytes(args.device),
+        "offloaded_modules": _offloaded(model) if args.system == "accelerate_offload" else None,
         "cells": results,
     }
     with open(args.out, "w") as f:
         json.dump(report, f)
+
+
+def _offloaded(model) -> dict:
+    """accelerate's placement: how many top-level entries of `hf_device_map` went where."""
+    where: dict[str, int] = {}
+    for device in getattr(model, "hf_device_map", {}).values():
+        where[str(device)] = where.get(str(device), 0) + 1
+    return where
 
 
 if __name__ == "__main__":

@@ -25,8 +25,10 @@ SUITES = (
     "prefill",
     "dataplane",
     "placement",
+    "gpu",
     "quick",
 )
+GPU_SYSTEMS = ("odmoe", "single_process", "accelerate_offload", "lru_offloader")
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
 GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
 
@@ -289,6 +291,37 @@ class PlacementSuite:
     ray_address: str = ""  # "": start a multi-node Ray cluster on this machine (timed apart)
 
 
+class GpuSuite:
+    """Issue 18: odmoe on one GPU against one-process ways of serving the same model (suites/gpu.py).
+    The model is its own: Mixtral-shaped, random bf16 weights of real width, made once in model_dir."""
+
+    device: str = "cuda"  # cuda | cuda:<i>; cpu: a dry run of everything but CUDA (give a tiny width)
+    layers: int = 4  # 8 experts x 352 MB per layer at real width: 4 layers ~ 11.3 GB of checkpoint
+    hidden: int = 4096
+    intermediate: int = 14336
+    experts: int = 8
+    top_k: int = 2
+    heads: int = 32
+    kv_heads: int = 8
+    vocab: int = 4096
+    dtype: str = "bfloat16"
+    model_dir: str = ""  # "": ~/.cache/odmoe/models/gpu-<spec name>; made once, reused
+    systems: list[str] = field(default_factory=lambda: list(GPU_SYSTEMS))
+    prompt_tokens: int = 64
+    new_tokens: int = 32
+    repeats: int = 2  # requests per system (different prompts), after one warm-up
+    workers: int = 4
+    group_size: int = 2
+    slots: int = 2  # per worker: what bounds a worker's device memory
+    shadow_precision: str = "bf16"
+    lru_experts: int = 8  # the LRU offloader's device cache, in experts
+    # accelerate's max_memory for the GPU ("" = the device bytes odmoe's weights take: main's
+    # non-expert weights + every worker's slots, so both get the same budget)
+    accelerate_gpu_memory: str = ""
+    copy_bytes: int = 1 << 30  # size of the pinned copy_ that measures the bus's peak
+    timeout_s: float = 900.0  # per baseline process
+
+
 @dataclass
 class BenchConfig:
     suite: str = "quick"
@@ -315,6 +348,7 @@ class BenchConfig:
     prefill: PrefillSuite = field(default_factory=PrefillSuite)
     dataplane: DataplaneSuite = field(default_factory=DataplaneSuite)
     placement: PlacementSuite = field(default_factory=PlacementSuite)
+    gpu: GpuSuite = field(default_factory=GpuSuite)
     log_level: str = "WARNING"
 
 
@@ -367,5 +401,21 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError(
             "dataplane: rounds, repeats, prompts, layer_repeats, prompt_tokens >= 1, new_tokens >= 2"
         )
+    g = cfg.gpu
+    if bad := sorted(set(g.systems) - set(GPU_SYSTEMS)):
+        raise ValueError(f"gpu.systems: {bad} not among {', '.join(GPU_SYSTEMS)}")
+    if (
+        min(g.layers, g.hidden, g.intermediate, g.repeats, g.workers, g.slots, g.lru_experts, g.prompt_tokens)
+        < 1
+    ):
+        raise ValueError(
+            "gpu: layers, widths, repeats, workers, slots, lru_experts, prompt_tokens must be >= 1"
+        )
+    if (
+        g.new_tokens < 2
+        or g.shadow_precision not in PRECISIONS
+        or g.dtype not in ("bfloat16", "float16", "float32")
+    ):
+        raise ValueError("gpu: new_tokens >= 2, a known shadow_precision and dtype bfloat16/float16/float32")
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")

@@ -486,3 +486,42 @@ def placement(report: dict, out: Path, subtitle: str) -> None:
         f"start-up, {report['nodes']} nodes (bar: median, dots: rounds{ray_note})\n{subtitle}", fontsize=9
     )
     _save(fig, out)
+
+
+def gpu(report: dict, out: Path, subtitle: str) -> None:
+    """Suite gpu: decode tokens/s and TTFT per system, device memory per node, bus bandwidth."""
+    systems = report["systems"]
+    names = list(systems)
+    fig, (speed, ttft, memory, bus) = plt.subplots(1, 4, figsize=(16, 4.2))
+    means = [sum(s["decode_tokens_per_s"]) / len(s["decode_tokens_per_s"]) for s in systems.values()]
+    bars = speed.bar(range(len(names)), means, color="C0")
+    _label_bars(speed, bars, [f"{m:.1f}" for m in means])
+    speed.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    speed.set_ylabel("decode tokens/s")
+    ttfts = [sum(s["ttft_s"]) / len(s["ttft_s"]) for s in systems.values()]
+    bars = ttft.bar(range(len(names)), ttfts, color="C1")
+    _label_bars(ttft, bars, [f"{t:.2f}" for t in ttfts])
+    ttft.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    ttft.set_ylabel("TTFT (s)")
+    bottom = [0.0] * len(names)
+    nodes = sorted({node for s in systems.values() for node in s["device_peak_bytes"]})
+    for i, node in enumerate(nodes):
+        heights = [s["device_peak_bytes"].get(node, 0) / 2**30 for s in systems.values()]
+        memory.bar(range(len(names)), heights, bottom=bottom, label=node, color=f"C{i % 10}")
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    memory.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
+    memory.set_ylabel("peak device memory (GiB, CUDA counter)")
+    memory.legend(fontsize=6)
+    odmoe = systems.get("odmoe", {})
+    rates = {
+        "bus peak\n(pinned copy_)": report.get("bus_peak_bytes_per_s"),
+        "odmoe\nper copy": odmoe.get("load_bytes_per_s"),
+        "odmoe over\nrequests": odmoe.get("request_bytes_per_s"),
+    }
+    values = [(v or 0.0) / 1e9 for v in rates.values()]
+    bars = bus.bar(range(len(rates)), values, color="C2")
+    _label_bars(bus, bars, [f"{v:.1f}" for v in values])
+    bus.set_xticks(range(len(rates)), list(rates), fontsize=8)
+    bus.set_ylabel("host-to-device GB/s")
+    fig.suptitle(f"{report.get('gpu') or report['device']}: {subtitle}", fontsize=9)
+    _save(fig, out)

@@ -15,6 +15,7 @@
     odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
     odmoe-bench suite=dataplane         # a remote decode layer's cost against the raw ZeroMQ round trip
     odmoe-bench suite=placement         # start-up through Ray (role=ray) vs role=local (the ray extra)
+    odmoe-bench suite=gpu               # one GPU: odmoe vs resident, accelerate offload, LRU (CUDA only)
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -86,6 +87,16 @@ def run_suites(cfg: BenchConfig) -> None:
         "dataplane": dataplane.run,
         "placement": placement.run,
     }
+    if cfg.suite == "gpu":  # its own real-width model; stops at once without CUDA
+        from odmoe.benchmarks.suites import gpu
+
+        model_path = gpu.prepare(cfg)
+        out = ResultsDir(cfg, model_path)
+        start = time.perf_counter()
+        print(f"\n== suite gpu on {model_path}", flush=True)
+        gpu.run(cfg, model_path, out)
+        print(f"== suite gpu took {time.perf_counter() - start:.0f}s", flush=True)
+        return
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)
     # quick leaves out the soak (it is one long run) and placement (it needs the ray extra and starts

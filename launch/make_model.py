@@ -25,6 +25,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     parser.add_argument("--max-shard-size", default=None, help='e.g. "200KB": write a sharded checkpoint')
     parser.add_argument(
+        "--fast-fill",
+        action="store_true",
+        help="real-width random weights in seconds, not minutes (speed benchmarks; GPU suite): every "
+        "matrix cut from one seeded random pool; shards of --max-shard-size (default 4GB)",
+    )
+    parser.add_argument(
         "--train",
         action="store_true",
         help="train a benchmark model instead of random init: --family mixtral (default; ~15 M "
@@ -71,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
             settings = replace(settings, steps=args.steps)
         spec = TRAINED_SPECS[spec.family]
         out = train_model(args.out, spec, settings)
+    elif args.fast_fill:
+        from odmoe.model_factory import make_wide_model
+
+        out = make_wide_model(spec, args.out, max_shard_size=args.max_shard_size or "4GB")
     else:
         out = make_model(spec, args.out, max_shard_size=args.max_shard_size)
     from odmoe.checkpoint import Checkpoint

@@ -82,7 +82,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.cfg, self.model_path = cfg, model_path
         self.checkpoint = Checkpoint(model_path)
-        main = build_main_model(self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint))
+        main = build_main_model(
+            self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint), cfg.model.device
+        )
         tokenizer = AutoTokenizer.from_pretrained(model_path)
         heartbeat = Heartbeat(cfg.failover.heartbeat_interval_s, cfg.failover.heartbeat_timeout_s)
         sec = cfg.security

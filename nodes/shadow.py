@@ -39,6 +39,7 @@ from odmoe.alignment import make_plan
 from odmoe.announce import announce
 from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
+from odmoe.device_slots import device_peak_bytes
 from odmoe.dropped import DropLog
 from odmoe.families import family_of
 from odmoe.faults import FaultTrigger
@@ -309,6 +310,7 @@ class ShadowNode:
                 late_departure_s=late_us / 1e6,
                 alignment_wait_s=(received_us - waited_us) / 1e6,
                 previous_forward_s=forward_s,
+                device_peak_bytes=device_peak_bytes(self.scfg.device),
             )
             self.pub.send_multipart([b"main", *to_frames(started)])
             self.tracer.span("shadow", "waiting for alignment", waited_us, received_us, iteration=iteration)
@@ -344,6 +346,7 @@ class ShadowNode:
                 previous_forward_s=forward_s,
                 ahead=spec.ahead,
                 rollbacks=spec.rollbacks,
+                device_peak_bytes=device_peak_bytes(self.scfg.device),
             )
             self.pub.send_multipart([b"main", *to_frames(started)])
             if received_us - waited_us > 50:

@@ -42,6 +42,7 @@ from odmoe.announce import announce
 from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
+from odmoe.device_slots import device_peak_bytes
 from odmoe.dropped import DropLog
 from odmoe.expert_math import KERNELS, expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
@@ -69,6 +70,8 @@ from odmoe.trace import Tracer, now_us
 log = logging.getLogger("odmoe.worker")
 Position = tuple[int, int]  # (iteration, layer): the order main visits layers in
 MAX_OPEN_BATCHES = 64  # prefill batches still missing parts; beyond this the oldest is dropped
+MAX_GROUPED_ROWS = 1 << 20  # a grouped_shape beyond this is refused (it sizes an allocation)
+MAX_GROUPS = 1023  # PyTorch's grouped_mm takes fewer than 1024 groups
 
 
 def _position(slot: Slot) -> Position:
@@ -93,8 +96,16 @@ class WorkerNode:
         layers = self.topology.stored_layers(self.index, layers)
         start = time.perf_counter()
         w = cfg.worker
+        device = compute_device(cfg.worker.device)
         self.store = ExpertStore.build(
-            checkpoint, layers, dtype, w.store, parse_bytes(w.host_memory), w.pack_dir, w.decompress_threads
+            checkpoint,
+            layers,
+            dtype,
+            w.store,
+            parse_bytes(w.host_memory),
+            w.pack_dir,
+            w.decompress_threads,
+            pin_memory=device.type == "cuda" and not w.resident,  # async host-to-device copies
         )
         log.info(
             "worker %d: %d layers, store=%s: %s (%.1fs)",
@@ -105,7 +116,6 @@ class WorkerNode:
             time.perf_counter() - start,
         )
         link = Link(cfg.worker.link.bandwidth_gbps, cfg.worker.link.latency_ms)
-        device = compute_device(cfg.worker.device)
         self.resident = cfg.worker.resident
         self.slots = (
             ResidentExperts(self.store, device)
@@ -243,6 +253,7 @@ class WorkerNode:
                 emulated,
                 self.slots.device_bytes,
                 self.where,
+                device_peak_bytes(self.slots.device),
             )
             return to_frames(pong)
         if isinstance(message, ComputeExpert):
@@ -427,10 +438,19 @@ class WorkerNode:
         try:
             start, start_us = time.perf_counter(), now_us()
             with torch.inference_mode():
+                probe = self.slots.await_on_device(slot)  # CUDA: compute waits for the copy on the GPU
                 y = expert_forward(
-                    hidden.to(self.slots.device), slot.gate_up, slot.down, self.hidden_act, request.kernel
+                    hidden.to(self.slots.device),
+                    slot.gate_up,
+                    slot.down,
+                    self.hidden_act,
+                    request.kernel,
+                    tuple(request.grouped_shape) or None,
                 ).cpu()
-            compute_s = time.perf_counter() - start
+            device_wait_s = self.slots.device_wait_s(slot, probe)
+            self.slots.settle(slot)  # CUDA: the load's duration by CUDA events
+            compute_s = time.perf_counter() - start - device_wait_s
+            waited_s += device_wait_s
             if self.tracer.enabled:
                 self.tracer.span(
                     "compute",
@@ -461,6 +481,11 @@ class WorkerNode:
             return f"rows of shape {list(hidden.shape)}, expected [n, {self.hidden_size}]"
         if hidden.dtype != self.store.dtype:
             return f"rows of {hidden.dtype}, the experts are {self.store.dtype}"
+        shape = request.grouped_shape
+        if shape and (
+            len(shape) != 2 or not (1 <= shape[0] <= MAX_GROUPED_ROWS and 1 <= shape[1] <= MAX_GROUPS)
+        ):
+            return f"grouped_shape {shape!r:.40} is not [rows <= {MAX_GROUPED_ROWS}, experts <= {MAX_GROUPS}]"
         return ""
 
     def _assemble(self, key: tuple, request: ComputeExpert, hidden: torch.Tensor) -> torch.Tensor | None:
@@ -497,4 +522,5 @@ class WorkerNode:
             waited_s=waited_s,
             part=request.part if request.per_part else 0,
             hedges=list(self.hedge_counts) if request.step.request == self.request else [],
+            device_peak_bytes=device_peak_bytes(self.slots.device),
         )

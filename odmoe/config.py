@@ -26,6 +26,9 @@ class ModelConfig:
     path: str | None = None  # a directory, or "demo" / "tiny" (None: tiny), made under cache_dir
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
     cache_dir: str | None = None  # default ~/.cache/odmoe/models
+    # Where main computes (embeddings, attention + KV cache, routers, shared experts, lm_head):
+    # cpu | cuda | cuda:<i>. The shadow's is shadow.device, each worker's worker.device.
+    device: str = "cpu"
 
 
 @dataclass
@@ -63,7 +66,9 @@ class LinkConfig:
 @dataclass
 class WorkerConfig:
     index: int = 0  # role=worker: which worker this is (decides its group)
-    device: str = "auto"  # "auto": cuda when present, else cpu
+    # "auto": cuda when present, else cpu; or cpu | cuda | cuda:<i>. On CUDA the experts rest in pinned
+    # host memory and load by asynchronous copies on the worker's own stream (odmoe.device_slots).
+    device: str = "auto"
     slots: int = 2  # experts a worker may hold on the device at once (one computing, one loading)
     only_own_layers: bool = False  # store only the layers of this worker's group (less memory)
     # With only_own_layers: each layer is stored by this many groups (its own + the next R-1), so the
@@ -105,7 +110,7 @@ class ShadowConfig:
     enabled: bool = True
     mode: str = "emulate"  # emulate: a copy of the model predicts; random: random experts (case 5)
     precision: str = "fp32"  # fp32 / bf16 / fp16 / int8 / nf4 (bitsandbytes) / int8_dynamic (fast CPU int8)
-    device: str = "cpu"
+    device: str = "cpu"  # cpu | cuda | cuda:<i> (bitsandbytes int8/nf4 are meant for cuda)
     inject_wrong: float = 0.0  # fault injection: this fraction of predicted experts is made wrong
     inject_wrong_token: float = 0.0  # fault injection: this fraction of the shadow's own tokens is made wrong
     # hedged prefetch (odmoe.hedging): also preload the (k+1)-th expert when its router score is within
@@ -282,6 +287,11 @@ def validate(cfg: OdmoeConfig) -> None:
             f"role=main needs cluster.worker_addresses with {cfg.cluster.workers} entries, "
             f"got {len(cfg.cluster.worker_addresses)}"
         )
+    check_device("model.device", cfg.model.device)
+    check_device("shadow.device", cfg.shadow.device)
+    check_device("worker.device", cfg.worker.device, allow_auto=True)
+    if cfg.shadow.precision == "int8_dynamic" and cfg.shadow.device.startswith("cuda"):
+        raise ValueError("shadow.precision=int8_dynamic is torch's CPU int8; on CUDA use int8 or nf4")
     if cfg.shadow.mode not in SHADOW_MODES:
         raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
     for name in ("inject_wrong", "inject_wrong_token"):
@@ -306,6 +316,25 @@ def validate(cfg: OdmoeConfig) -> None:
             raise ValueError("prompt is empty")
         if cfg.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1, got {cfg.max_new_tokens}")
+
+
+def check_device(key: str, name: str, allow_auto: bool = False) -> None:
+    """`name` is cpu, cuda or cuda:<i> (or auto where allowed), and CUDA is there when it is asked for."""
+    if allow_auto and name == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{key}={name!r} is not cpu, cuda or cuda:<i>{' (or auto)' if allow_auto else ''}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{key}={name} needs CUDA, and this machine's torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{key}={name}: only {torch.cuda.device_count()} CUDA device(s) here")
 
 
 def exposed_hosts(cfg: OdmoeConfig) -> list[str]:

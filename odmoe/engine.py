@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from odmoe.alignment import AlignmentPlan, AlignmentSchedule
+from odmoe.device_slots import device_peak_bytes
 from odmoe.kv_rows import newest_rows
 from odmoe.main_model import MainModel
 from odmoe.memory import peak_rss_bytes
@@ -126,6 +127,7 @@ class MainEngine:
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
         start, start_us = time.perf_counter(), now_us()
         # 1) tokens in: exactly tokenizer(prompt) (a chat template is the front door's business).
+        device = self.main.device  # tokens are chosen on the host (odmoe.sampling), computed here
         ids = torch.tensor([self.prompt_ids(request)])
         chooser = TokenChooser(self.main.model, request.sampling, ids[0].tolist())
         stops, finish_reason = StopStrings(request.stop), "length"
@@ -153,10 +155,10 @@ class MainEngine:
             #    len(resumed) tokens are replayed as they were chosen before, not streamed again.
             for iteration in range(request.max_new_tokens):
                 self.experts.begin(request.request_id, iteration)
-                mask = torch.ones(1, prompt_len + len(new_ids), dtype=torch.long)
+                mask = torch.ones(1, prompt_len + len(new_ids), dtype=torch.long, device=device)
                 logits = (
                     model(
-                        input_ids=step_input,
+                        input_ids=step_input.to(device),
                         attention_mask=mask,
                         past_key_values=cache,
                         use_cache=True,
@@ -164,6 +166,7 @@ class MainEngine:
                     )
                     .logits[:, -1, :]
                     .float()
+                    .cpu()
                 )
                 token = chooser.choose(logits)
                 replayed = iteration < len(resumed)
@@ -261,6 +264,12 @@ class MainEngine:
             "device_bytes": {
                 "main": self.main.device_bytes,
                 **{f"worker{w}": b for w, b in sorted(self.experts.device_bytes.items())},
+            },
+            # CUDA's own counter (max_memory_allocated) per node process; 0 for a node on a CPU
+            "device_peak_bytes": {
+                "main": device_peak_bytes(self.main.device),
+                "shadow": self.shadow.seen.device_peak_bytes if self.shadow is not None else 0,
+                **{f"worker{w}": b for w, b in sorted(traffic.worker_device_peak.items())},
             },
             "decode": {**traffic.decode, "seconds": decode_s, "tokens": decode_tokens},
             "emulated_link": {

@@ -8,6 +8,17 @@ main must combine exactly as the reference would, and a worker must run the same
 rows *in the same order*: a CPU matmul's result for a row can change in the last bits with the row's
 position in the block (seen on AMD EPYC with 37-token batches, not on every CPU). `split_by_expert`
 gives each expert's rows in the order the kernel itself would feed them.
+
+On CUDA the reference's `grouped_mm` is one call over all E experts' rows (T*k of them), and
+PyTorch's CUTLASS bf16 kernel picks its tile shape from the *average* rows per group
+(`M = rows / groups`, small tiles when M <= 128 or N <= 128; aten/src/ATen/native/cuda/GroupMM.cu),
+not from this expert's own row count: a worker calling it with one group of n rows could pick the
+other tile shape and differ in the last bits. So a CUDA worker mirrors the reference call's shape
+(`grouped_shape = (T*k, E)`, sent by main): its n rows first in a [T*k, H] input, then padding the
+kernel never reads (rows past the last offset), and E groups of which only the first is non-empty,
+the weight repeated over the group dimension by a stride-0 view (no copy). Every shape the kernel
+selects on is then the reference's. The non-bf16 CUDA path (a per-group `mm` loop) and the CPU path
+see the same rows either way; the CPU path is left as it was.
 """
 
 from __future__ import annotations
@@ -71,10 +82,20 @@ def split_by_expert(top_k_index: torch.Tensor, num_experts: int, kernel: str = "
 
 
 def expert_forward(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, hidden_act: str, kernel: str
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    hidden_act: str,
+    kernel: str,
+    grouped_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One expert's gated MLP on rows x [n, H] -> [n, H], unweighted."""
+    """One expert's gated MLP on rows x [n, H] -> [n, H], unweighted. `grouped_shape`: (rows, experts)
+    of the reference's grouped call, mirrored on CUDA (see the module's docstring)."""
     act = ACT2FN[hidden_act]
+    if kernel == "grouped_mm" and grouped_shape and x.device.type == "cuda":
+        rows, groups = grouped_shape
+        gate, up = _mirrored_grouped_linear(x, gate_up, rows, groups).chunk(2, dim=-1)
+        return _mirrored_grouped_linear(act(gate) * up, down, rows, groups)
     if kernel == "eager":
         gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
         return torch.nn.functional.linear(act(gate) * up, down)
@@ -84,6 +105,17 @@ def expert_forward(
         gate, up = _grouped_linear(x, gate_up.unsqueeze(0), offs).chunk(2, dim=-1)
         return _grouped_linear(act(gate) * up, down.unsqueeze(0), offs)
     raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")
+
+
+def _mirrored_grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """x [n, in] @ weight [out, in].T as group 0 of a grouped call shaped like the reference's:
+    input [max(rows, n), in] (rows past n are never read), `groups` groups, the others empty."""
+    n = x.shape[0]
+    padded = x.new_zeros(max(rows, n), x.shape[1])
+    padded[:n] = x
+    offs = torch.full((max(groups, 1),), n, dtype=torch.int32, device=x.device)
+    weights = weight.unsqueeze(0).expand(max(groups, 1), *weight.shape)  # stride 0: no copy
+    return _grouped_linear(padded, weights, offs)[:n]
 
 
 def combine(

@@ -4,7 +4,10 @@ Contract: `ExpertStore` knows where every expert the worker serves rests — dec
 compressed in host memory within `worker.host_memory`, or on disk (`worker.store`) — never on the
 accelerator, and writes one into given tensors bit for bit (`load_into`). `DeviceSlots` owns
 `slots` preallocated buffers on the compute device; `load` moves one expert into a free slot (the
-just-in-time load the paper hides behind computation) and `evict` frees it.
+just-in-time load the paper hides behind computation) and `evict` frees it. On a CUDA device the
+experts rest in pinned host memory and a load is an asynchronous copy on the worker's own copy
+stream, timed by CUDA events, which compute waits for on the GPU (odmoe.device_slots); on a CPU
+device a load is a plain copy, timed by the host clock.
 There is deliberately no cache: an expert is evicted right after it computes.
 """
 
@@ -20,6 +23,7 @@ import torch
 
 from odmoe.checkpoint import Checkpoint, ExpertWeights
 from odmoe.compressed_tensor import MemoryBytes, compress
+from odmoe.device_slots import CopyStream, Transfer, pin
 from odmoe.expert_pack import PACK_DIR, ExpertPack, PackError, pack_path
 from odmoe.expert_sources import FORMS, CheckpointExpert, CompressedExpert, HostExpert
 
@@ -65,12 +69,15 @@ class ExpertStore:
         host_memory: int = 0,
         pack_dir: str | None = None,
         threads: int = 2,
+        pin_memory: bool = False,
     ) -> ExpertStore:
         """The store of `worker.store=kind`. Experts are taken in (layer, expert) order and kept in host
         memory in the kind's form while `host_memory` bytes last (0: no limit); the rest, and every
         expert of `disk`, are read on each load: from the pack file when `pack_dir` (default
         MODEL/odmoe-pack) holds one for this dtype and the kind compresses (compressed, disk), else
-        from the checkpoint's safetensors. `memory` never reads the pack: it is the uncompressed path."""
+        from the checkpoint's safetensors. `memory` never reads the pack: it is the uncompressed path.
+        `pin_memory` (a CUDA worker): experts held decompressed rest in page-locked memory, so a load
+        is an asynchronous DMA."""
         if kind not in STORES:
             raise ValueError(f"worker.store={kind!r} is not one of {', '.join(STORES)}")
         keys = [(layer, e) for layer in layers for e in range(checkpoint.num_experts)]
@@ -84,7 +91,7 @@ class ExpertStore:
         raw_bytes = (probe.gate_up.numel() + probe.down.numel()) * dtype.itemsize  # one expert at `dtype`
         held, experts = 0, {}
         for key in keys:
-            source = _held_source(checkpoint, key, dtype, kind, pack, budget - held, raw_bytes)
+            source = _held_source(checkpoint, key, dtype, kind, pack, budget - held, raw_bytes, pin_memory)
             if source is None and pack is not None:  # beyond the budget: read on each load
                 packed = pack[key]
                 source = CompressedExpert(packed.gate_up, packed.down, pack.bytes, True, f"expert {key}")
@@ -156,11 +163,16 @@ def _shapes(source: ExpertSource) -> tuple[torch.Size, torch.Size, torch.dtype]:
     return w.gate_up.shape, w.down.shape, w.gate_up.dtype
 
 
-def _held_source(checkpoint, key, dtype, kind, pack, room: float, raw_bytes: int) -> ExpertSource | None:
+def _held_source(
+    checkpoint, key, dtype, kind, pack, room: float, raw_bytes: int, pin_memory: bool = False
+) -> ExpertSource | None:
     """Expert `key` kept in host memory in `kind`'s form, or None: `disk`, or not within `room` bytes."""
     if kind == "memory" and raw_bytes <= room:
         w = checkpoint.expert(*key)
-        return HostExpert(ExpertWeights(w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous()))
+        gate_up, down = w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous()
+        if pin_memory:
+            gate_up, down = pin(gate_up), pin(down)
+        return HostExpert(ExpertWeights(gate_up, down))
     if kind == "compressed" and pack is not None and pack[key].nbytes <= room:
         data, packed = pack.read_expert(key)
         expert = CompressedExpert(packed.gate_up, packed.down, MemoryBytes(data), False, f"expert {key}")
@@ -214,6 +226,7 @@ class Slot:
     nbytes: int = 0
     filling: Future | None = None  # set while a background load is in flight
     load_started_us: float = 0.0  # wall clock, for the timeline
+    transfer: Transfer | None = None  # CUDA: the copy's events; load_s is known once it is settled
 
     def wait_filled(self) -> float:
         """Block until the slot's load has finished; returns the seconds waited."""
@@ -237,7 +250,12 @@ class LoadCounters:
 
 class DeviceSlots:
     """`reserve` picks a free slot (caller's thread); `fill` copies the expert in (any thread).
-    `load` does both now; `load_async` fills on the background loader so compute can go on."""
+    `load` does both now; `load_async` fills on the background loader so compute can go on.
+
+    CUDA: `fill` only enqueues the copy on the copy stream and returns; before computing, the caller
+    makes its stream wait for the copy (`await_on_device`), and after the result is back on the host
+    it calls `settle` to learn the load's duration by CUDA events (`slot.load_s`). On a CPU device
+    `fill` has copied when it returns and those two calls do nothing."""
 
     def __init__(self, store: ExpertStore, device: torch.device, slots: int = 2, link: Link = Link()):
         if slots < 1:
@@ -253,6 +271,8 @@ class DeviceSlots:
         ]
         self.counters = LoadCounters()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odmoe-loader")
+        self.copier = CopyStream(device) if device.type == "cuda" else None
+        self._unsettled: list[Transfer] = []  # CUDA: copies of evicted slots, counted when done
 
     def reserve(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
         if key not in self.store:
@@ -266,11 +286,12 @@ class DeviceSlots:
         return slot
 
     def fill(self, slot: Slot) -> None:
+        if self.copier is not None:
+            self._fill_cuda(slot)
+            return
         start = time.perf_counter()
         slot.load_started_us = time.time() * 1e6
         moved = self.store.load_into(slot.holds, slot.gate_up, slot.down)  # stored bytes: compressed or not
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
         if self.link.enabled:
             # The link carries what was moved; decompression overlaps the transfer (chunk by chunk), so
             # a load takes the longer of the two.
@@ -280,6 +301,49 @@ class DeviceSlots:
         c.loads += 1
         c.bytes_loaded += moved
         c.load_s += slot.load_s
+
+    def _fill_cuda(self, slot: Slot) -> None:
+        """Enqueue the expert's copy on the copy stream (pinned source: the host does not wait)."""
+        slot.load_started_us = time.time() * 1e6
+        start = time.perf_counter()
+        with torch.cuda.stream(self.copier.stream):
+            self.copier.start()
+            moved = self.store.load_into(slot.holds, slot.gate_up, slot.down)
+            slot.transfer = self.copier.finish()
+        slot.load_s, slot.nbytes = 0.0, moved
+        if self.link.enabled:  # emulating a slower link than this bus: the load takes at least that long
+            slot.transfer.end.synchronize()
+            time.sleep(max(self.link.seconds(moved) - (time.perf_counter() - start), 0.0))
+        self.counters.loads += 1
+        self.counters.bytes_loaded += moved
+
+    def await_on_device(self, slot: Slot):
+        """CUDA: the current stream waits (on the GPU) for the slot's copy; returns a probe for
+        `device_wait_s`. None on a CPU device or once nothing is in flight."""
+        if slot.transfer is None:
+            return None
+        return slot.transfer.await_on(torch.cuda.current_stream(self.device))
+
+    def device_wait_s(self, slot: Slot, probe) -> float:
+        """How long the compute stream waited for the copy (0 on a CPU device)."""
+        return 0.0 if probe is None or slot.transfer is None else slot.transfer.waited_s(probe)
+
+    def settle(self, slot: Slot) -> None:
+        """CUDA: wait for the slot's copy and set `slot.load_s` to its duration by CUDA events."""
+        transfer, slot.transfer = slot.transfer, None
+        if transfer is not None:
+            slot.load_s = transfer.seconds()
+            self.counters.load_s += slot.load_s
+
+    def _reap(self) -> None:
+        """Count the copies of slots evicted unused, once they are done (never blocks; caller's thread)."""
+        pending = []
+        for t in self._unsettled:
+            if t.end.query():
+                self.counters.load_s += t.seconds()
+            else:
+                pending.append(t)
+        self._unsettled = pending
 
     def load(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
         slot = self.reserve(key, tag)
@@ -301,6 +365,10 @@ class DeviceSlots:
         except Exception:
             pass  # a failed load leaves nothing to keep; a compute that needed it reported the error
         finally:
+            if slot.transfer is not None:  # an unused preload: its copy still counts once it is done
+                self._unsettled.append(slot.transfer)
+                slot.transfer = None
+                self._reap()
             slot.holds, slot.tag = None, None
 
     def find(self, key: ExpertKey, tag: Tag) -> Slot | None:
@@ -350,6 +418,15 @@ class ResidentExperts:
     load_async = load
 
     def evict(self, slot: Slot) -> None:
+        pass
+
+    def await_on_device(self, slot: Slot):
+        return None
+
+    def device_wait_s(self, slot: Slot, probe) -> float:
+        return 0.0
+
+    def settle(self, slot: Slot) -> None:
         pass
 
     def held(self) -> list[Slot]:

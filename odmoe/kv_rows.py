@@ -33,8 +33,8 @@ def overwrite_newest_rows(cache: DynamicCache, keys: torch.Tensor, values: torch
     """Replace the cache's last `rows` positions in every layer with main's K/V."""
     rows = keys.shape[2]
     for i, layer in enumerate(cache.layers):
-        layer.keys[0, :, -rows:] = keys[i].to(layer.keys.dtype)
-        layer.values[0, :, -rows:] = values[i].to(layer.values.dtype)
+        layer.keys[0, :, -rows:] = keys[i].to(layer.keys.device, layer.keys.dtype)
+        layer.values[0, :, -rows:] = values[i].to(layer.values.device, layer.values.dtype)
 
 
 def overwrite_rows(cache: DynamicCache, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -42,5 +42,5 @@ def overwrite_rows(cache: DynamicCache, start: int, keys: torch.Tensor, values: 
     may be ahead of them: its newer rows stay)."""
     end = start + keys.shape[2]
     for i, layer in enumerate(cache.layers):
-        layer.keys[0, :, start:end] = keys[i].to(layer.keys.dtype)
-        layer.values[0, :, start:end] = values[i].to(layer.values.dtype)
+        layer.keys[0, :, start:end] = keys[i].to(layer.keys.device, layer.keys.dtype)
+        layer.values[0, :, start:end] = values[i].to(layer.values.device, layer.values.dtype)

@@ -46,6 +46,7 @@ class MainModel:
     kernel: str  # experts implementation transformers resolves for this model ("grouped_mm"/"eager")
     moe_layers: list[int]
     dtype: torch.dtype
+    device: torch.device = torch.device("cpu")  # where main computes (`model.device`)
 
     @property
     def device_bytes(self) -> int:
@@ -80,7 +81,12 @@ def experts_modules(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]
     return sorted(found, key=lambda item: item[0])
 
 
-def build_main_model(checkpoint: Checkpoint, dtype: torch.dtype) -> MainModel:
+def build_main_model(
+    checkpoint: Checkpoint, dtype: torch.dtype, device: str | torch.device = "cpu"
+) -> MainModel:
+    """Main's model at `dtype` on `device` (each tensor read from disk once and put there; the routed
+    experts stay on `meta` wherever main computes)."""
+    device = torch.device(device)
     config = checkpoint.config
     # Parameters on `meta`, buffers real: rotary inv_freq is computed as usual, no weight allocated.
     with init_empty_weights(include_buffers=False):
@@ -101,19 +107,21 @@ def build_main_model(checkpoint: Checkpoint, dtype: torch.dtype) -> MainModel:
         raise CheckpointError(f"{checkpoint.path} lacks tensors main needs: {missing[:5]}")
     keep_fp32 = _keep_in_fp32(model)
     for key in sorted(needed):
-        _set_parameter(model, key, state[key].to(torch.float32 if keep_fp32(key) else dtype))
+        _set_parameter(model, key, state[key].to(device, torch.float32 if keep_fp32(key) else dtype))
     # Persistent buffers saved with the weights (DeepSeek-V3's router `e_score_correction_bias`)
     # are real tensors already (zeros); put the checkpoint's in, in the dtype from_pretrained gives them.
     for key, buffer in list(model.named_buffers()):
+        owner_name, _, attr = key.rpartition(".")
         if key in state:
-            owner_name, _, attr = key.rpartition(".")
-            value = state[key].to(buffer.device, torch.float32 if keep_fp32(key) else dtype)
+            value = state[key].to(device, torch.float32 if keep_fp32(key) else dtype)
             setattr(model.get_submodule(owner_name), attr, value)
+        elif buffer.device != device and buffer.device.type != "meta":  # rotary inv_freq, computed on CPU
+            setattr(model.get_submodule(owner_name), attr, buffer.to(device))
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
     model.set_experts_implementation(REMOTE)
     model.eval()
-    return MainModel(model=model, kernel=kernel, moe_layers=checkpoint.moe_layers, dtype=dtype)
+    return MainModel(model=model, kernel=kernel, moe_layers=checkpoint.moe_layers, dtype=dtype, device=device)
 
 
 def _keep_in_fp32(model: PreTrainedModel) -> Callable[[str], bool]:

@@ -40,6 +40,9 @@ class ComputeExpert:
     part: int = 0
     parts: int = 1
     per_part: bool = False
+    # [rows, experts] of the reference's grouped_mm call over the whole layer (T*k, E): a CUDA worker
+    # mirrors that call's shape so the kernel picks the reference's tiles (odmoe.expert_math); [] = none
+    grouped_shape: list[int] = field(default_factory=list)
     kind: str = "compute"
 
 
@@ -60,6 +63,7 @@ class ExpertResult:
     waited_s: float = 0.0  # how long the request waited for the expert's load (0: it was ready)
     # hedged prefetch, this request so far on this worker: [hedge loads, hedges used, bytes hedges loaded]
     hedges: list[int] = field(default_factory=list)
+    device_peak_bytes: int = 0  # CUDA's max_memory_allocated in this worker process (0 off CUDA)
     kind: str = "result"
 
 
@@ -110,6 +114,7 @@ class ShadowIteration:
     previous_forward_s: float = 0.0  # how long its forward pass of iteration-1 took
     ahead: int = 0  # speculative: iterations ahead of the newest one main had reported
     rollbacks: int = 0  # speculative: rollbacks so far in this request
+    device_peak_bytes: int = 0  # CUDA's max_memory_allocated in the shadow process (0 off CUDA)
     kind: str = "shadow_iteration"
 
 
@@ -152,6 +157,7 @@ class Pong:
     link: list[float] = field(default_factory=list)  # [Gbit/s, ms] of an emulated load link; [] when off
     device_bytes: int = 0  # what its experts take on the compute device (slots, or all when resident)
     where: str = ""  # where it runs, as its launcher names it (cluster.where); shown in main's Info
+    device_peak_bytes: int = 0  # CUDA's max_memory_allocated in this worker process (0 off CUDA)
     kind: str = "pong"
 
 

@@ -300,6 +300,70 @@ def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None 
     return out_dir
 
 
+POOL_ELEMENTS = 1 << 24  # random values each wide tensor is cut from
+
+
+def make_wide_model(
+    spec: ModelSpec, out_dir: str | Path, max_shard_size: str = "4GB", std: float = 0.02
+) -> Path:
+    """A random-weight checkpoint of real width, fast: for speed benchmarks, not for recall.
+
+    `make_model` initialises every tensor the way training would, one normal draw per element: at
+    Mixtral's width (a bf16 expert is 3 x 4096 x 14336 x 2 B = 352 MB) that is minutes per layer on
+    the CPU. Here the skeleton is allocated uninitialised and every matrix is filled with windows of
+    one pool of `POOL_ELEMENTS` normal(0, std) values, each at its own seeded offset (memory-bound
+    copies), norms with ones; then `save_pretrained` writes it sharded (`max_shard_size`) with the
+    index, per-expert keys and tokenizer of a real download. Same spec, same bytes."""
+    from accelerate import init_empty_weights
+
+    out_dir = Path(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        dtype = getattr(torch, spec.dtype)
+        with init_empty_weights(include_buffers=False):
+            model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=dtype)
+        model = model.to_empty(device="cpu")
+        generator = torch.Generator().manual_seed(spec.seed)
+        pool = (torch.randn(POOL_ELEMENTS, generator=generator) * std).to(dtype)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                _fill_from_pool(param, pool, name, generator)
+        kept = {n for n, _ in model.named_parameters()}
+        for name, buffer in model.named_buffers():  # persistent buffers saved with the weights
+            if name not in kept and name.endswith("e_score_correction_bias"):
+                buffer.copy_(torch.randn(buffer.shape, generator=generator) * E_BIAS_STD)
+        model.save_pretrained(tmp, max_shard_size=max_shard_size)
+        build_tokenizer(spec.vocab, spec.max_positions).save_pretrained(tmp)
+        (tmp / "odmoe_model.json").write_text(
+            json.dumps({**asdict(spec), "fill": "pool", "std": std}, indent=2)
+        )
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("wrote a wide %s model to %s", spec.family, out_dir)
+    return out_dir
+
+
+def _fill_from_pool(param: torch.Tensor, pool: torch.Tensor, name: str, generator: torch.Generator) -> None:
+    """Norm weights (1-D, named *norm*) are ones, other 1-D tensors zeros; matrices take windows of
+    `pool` starting at seeded offsets (at most a pool's length each)."""
+    flat = param.data.view(-1)
+    if param.dim() == 1:
+        flat.fill_(1.0 if "norm" in name else 0.0)
+        return
+    done, n = 0, flat.numel()
+    while done < n:
+        take = min(n - done, pool.numel() // 2)
+        start = int(torch.randint(0, pool.numel() - take + 1, (1,), generator=generator))
+        flat[done : done + take].copy_(pool[start : start + take])
+        done += take
+    if name.endswith("mlp.gate.weight"):
+        param.data.mul_(ROUTER_SCALE)
+
+
 def default_cache_dir() -> Path:
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "odmoe" / "models"

@@ -65,6 +65,7 @@ class ExpertTraffic:
 
     wait_s: float = 0.0  # main blocked on workers (transfer + load + compute as seen by main)
     worker_peak_rss: dict[int, int] = field(default_factory=dict)
+    worker_device_peak: dict[int, int] = field(default_factory=dict)  # CUDA max_memory_allocated
     preloaded: int = 0  # decode experts the shadow's prediction had already loaded
     reloads: int = 0  # decode experts loaded only after main asked (misses)
     # decode: per layer, summed over iterations, the longest any worker made main wait for a load
@@ -144,6 +145,8 @@ class ExpertTraffic:
             busy = self._layer_busy
             busy[result.worker] = busy.get(result.worker, 0.0) + result.load_s + result.compute_s
         self.worker_peak_rss[result.worker] = max(self.worker_peak_rss.get(result.worker, 0), result.peak_rss)
+        peak = self.worker_device_peak
+        peak[result.worker] = max(peak.get(result.worker, 0), result.device_peak_bytes)
         w = self.per_worker.setdefault(
             result.worker, {"experts": 0, "bytes_loaded": 0, "load_s": 0.0, "compute_s": 0.0}
         )
@@ -197,6 +200,7 @@ class RemoteExperts:
         self.fault: FaultTrigger | None = None  # fault injection at a chosen layer (tests, benchmarks)
         self.dropped = DropLog(log, "main")
         self._main_since_us = 0.0  # when main last got its rows back (its own work runs from there)
+        self._grouped_shape: list[int] = []  # this layer's [T*k, E] for grouped_mm (see __call__)
 
     @property
     def emulated_links(self) -> dict[int, list[float]]:
@@ -253,7 +257,11 @@ class RemoteExperts:
         placement = self._place(step, computed, hidden.shape[0], predicted, groups, hedges)
         start = time.perf_counter()
         rows_of = {stand_in.get(rows.expert, rows.expert): hidden[rows.token_idx] for rows in groups}
+        # the reference's grouped call covers every (token, slot) pair over all E experts (expert_math)
+        self._grouped_shape = [top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
         outputs = self._exchange(step, rows_of, placement)
+        if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
+            outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
         waited = time.perf_counter() - start
         self.traffic.wait_s += waited
         if self.tracer.enabled:
@@ -360,6 +368,7 @@ class RemoteExperts:
                     part=part,
                     parts=len(chunks),
                     per_part=per_part,
+                    grouped_shape=self._grouped_shape,
                 )
                 sent = sent and self.members.send(worker, to_frames(message, [chunk]), copy=False)
             if sent:

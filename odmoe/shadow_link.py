@@ -48,6 +48,7 @@ class ShadowObservations:
     lookahead_layers: list[int] = field(default_factory=list)
     late_departure_s: dict[int, float] = field(default_factory=dict)  # iteration -> seconds
     forward_s: dict[int, float] = field(default_factory=dict)  # iteration -> its forward pass, seconds
+    device_peak_bytes: int = 0  # the shadow process's CUDA max_memory_allocated, as last reported
     alignment_wait_s: dict[int, float] = field(default_factory=dict)  # iteration -> idle for alignment
     ahead: dict[int, int] = field(default_factory=dict)  # speculative: iteration -> iterations ahead of main
     rollbacks: int = 0  # speculative: how often the shadow rolled back in this request
@@ -191,6 +192,7 @@ class ShadowLink:
                 self.seen.alignment_wait_s[message.iteration] = message.alignment_wait_s
                 self.seen.ahead[message.iteration] = message.ahead
                 self.seen.rollbacks = max(self.seen.rollbacks, message.rollbacks)
+                self.seen.device_peak_bytes = max(self.seen.device_peak_bytes, message.device_peak_bytes)
                 if message.iteration > 1:
                     self.seen.forward_s[message.iteration - 1] = message.previous_forward_s
 

@@ -4,7 +4,10 @@ Contract: `load_shadow_model(path, precision)` returns transformers' own model, 
 ready to run locally. Precisions:
 - fp32 / bf16 / fp16: the checkpoint cast to that dtype (fp32 on main's device is an exact emulator);
 - int8 / nf4: bitsandbytes linears (the GPU path; they also run on CPU, 4-5x slower than fp32 there,
-  fine for recall studies, too slow to stay ahead of main);
+  fine for recall studies, too slow to stay ahead of main). On a CUDA device the checkpoint is read
+  on the host, unfused there without copies, and each linear is quantized as it moves to the GPU, so
+  the device never holds the full-precision experts (a real-width model would not fit beside the
+  rest of a one-GPU cluster); the unquantized rest follows;
 - int8_dynamic: torch's dynamic int8 quantization, the fast CPU int8.
 transformers keeps experts as fused [E, 2I, H] parameters that no quantizer touches, so for the
 quantized precisions each experts module is first unfused into per-expert `nn.Linear`s. Routers are
@@ -30,16 +33,17 @@ _KEEP_FULL = ("shared_expert_gate", "lm_head")  # tiny gates and the vocabulary 
 class UnfusedExperts(nn.Module):
     """A fused experts module as per-expert linears, computing what transformers' eager kernel does."""
 
-    def __init__(self, fused: nn.Module, hidden_act: str):
+    def __init__(self, fused: nn.Module, hidden_act: str, copy: bool = True):
         super().__init__()
+        take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())  # no copy: views
         self.num_experts = fused.gate_up_proj.shape[0]
         self.gate_up = nn.ModuleList()
         self.down = nn.ModuleList()
         for e in range(self.num_experts):
             gate_up = nn.Linear(fused.gate_up_proj.shape[2], fused.gate_up_proj.shape[1], bias=False)
-            gate_up.weight = nn.Parameter(fused.gate_up_proj[e].detach().clone(), requires_grad=False)
+            gate_up.weight = nn.Parameter(take(fused.gate_up_proj[e]), requires_grad=False)
             down = nn.Linear(fused.down_proj.shape[2], fused.down_proj.shape[1], bias=False)
-            down.weight = nn.Parameter(fused.down_proj[e].detach().clone(), requires_grad=False)
+            down.weight = nn.Parameter(take(fused.down_proj[e]), requires_grad=False)
             self.gate_up.append(gate_up)
             self.down.append(down)
         self.act_fn = ACT2FN[hidden_act]
@@ -54,10 +58,10 @@ class UnfusedExperts(nn.Module):
         return out
 
 
-def _unfuse(model: PreTrainedModel) -> None:
+def _unfuse(model: PreTrainedModel, copy: bool = True) -> None:
     for layer, module in experts_modules(model):
         parent = model.get_submodule(f"model.layers.{layer}.mlp")
-        parent.experts = UnfusedExperts(module, model.config.hidden_act)
+        parent.experts = UnfusedExperts(module, model.config.hidden_act, copy)
 
 
 def _linears(model: nn.Module):
@@ -82,7 +86,8 @@ class FlatRows(nn.Module):
         return self.linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
 
 
-def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
+def _to_bitsandbytes(model: PreTrainedModel, precision: str, device: torch.device | None = None) -> None:
+    """Every linear (but _KEEP_FULL) quantized; each lands on `device` (None: where it was)."""
     import bitsandbytes as bnb
 
     for parent, name, lin in list(_linears(model)):
@@ -107,7 +112,7 @@ def _to_bitsandbytes(model: PreTrainedModel, precision: str) -> None:
             q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
-        q = q.to(lin.weight.device)
+        q = q.to(device if device is not None else lin.weight.device)  # quantizes as it reaches a GPU
         setattr(parent, name, FlatRows(q) if name == "kv_b_proj" else q)
 
 
@@ -124,7 +129,17 @@ def load_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrai
     if precision not in PRECISIONS:
         raise ValueError(f"shadow.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     dtype = _DTYPES.get(precision, torch.float32)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+    on_gpu = torch.device(device).type == "cuda"
+    if on_gpu and precision == "int8_dynamic":
+        raise ValueError("shadow.precision=int8_dynamic is torch's CPU int8; on CUDA use int8 or nf4")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    if on_gpu and precision in ("int8", "nf4"):
+        _unfuse(model, copy=False)  # views of the host copy, each quantized on its way to the GPU
+        _to_bitsandbytes(model, precision, torch.device(device))
+        model = model.to(device)  # attention, norms, routers, embeddings, lm_head
+        model.eval()
+        return model
+    model = model.to(device)
     if precision in ("int8", "nf4", "int8_dynamic"):
         _unfuse(model)
         if precision == "int8_dynamic":

@@ -1,0 +1,178 @@
+"""Issue 18 on a CUDA device (marked `gpu`; skipped where torch sees no CUDA):
+
+1. a worker's slots: pinned experts, copies on a copy stream of its own, compute waiting on the event,
+   load time from CUDA events;
+2. main and shadow on the GPU (bf16/fp16 and bitsandbytes int8/nf4 shadows), CUDA's own peak counter
+   per node in the stats;
+3. exactness: the worker's expert kernel equals transformers' experts module on the GPU, and a whole
+   cluster on the GPU gives the tokens of `generate(do_sample=False)` on the same device and dtype,
+   for each family, through prefill and decode.
+
+    python -m pytest -m gpu tests/test_gpu.py
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from odmoe import LocalCluster
+from odmoe.checkpoint import Checkpoint
+from odmoe.expert_math import combine, expert_forward, split_by_expert
+from odmoe.expert_store import DeviceSlots, ExpertStore
+from odmoe.main_model import build_main_model
+from odmoe.shadow_model import load_shadow_model, router_modules
+from tests.conftest import FAMILY_NAMES
+from tests.tiny_configs import TINY
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+CUDA = "cuda"
+PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    " * 3]  # the second: a longer prefill
+NEW_TOKENS = 16
+
+
+def gpu_words(dtype: str = "bfloat16", shadow: str = "bf16") -> list[str]:
+    return [
+        f"model.dtype={dtype}",
+        "model.device=cuda",
+        "worker.device=cuda",
+        "shadow.device=cuda",
+        f"shadow.precision={shadow}",
+        "cluster.torch_threads=1",
+    ]
+
+
+def reference_on(path: str, prompt: str, dtype: torch.dtype, new_tokens: int = NEW_TOKENS) -> list[int]:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(CUDA)
+    ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt")["input_ids"].to(CUDA)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new_tokens)
+    return out[0, ids.shape[1] :].tolist()
+
+
+# -- 1. device slots -------------------------------------------------------------------------------
+def test_slots_load_pinned_experts_on_their_own_stream(model_dirs):
+    ckpt = Checkpoint(model_dirs["mixtral"])
+    store = ExpertStore.build(ckpt, ckpt.moe_layers, torch.bfloat16, pin_memory=True)
+    assert all(store[k].gate_up.is_pinned() and store[k].down.is_pinned() for k in store.keys())
+    slots = DeviceSlots(store, torch.device(CUDA), slots=2)
+    assert slots.copier.stream != torch.cuda.current_stream()
+    a = slots.load_async((0, 1), tag=("r", 1))
+    b = slots.load_async((1, 2), tag=("r", 1))
+    for slot, key in ((a, (0, 1)), (b, (1, 2))):
+        slot.wait_filled()  # the enqueue; the copy itself may still run
+        probe = slots.await_on_device(slot)  # this stream waits for it on the GPU
+        got = (slot.gate_up.float().sum() + slot.down.float().sum()).item()
+        want = (store[key].gate_up.float().sum() + store[key].down.float().sum()).item()
+        assert got == want
+        assert slots.device_wait_s(slot, probe) >= 0.0
+        slots.settle(slot)
+        assert slot.load_s > 0.0 and slot.nbytes == store[key].nbytes
+        assert torch.equal(slot.gate_up.cpu(), store[key].gate_up)
+        slots.evict(slot)
+    assert slots.counters.loads == 2 and slots.counters.load_s > 0.0
+
+
+def test_bus_peak_is_measured():
+    from odmoe.device_slots import host_to_device_peak
+
+    assert host_to_device_peak(CUDA, 64 << 20, repeats=2) > 1e9  # any PCIe/NVLink moves > 1 GB/s
+
+
+# -- 3. the worker's kernel on the GPU -------------------------------------------------------------
+def worker_equivalent(experts, hidden, top_k_index, top_k_weights, kernel):
+    """What main + workers compute: rows split on main's device, each expert on its own, combined."""
+    parts = []
+    shape = (top_k_index.numel(), experts.num_experts)
+    for rows in split_by_expert(top_k_index, experts.num_experts, kernel):
+        x = hidden[rows.token_idx].cpu().to(CUDA)  # the wire: through host memory
+        gate_up = experts.gate_up_proj[rows.expert].detach().clone()  # a slot: its own allocation
+        down = experts.down_proj[rows.expert].detach().clone()
+        y = expert_forward(x, gate_up, down, experts.config.hidden_act, kernel, shape)
+        parts.append((rows, y.cpu().to(CUDA)))
+    return combine(hidden, parts, top_k_weights, kernel)
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 300, 700])
+def test_worker_kernel_equals_transformers_on_cuda(family, kernel, dtype, tokens):
+    torch.manual_seed(tokens)
+    # wide enough (N > 128) that PyTorch's grouped kernel can choose between its two tile shapes
+    config = TINY[family]()
+    for name in ("intermediate_size", "moe_intermediate_size"):
+        if hasattr(config, name):
+            setattr(config, name, 256)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, experts_implementation=kernel).to(CUDA)
+    block = model.model.layers[1].mlp
+    hidden = torch.randn(tokens, model.config.hidden_size, device=CUDA).to(dtype)
+    _, weights, index = block.gate(hidden)
+    with torch.no_grad():
+        want = block.experts(hidden, index, weights)
+        got = worker_equivalent(block.experts, hidden, index, weights, kernel)
+    assert torch.equal(got, want), f"max |diff| {(got.float() - want.float()).abs().max().item()}"
+
+
+# -- 2. main and shadow on the GPU -----------------------------------------------------------------
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_main_model_on_cuda_equals_transformers(family, model_dirs):
+    """Main's skeleton on the GPU with a local expert call = the full model's logits on the GPU."""
+    path = model_dirs[family]
+    ckpt = Checkpoint(path)
+    main = build_main_model(ckpt, torch.bfloat16, CUDA)
+    full = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(CUDA).eval()
+    modules = dict(
+        (int(n.split(".layers.")[1].split(".")[0]), m)
+        for n, m in full.named_modules()
+        if n.endswith(".experts")
+    )
+
+    def local(layer, hidden, index, weights):
+        return worker_equivalent(modules[layer], hidden, index, weights, main.kernel)
+
+    main.attach(local)
+    ids = torch.arange(5, 25, device=CUDA)[None]
+    with torch.inference_mode():
+        assert torch.equal(main.model(input_ids=ids).logits, full(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "int8", "nf4"])
+def test_shadow_runs_on_cuda(precision, model_dirs):
+    pytest.importorskip("bitsandbytes")
+    model = load_shadow_model(model_dirs["mixtral"], precision, CUDA)
+    assert router_modules(model, 8)
+    torch.cuda.reset_peak_memory_stats()
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([[5, 6, 7]], device=CUDA)).logits
+    assert logits.is_cuda and torch.isfinite(logits).all()
+    assert torch.cuda.max_memory_allocated() > 0
+
+
+# -- 3. whole clusters on the GPU ------------------------------------------------------------------
+@pytest.mark.integration
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_cluster_on_cuda_equals_generate(family, model_dirs, reap_children):
+    path = model_dirs[family]
+    with LocalCluster(path, workers=4, group_size=2, overrides=gpu_words()) as cluster:
+        for prompt in PROMPTS:
+            got = cluster.client.generate(prompt, max_new_tokens=NEW_TOKENS)
+            assert got.token_ids == reference_on(path, prompt, torch.bfloat16), f"{family} on {prompt!r}"
+        peaks = got.stats["device_peak_bytes"]
+        assert set(peaks) == {"main", "shadow", "worker0", "worker1", "worker2", "worker3"}
+        assert all(b > 0 for b in peaks.values()), peaks
+        assert got.stats["worker_load_s"] > 0 and got.stats["bytes_loaded"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("dtype,shadow", [("float32", "int8"), ("float16", "nf4"), ("bfloat16", "fp16")])
+def test_cluster_on_cuda_with_quantized_shadows(dtype, shadow, model_dirs, reap_children):
+    pytest.importorskip("bitsandbytes")
+    path = model_dirs["mixtral"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=gpu_words(dtype, shadow)) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert got.token_ids == reference_on(path, PROMPTS[0], getattr(torch, dtype))
+        assert got.stats["recall"]["overall"] is not None
