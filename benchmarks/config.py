@@ -291,6 +291,7 @@ class PlacementSuite:
     ray_address: str = ""  # "": start a multi-node Ray cluster on this machine (timed apart)
 
 
+@dataclass
 class GpuSuite:
     """Issue 18: odmoe on one GPU against one-process ways of serving the same model (suites/gpu.py).
     The model is its own: Mixtral-shaped, random bf16 weights of real width, made once in model_dir."""
