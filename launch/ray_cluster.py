@@ -245,7 +245,8 @@ class RayCluster:
             self.actors[name] = actor.options(**options).remote(
                 spec(name, role, role_words, self.main_addresses), secrets
             )
-        ready = dict(zip(others, self._infos(others, timeout, "started"), strict=True))
+        refs = [self.actors[n].ready.remote() for n in others]
+        ready = dict(zip(others, self._get(refs, others, timeout, "started"), strict=True))
         workers = [ready[f"worker{i}"]["address"] for i in range(cfg.cluster.workers)]
         main_words = ["role=main", f"cluster.worker_addresses=[{','.join(workers)}]"]
         if cfg.shadow.enabled:

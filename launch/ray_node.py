@@ -112,7 +112,7 @@ class NodeActor:
         self.where = f"ray node {self.node_id[:8]} ({self.hostname}, {self.ip})"
         self.dir = Path(tempfile.mkdtemp(prefix=f"odmoe-{spec.name}-"))  # 0700
         self.process: subprocess.Popen | None = None
-        self.ready: dict = {}
+        self.served: dict = {}  # its ready file, once it serves
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.stopping = False
         self.main_address = ""
@@ -123,7 +123,9 @@ class NodeActor:
             again = []
             if self.restarted:  # a fault meant for the first run must not fire again; tell main
                 again = ["fault.node=", f"cluster.main_addresses=[{','.join(spec.main_addresses)}]"]
-            self._start([*spec.role_words, *again], keys)
+            # started here, waited for in ready(): lines printed after __init__ carry this node's
+            # name in Ray's log prefix (those printed during __init__ carry the class name)
+            self._spawn([*spec.role_words, *again], keys)
 
     def __repr__(self) -> str:  # Ray prefixes this node's log lines with it
         return self.spec.name
@@ -151,13 +153,12 @@ class NodeActor:
             s.bind((self.ip, 0))
             return s.getsockname()[1]
 
-    def _start(self, role_words: list[str], keys: SecretFiles | None) -> None:
-        ready = self.dir / "ready.json"
+    def _spawn(self, role_words: list[str], keys: SecretFiles | None) -> None:
         words = [*self.spec.words, f"model.path={self.spec.model_path}", f"cluster.host={self.ip}"]
         words.append(f"cluster.where='{self.where}'")  # quoted: Hydra's grammar takes it as it is
         if keys is not None:
             words.append(f"security.key_dir={keys.write(self.dir / 'keys')}")
-        words += [*role_words, f"ready_file={ready}"]
+        words += [*role_words, f"ready_file={self.dir / 'ready.json'}"]
         self.process = SPAWNER.submit(
             subprocess.Popen,
             [sys.executable, "-m", "odmoe.launch.cli", *words],
@@ -167,17 +168,22 @@ class NodeActor:
             preexec_fn=die_with_parent,  # the node dies with its actor (a lost Ray node)
         ).result()
         threading.Thread(target=self._relay, name="odmoe-log", daemon=True).start()
+
+    def _wait_ready(self) -> None:
+        ready, process = self.dir / "ready.json", self.process
+        assert process is not None
         deadline = time.monotonic() + self.spec.ready_timeout_s
         while not ready.exists():
-            if self.process.poll() is not None:
+            if process.poll() is not None:
+                time.sleep(0.2)  # the relay thread's last lines
                 raise ClusterStartError(
-                    f"{self.spec.name} on {self.where} exited with code {self.process.returncode} while "
+                    f"{self.spec.name} on {self.where} exited with code {process.returncode} while "
                     "starting:\n" + "\n".join(self.tail)
                 )
             if time.monotonic() > deadline:
                 raise ClusterStartError(f"{self.spec.name} on {self.where} did not come up in time")
             time.sleep(0.05)
-        self.ready = json.loads(ready.read_text())
+        self.served = json.loads(ready.read_text())
 
     def _relay(self) -> None:
         """The node's output into this actor's stdout (Ray streams it to the launcher); once it ends
@@ -188,17 +194,24 @@ class NodeActor:
             self.tail.append(line)
             print(line, flush=True)
         code = self.process.wait()
-        if not self.stopping and self.ready:
+        if not self.stopping and (self.served or self.restarted):  # a first start's failure: ready() says it
             print(f"odmoe: the {self.spec.name} node exited with code {code}; its actor ends too", flush=True)
             os._exit(1)
 
     # -- called by the launcher --------------------------------------------------------------
-    def launch(self, role_words: list[str], keys: SecretFiles | None) -> dict:
-        """Main only: start the node with the other nodes' addresses; returns `info()`."""
-        self._start([*role_words, f"cluster.main_port={self.main_address.rpartition(':')[2]}"], keys)
+    def ready(self) -> dict:
+        """Once this worker's or the shadow's node serves (ClusterStartError if it cannot): `info()`."""
+        self._wait_ready()
         return self.info()
 
+    def launch(self, role_words: list[str], keys: SecretFiles | None) -> dict:
+        """Main only: start the node with the other nodes' addresses; returns `info()` once it serves."""
+        self._spawn([*role_words, f"cluster.main_port={self.main_address.rpartition(':')[2]}"], keys)
+        return self.ready()
+
     def info(self) -> dict:
+        if not self.served and (self.dir / "ready.json").exists():  # a restarted node, now serving
+            self.served = json.loads((self.dir / "ready.json").read_text())
         return {
             "name": self.spec.name,
             "role": self.spec.role,
@@ -208,8 +221,8 @@ class NodeActor:
             "where": self.where,
             "restarted": self.restarted,
             "pid": self.process.pid if self.process else None,
-            "address": self.ready.get("address") or self.main_address,
-            **{k: v for k, v in self.ready.items() if k not in ("address", "pid")},
+            "address": self.served.get("address") or self.main_address,
+            **{k: v for k, v in self.served.items() if k not in ("address", "pid")},
         }
 
     def stop(self) -> None:

@@ -144,25 +144,32 @@ def test_roles_land_where_constrained_tokens_match_and_a_lost_worker_node_change
         assert again.token_ids == want and again.stats["failover"]["events"] == []
 
 
-def test_launch_role_ray_prints_placement_and_ctrl_c_stops_every_actor(ray_nodes, model_dirs, no_node_left):
+def test_launch_role_ray_prints_placement_streams_logs_and_ctrl_c_stops_every_actor(
+    ray_nodes, model_dirs, no_node_left, tmp_path
+):
     cluster, _ = ray_nodes
     words = [*_words(cluster, model_dirs["mixtral"]), "security.enabled=true"]
-    launcher = subprocess.Popen(
-        [sys.executable, "-m", "odmoe.launch.cli", "role=ray", *words],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
-    lines = []
+    output = tmp_path / "launcher.txt"
+    with open(output, "w") as out:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "odmoe.launch.cli", "role=ray", *words],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
-        for line in launcher.stderr:
-            lines.append(line)
-            if "Ctrl-C stops every node" in line:
-                break
-        out = "".join(lines)
-        assert "placed on Ray" in out and "main at " in out, out
+
+        def up() -> bool:  # the placement printed, and a worker's own log line relayed by Ray
+            text = output.read_text()
+            assert launcher.poll() is None, text
+            return "Ctrl-C stops every node" in text and "worker 0 serving on" in text
+
+        _wait(up, 240, "the launcher's placement and a worker's relayed log line")
+        lines = output.read_text().splitlines()
+        assert any("placed on Ray" in line for line in lines) and any("main at " in line for line in lines)
         for name in ("main", "shadow", "worker0", "worker1"):
-            assert any(line.strip().startswith(name) and "ray node" in line for line in lines), (name, out)
+            assert any(line.strip().startswith(name) and "ray node" in line for line in lines), name
+        relayed = [line for line in lines if "worker 0 serving on" in line]
+        assert all("worker0" in line for line in relayed), relayed  # Ray's prefix names the node
         assert ray.get_actor("odmoe-worker0", namespace="odmoe")
         launcher.send_signal(signal.SIGINT)
         assert launcher.wait(timeout=60) == 130
