@@ -252,7 +252,13 @@ class RemoteExperts:
         computed = [stand_in.get(e, e) for e in experts]
         placement = self._place(step, computed, hidden.shape[0], predicted, groups, hedges)
         start = time.perf_counter()
-        rows_of = {stand_in.get(rows.expert, rows.expert): hidden[rows.token_idx] for rows in groups}
+        # one token (decode): every expert's rows are that token's row, `hidden` itself
+        rows_of = {
+            stand_in.get(rows.expert, rows.expert): (
+                hidden if len(hidden) == len(rows.token_idx) == 1 else hidden[rows.token_idx]
+            )
+            for rows in groups
+        }
         outputs = self._exchange(step, rows_of, placement)
         waited = time.perf_counter() - start
         self.traffic.wait_s += waited
@@ -316,7 +322,12 @@ class RemoteExperts:
         self, step: Step, rows: dict[int, torch.Tensor], placement: dict[int, int]
     ) -> dict[int, torch.Tensor]:
         """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
-        calls = {e: self._send(step, e, x, placement[e]) for e, x in rows.items()}
+        # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
+        # threads), which on a machine with few cores can take main's core at once; the next call
+        # would then leave only after that worker's whole computation, and the workers of a layer
+        # would compute one after the other instead of together.
+        messages = {e: self._encode(step, e, x) for e, x in rows.items()}
+        calls = {e: self._send(step, e, x, placement[e], messages[e]) for e, x in rows.items()}
         layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
         deadline = time.monotonic() + self.timeout_s
         while not all(c.done for c in calls.values()):
@@ -344,30 +355,36 @@ class RemoteExperts:
             for e, c in calls.items()
         }
 
-    def _send(self, step: Step, expert: int, x: torch.Tensor, worker: int) -> _Call:
-        """Send one expert's rows, in prefill mini-batches when configured. A worker that cannot
-        take them is lost, and the rows go to its replacement."""
+    def _encode(self, step: Step, expert: int, x: torch.Tensor) -> list[list]:
+        """One expert's rows as the frames of each message: one message, or prefill mini-batches."""
         size = self.prefill.mini_batch if step.iteration == 0 and self.prefill.mini_batch > 0 else x.shape[0]
-        chunks = torch.split(x, max(size, 1))
+        chunks = torch.split(x, max(size, 1)) if x.shape[0] > size else (x,)
         per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
+        return [
+            to_frames(
+                ComputeExpert(step, expert, self.kernel, part=part, parts=len(chunks), per_part=per_part),
+                [chunk],
+            )
+            for part, chunk in enumerate(chunks)
+        ]
+
+    def _send(
+        self, step: Step, expert: int, x: torch.Tensor, worker: int, messages: list[list] | None = None
+    ) -> _Call:
+        """Send one expert's rows (`messages`: as `_encode` made them). A worker that cannot take
+        them is lost, and the rows go to its replacement."""
+        messages = messages or self._encode(step, expert, x)
         while True:
             sent = True
-            for part, chunk in enumerate(chunks):
-                message = ComputeExpert(
-                    step=step,
-                    expert=expert,
-                    kernel=self.kernel,
-                    part=part,
-                    parts=len(chunks),
-                    per_part=per_part,
-                )
-                sent = sent and self.members.send(worker, to_frames(message, [chunk]), copy=False)
+            for frames in messages:
+                sent = sent and self.members.send(worker, frames, copy=False)
             if sent:
                 break
             self.members.mark_lost(worker, "cannot take messages")
             worker = self._replacement(step, {expert: worker})[expert]
         self.tracer.message("main", "compute", step, expert, sent=True)
-        return _Call(worker, x, len(chunks) if per_part else 1)
+        per_part = len(messages) > 1 and self.prefill.compute_per_mini_batch
+        return _Call(worker, x, len(messages) if per_part else 1)
 
     def _replacement(self, step: Step, lost: dict[int, int]) -> dict[int, int]:
         try:
