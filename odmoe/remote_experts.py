@@ -255,7 +255,7 @@ class RemoteExperts:
         # one token (decode): every expert's rows are that token's row, `hidden` itself
         rows_of = {
             stand_in.get(rows.expert, rows.expert): (
-                hidden if len(hidden) == len(rows.token_idx) == 1 else hidden[rows.token_idx]
+                hidden if hidden.shape[0] == rows.token_idx.shape[0] == 1 else hidden[rows.token_idx]
             )
             for rows in groups
         }
