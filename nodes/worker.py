@@ -154,6 +154,7 @@ class WorkerNode:
         self.tracer = Tracer(f"worker{self.index}", cfg.trace_dir)
         self.fault = FaultTrigger(cfg.fault, f"worker{self.index}")
         self.dropped = DropLog(log, f"worker {self.index}")
+        self.received = time.perf_counter()  # when the message being handled arrived
 
     def _subscribe(self, address: str) -> None:
         """Follow the shadow's predictions at `address` (again, when the shadow moved)."""
@@ -205,6 +206,7 @@ class WorkerNode:
 
     def _serve_request(self) -> None:
         peer, *frames = self.sock.recv_multipart(copy=False)
+        self.received = time.perf_counter()  # a result's handled_s counts from here
         try:
             message, tensors = from_frames(frames)
         except CodecError as exc:
@@ -496,4 +498,5 @@ class WorkerNode:
             waited_s=waited_s,
             part=request.part if request.per_part else 0,
             hedges=list(self.hedge_counts) if request.step.request == self.request else [],
+            handled_s=time.perf_counter() - self.received,
         )

@@ -60,6 +60,9 @@ class ExpertResult:
     waited_s: float = 0.0  # how long the request waited for the expert's load (0: it was ready)
     # hedged prefetch, this request so far on this worker: [hedge loads, hedges used, bytes hedges loaded]
     hedges: list[int] = field(default_factory=list)
+    # the worker's time from the call's frames in hand to this result: decoding, checks, waiting for
+    # the load, computing (not encoding this, nor sending it): main's round trip less this is the wire's
+    handled_s: float = 0.0
     kind: str = "result"
 
 

@@ -83,7 +83,10 @@ class ExpertTraffic:
     hedging: dict[int, list[int]] = field(default_factory=dict)
     hedge_hits: int = 0  # activated experts the shadow had hedged (not predicted) and that arrived in time
 
-    # decode iterations only: what the pipeline model needs (main's own time = decode time - wait)
+    # decode iterations only: what the pipeline model needs (main's own time = decode time - wait),
+    # and where a layer's time goes (summed over layers, `_LayerClock`): main splitting, placing and
+    # encoding; the round trip from the first send to the last answer, of which that worker handled
+    # `worker_s`; main decoding answers; main combining them
     decode: dict = field(
         default_factory=lambda: {
             "wait_s": 0.0,
@@ -92,6 +95,11 @@ class ExpertTraffic:
             "compute_s": 0.0,
             "loads": 0,
             "load_s": 0.0,
+            "prepare_s": 0.0,
+            "round_trip_s": 0.0,
+            "worker_s": 0.0,
+            "take_s": 0.0,
+            "combine_s": 0.0,
         }
     )
     prefill: dict = field(
@@ -151,6 +159,25 @@ class ExpertTraffic:
         w["bytes_loaded"] += result.bytes_loaded
         w["load_s"] += result.load_s
         w["compute_s"] += result.compute_s
+
+
+@dataclass
+class _LayerClock:
+    """perf_counter stamps of one layer's exchange on main (seconds)."""
+
+    sending: float = 0.0  # every call encoded, the first about to be handed to ZeroMQ
+    answered: float = 0.0  # the last answer's frames in hand
+    worker_s: float = 0.0  # how long that answer's worker handled its call (its `handled_s`)
+    take_s: float = 0.0  # decoding and checking every answer
+
+    def note(self, decode: dict, entered: float, gathered: float, combined: float) -> None:
+        decode["prepare_s"] += self.sending - entered
+        # from the first send: a send can cost main its core at once (to the worker it woke), so
+        # a stamp after the sends would count the workers' time as main's
+        decode["round_trip_s"] += self.answered - self.sending
+        decode["worker_s"] += self.worker_s
+        decode["take_s"] += self.take_s
+        decode["combine_s"] += combined - gathered
 
 
 @dataclass
@@ -228,6 +255,7 @@ class RemoteExperts:
     def __call__(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        entered = time.perf_counter()
         step = Step(self.request, self.iteration, layer)
         if self.fault is not None:
             self.fault.at(step.request, step.iteration, layer)
@@ -259,8 +287,10 @@ class RemoteExperts:
             )
             for rows in groups
         }
-        outputs = self._exchange(step, rows_of, placement)
-        waited = time.perf_counter() - start
+        clock = _LayerClock()
+        outputs = self._exchange(step, rows_of, placement, clock)
+        gathered = time.perf_counter()
+        waited = gathered - start
         self.traffic.wait_s += waited
         if self.tracer.enabled:
             self._main_since_us = now_us()
@@ -279,7 +309,10 @@ class RemoteExperts:
         else:
             self.traffic.note_prefill_layer(layer, waited, len(groups))
         parts = [(rows, outputs[stand_in.get(rows.expert, rows.expert)]) for rows in groups]
-        return combine(hidden, parts, top_k_weights, self.kernel)
+        out = combine(hidden, parts, top_k_weights, self.kernel)
+        if decode:
+            clock.note(self.traffic.decode, entered, gathered, time.perf_counter())
+        return out
 
     def _stand_ins(
         self, layer: int, top_k_index, top_k_weights, predicted: list[int] | None
@@ -319,7 +352,7 @@ class RemoteExperts:
             return []
 
     def _exchange(
-        self, step: Step, rows: dict[int, torch.Tensor], placement: dict[int, int]
+        self, step: Step, rows: dict[int, torch.Tensor], placement: dict[int, int], clock: _LayerClock
     ) -> dict[int, torch.Tensor]:
         """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
         # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
@@ -327,14 +360,18 @@ class RemoteExperts:
         # would then leave only after that worker's whole computation, and the workers of a layer
         # would compute one after the other instead of together.
         messages = {e: self._encode(step, e, x) for e, x in rows.items()}
+        clock.sending = time.perf_counter()
         calls = {e: self._send(step, e, x, placement[e], messages[e]) for e, x in rows.items()}
         layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
         deadline = time.monotonic() + self.timeout_s
         while not all(c.done for c in calls.values()):
             received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
             for worker, frames in received:
+                arrived = time.perf_counter()
                 result = self._take(step, calls, worker, frames)
-                if result is not None and step.iteration >= 1:
+                clock.take_s += time.perf_counter() - arrived
+                if result is not None:
+                    clock.answered, clock.worker_s = arrived, result.handled_s
                     layer_stall = max(layer_stall, result.waited_s)
             if lost:
                 self._resend(step, calls, set(lost))
