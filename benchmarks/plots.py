@@ -440,7 +440,7 @@ def dataplane(report: dict, out: Path, subtitle: str) -> None:
     where the report has them, the stages of a decode layer beside the one-process experts call."""
     wire, over = report["wire_us"], report["layers"]["overhead_us_per_layer"]
     stages = report["layers"].get("stages_us_per_layer")
-    fig, axes = plt.subplots(1, 2 if stages else 1, figsize=(14 if stages else 8, 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, 2 if stages else 1, figsize=(15 if stages else 8, 5), squeeze=False)
     ax = axes[0][0]
     groups = ("plain", "CURVE")
     bars = {
@@ -462,7 +462,7 @@ def dataplane(report: dict, out: Path, subtitle: str) -> None:
     ax.set_title(
         f"data plane: one decode layer's call ({report['row_bytes']} B row)\n{subtitle}", fontsize=10
     )
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
     if stages:
         _dataplane_stages(axes[0][1], report["layers"], stages)
     _save(fig, out)
@@ -498,6 +498,6 @@ def _dataplane_stages(ax, layers: dict, stages: dict) -> None:
         ax.text(left, y, f" {left:.0f}", va="center", fontsize=8)
     ax.set_yticks(range(len(labels)), labels, fontsize=8)
     ax.invert_yaxis()
-    ax.set_xlabel("µs per decode layer (medians; take overlaps the round trip when answers queue)")
+    ax.set_xlabel("µs per decode layer (medians over requests)")
     ax.set_title("where a decode layer goes", fontsize=10)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
