@@ -436,9 +436,12 @@ def prefill(report: dict, out: Path, subtitle: str) -> None:
 
 
 def dataplane(report: dict, out: Path, subtitle: str) -> None:
-    """Issue 13: the wire's round trips beside a remote decode layer's overhead, plain and CURVE."""
+    """Issue 13: the wire's round trips beside a remote decode layer's overhead, plain and CURVE; and,
+    where the report has them, the stages of a decode layer beside the one-process experts call."""
     wire, over = report["wire_us"], report["layers"]["overhead_us_per_layer"]
-    fig, ax = plt.subplots(figsize=(8, 4.2))
+    stages = report["layers"].get("stages_us_per_layer")
+    fig, axes = plt.subplots(1, 2 if stages else 1, figsize=(15 if stages else 8, 5), squeeze=False)
+    ax = axes[0][0]
     groups = ("plain", "CURVE")
     bars = {
         "raw ZeroMQ round trip": [wire["raw_plain"]["median"], wire["raw_curve"]["median"]],
@@ -459,7 +462,9 @@ def dataplane(report: dict, out: Path, subtitle: str) -> None:
     ax.set_title(
         f"data plane: one decode layer's call ({report['row_bytes']} B row)\n{subtitle}", fontsize=10
     )
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left")
+    if stages:
+        _dataplane_stages(axes[0][1], report["layers"], stages)
     _save(fig, out)
 
 
@@ -525,3 +530,38 @@ def gpu(report: dict, out: Path, subtitle: str) -> None:
     bus.set_ylabel("host-to-device GB/s")
     fig.suptitle(f"{report.get('gpu') or report['device']}: {subtitle}", fontsize=9)
     _save(fig, out)
+
+
+def _dataplane_stages(ax, layers: dict, stages: dict) -> None:
+    """Stacked: where a cluster's decode layer goes (main's stats), beside one process's experts call."""
+    rows = {"one process: experts call": {"experts call": layers["reference_experts_us_per_layer"]}}
+    for system, st in stages.items():
+        compute = layers["worker_compute_us_per_expert"][system]
+        rows[f"cluster, {system.replace('_', ' ')}"] = {
+            "main: split, place, encode": st["prepare"],
+            "worker: compute": compute,
+            "worker: decode, checks": st["worker"] - compute,
+            "main sends; wire, wake-ups; worker encodes, sends": st["round_trip"] - st["worker"],
+            "main: decode answers": st["take"],
+            "main: combine": st["combine"],
+        }
+    labels = list(rows)
+    colours = {}
+    for y, label in enumerate(labels):
+        left = 0.0
+        for part, value in rows[label].items():
+            colour = colours.setdefault(part, f"C{len(colours)}")
+            ax.barh(
+                y,
+                value,
+                left=left,
+                color=colour,
+                label=part if part not in ax.get_legend_handles_labels()[1] else None,
+            )
+            left += value
+        ax.text(left, y, f" {left:.0f}", va="center", fontsize=8)
+    ax.set_yticks(range(len(labels)), labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("µs per decode layer (medians over requests)")
+    ax.set_title("where a decode layer goes", fontsize=10)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)

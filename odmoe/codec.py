@@ -9,10 +9,12 @@ that write to a tensor must clone it first.
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 _TENSORS = "_tensors"
@@ -45,18 +47,24 @@ _NAMES = {dt: name for name, dt in _DTYPES.items()}
 
 # numpy has no bfloat16: its bytes travel through an int16 view (same size, no copy)
 _NUMPY_VIEW = {torch.bfloat16: torch.int16}
+# Received tensors are wrapped through numpy: two cheap calls where torch.frombuffer + view cost
+# several times more on a process just woken (the per-layer case).
+_NUMPY = {dt: torch.empty(0, dtype=_NUMPY_VIEW.get(dt, dt)).numpy().dtype for dt in _DTYPES.values()}
 
 
 def _raw(t: torch.Tensor) -> memoryview:
-    """The tensor's bytes, without a copy when it is already a contiguous CPU tensor (the per-layer
-    case: two cheap calls instead of reshaping views, which cost microseconds each)."""
-    if t.requires_grad or t.device.type != "cpu" or not t.is_contiguous():
-        t = t.detach().contiguous().cpu()
+    """The tensor's bytes, without a copy when it is already a contiguous CPU tensor: the per-layer
+    case takes two torch calls (each costs tens of µs in a process just woken)."""
+    view = _NUMPY_VIEW.get(t.dtype)
+    if not t.requires_grad:
+        try:
+            return memoryview((t if view is None else t.view(view)).numpy()).cast("B")
+        except (TypeError, RuntimeError):  # another device, not contiguous or empty: the cast refuses
+            pass
     if t.numel() == 0:
         return memoryview(b"")
-    if t.dtype in _NUMPY_VIEW:
-        t = t.view(_NUMPY_VIEW[t.dtype])
-    return memoryview(t.numpy()).cast("B")
+    t = t.detach().contiguous().cpu()
+    return memoryview((t if view is None else t.view(view)).numpy()).cast("B")
 
 
 def encode(header: dict[str, Any], tensors: list[torch.Tensor] = ()) -> list:
@@ -96,30 +104,27 @@ def decode(frames: list) -> tuple[dict[str, Any], list[torch.Tensor]]:
 
 
 def _tensor(entry, frame) -> torch.Tensor:
-    if not (isinstance(entry, list) and len(entry) == 2 and isinstance(entry[1], list)):
+    if not (type(entry) is list and len(entry) == 2 and type(entry[1]) is list):
         raise CodecError(f"tensor entry {entry!r:.80} is not [dtype, shape]")
     name, shape = entry
-    dtype = _DTYPES.get(name) if isinstance(name, str) else None
+    dtype = _DTYPES.get(name) if type(name) is str else None
     if dtype is None:
         raise CodecError(f"unknown dtype {name!r:.40}")
-    if not all(isinstance(s, int) and not isinstance(s, bool) and 0 <= s < 2**40 for s in shape):
-        raise CodecError(f"bad shape {shape!r:.80}")
+    for s in shape:
+        if type(s) is not int or not 0 <= s < 2**40:  # `type(s) is int`: a bool is no size
+            raise CodecError(f"bad shape {shape!r:.80}")
     buf = _buffer(frame)
-    expected = dtype.itemsize * _numel(shape)
+    expected = dtype.itemsize * math.prod(shape)
     if buf.nbytes != expected:
         raise CodecError(f"tensor frame has {buf.nbytes} bytes, {name}{shape} needs {expected}")
     if expected == 0:
         return torch.empty(shape, dtype=dtype)
-    if not buf.readonly:  # a received ZeroMQ frame: writable memory, nothing to warn about
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
-    with warnings.catch_warnings():
-        # frombuffer warns that bytes are read-only; read-only is this module's contract.
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.frombuffer(buf, dtype=dtype).view(shape)
-
-
-def _numel(shape: list[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
+    array = np.frombuffer(buf, dtype=_NUMPY[dtype]).reshape(shape)
+    if buf.readonly:
+        with warnings.catch_warnings():
+            # from_numpy warns that bytes are read-only; read-only is this module's contract.
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.from_numpy(array)
+    else:  # a received ZeroMQ frame: writable memory, nothing to warn about
+        t = torch.from_numpy(array)
+    return t.view(dtype) if dtype in _NUMPY_VIEW else t

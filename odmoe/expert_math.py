@@ -23,11 +23,14 @@ see the same rows either way; the CPU path is left as it was.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 from transformers.activations import ACT2FN
-from transformers.integrations.moe import _grouped_linear
+from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
+from transformers.integrations.moe import _grouped_mm
+from transformers.utils.import_utils import is_torch_greater_or_equal
 
 KERNELS = ("grouped_mm", "eager")
 
@@ -91,7 +94,7 @@ def expert_forward(
 ) -> torch.Tensor:
     """One expert's gated MLP on rows x [n, H] -> [n, H], unweighted. `grouped_shape`: (rows, experts)
     of the reference's grouped call, mirrored on CUDA (see the module's docstring)."""
-    act = ACT2FN[hidden_act]
+    act = _activation(hidden_act)
     if kernel == "grouped_mm" and grouped_shape and x.device.type == "cuda":
         rows, groups = grouped_shape
         gate, up = _mirrored_grouped_linear(x, gate_up, rows, groups).chunk(2, dim=-1)
@@ -100,11 +103,38 @@ def expert_forward(
         gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
         return torch.nn.functional.linear(act(gate) * up, down)
     if kernel == "grouped_mm":
-        # A one-expert group through transformers' own grouped linear: same kernel, same strides.
-        offs = torch.tensor([x.shape[0]], dtype=torch.int32, device=x.device)
-        gate, up = _grouped_linear(x, gate_up.unsqueeze(0), offs).chunk(2, dim=-1)
-        return _grouped_linear(act(gate) * up, down.unsqueeze(0), offs)
+        # A one-expert group through the grouped matmul transformers' kernel uses: same op, same strides.
+        offs = _offsets(x.shape[0], x.device)
+        gate, up = _grouped_linear(x, gate_up, offs).chunk(2, dim=-1)
+        return _grouped_linear(act(gate) * up, down, offs)
     raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")
+
+
+@functools.cache
+def _activation(name: str):
+    return ACT2FN[name]  # ACT2FN builds a new module at every lookup
+
+
+@functools.lru_cache(maxsize=256)
+def _offsets(rows: int, device: torch.device) -> torch.Tensor:
+    """grouped_mm's offsets for one group of `rows` rows (read, never written, by the kernel)."""
+    return torch.tensor([rows], dtype=torch.int32, device=device)
+
+
+# transformers' `_grouped_mm` hands CPU weights to torch's grouped_mm as they are from torch 2.11 on
+# (before, only 16-byte-aligned ones). Calling it directly there skips per-call version checks and
+# conversions that cost a one-row decode call more than its matmuls did (tests: same bits).
+_DIRECT_ON_CPU = hasattr(torch.nn.functional, "grouped_mm") and is_torch_greater_or_equal(
+    "2.11", accept_dev=True
+)
+
+
+def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    """transformers' `_grouped_linear` for one expert's weight [out, in]: x [n, in] -> [n, out]."""
+    w = weight.unsqueeze(0).transpose(-2, -1)  # [1, in, out], the layout transformers hands the kernel
+    if _DIRECT_ON_CPU and weight.device.type == "cpu" and x.dtype == weight.dtype:
+        return torch.nn.functional.grouped_mm(x, w, offs=offs)
+    return _grouped_mm(x, w, offs=offs)
 
 
 def _mirrored_grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
@@ -115,7 +145,7 @@ def _mirrored_grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: int, g
     padded[:n] = x
     offs = torch.full((max(groups, 1),), n, dtype=torch.int32, device=x.device)
     weights = weight.unsqueeze(0).expand(max(groups, 1), *weight.shape)  # stride 0: no copy
-    return _grouped_linear(padded, weights, offs)[:n]
+    return _hf_grouped_linear(padded, weights, offs)[:n]
 
 
 def combine(
@@ -127,6 +157,8 @@ def combine(
     """Weighted sum of the experts' outputs per token, [T, H], in the reference's order and dtype."""
     num_tokens, hidden_dim = hidden.shape
     top_k = top_k_weights.shape[-1]
+    if num_tokens == 1 and (by_slot := _one_row_per_slot(parts, top_k, hidden.dtype)) is not None:
+        return _combine_one_token(hidden, by_slot, top_k_weights, kernel)
     if kernel == "eager":
         out = torch.zeros_like(hidden)
         for rows, y in sorted(parts, key=lambda p: p[0].expert):
@@ -139,4 +171,37 @@ def combine(
             flat[rows.token_idx * top_k + rows.slot_idx] = y.to(flat.dtype)
         weighted = flat * top_k_weights.reshape(-1).unsqueeze(-1)
         return weighted.view(num_tokens, top_k, hidden_dim).sum(dim=1).to(hidden.dtype)
+    raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")
+
+
+def _one_row_per_slot(parts, top_k: int, dtype: torch.dtype) -> list[tuple[ExpertRows, torch.Tensor]] | None:
+    """A decode step's parts by top-k slot, when every slot has exactly one output row of `dtype`
+    (else None: the general path)."""
+    by_slot: list = [None] * top_k
+    for rows, y in parts:
+        if rows.slot_idx.shape[0] != 1 or y.dtype != dtype:
+            return None
+        by_slot[int(rows.slot_idx[0])] = (rows, y)
+    return None if any(p is None for p in by_slot) else by_slot
+
+
+def _combine_one_token(
+    hidden: torch.Tensor,
+    by_slot: list[tuple[ExpertRows, torch.Tensor]],
+    top_k_weights: torch.Tensor,
+    kernel: str,
+) -> torch.Tensor:
+    """`combine` for one token whose k slots hold k distinct experts, in fewer tensor ops and to the
+    same bits: the same products, added in the same order by the same ops (tested against the
+    general path, NaN payloads included)."""
+    if kernel == "grouped_mm":
+        flat = torch.cat([y for _, y in by_slot])  # [k, H]: what the general path scatters into zeros
+        weighted = flat * top_k_weights.reshape(-1, 1)
+        return weighted.view(1, len(by_slot), -1).sum(dim=1).to(hidden.dtype)
+    if kernel == "eager":
+        out = torch.zeros_like(hidden)
+        for slot, (rows, y) in sorted(enumerate(by_slot), key=lambda p: p[1][0].expert):
+            # [1, 1] weights (not a 0-dim scalar): the same type promotion as the general path
+            out.index_add_(0, rows.token_idx, (y * top_k_weights[:, slot, None]).to(out.dtype))
+        return out
     raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")

@@ -64,6 +64,9 @@ class ExpertResult:
     # hedged prefetch, this request so far on this worker: [hedge loads, hedges used, bytes hedges loaded]
     hedges: list[int] = field(default_factory=list)
     device_peak_bytes: int = 0  # CUDA's max_memory_allocated in this worker process (0 off CUDA)
+    # the worker's time from the call's frames in hand to this result: decoding, checks, waiting for
+    # the load, computing (not encoding this, nor sending it): main's round trip less this is the wire's
+    handled_s: float = 0.0
     kind: str = "result"
 
 

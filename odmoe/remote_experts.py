@@ -84,7 +84,10 @@ class ExpertTraffic:
     hedging: dict[int, list[int]] = field(default_factory=dict)
     hedge_hits: int = 0  # activated experts the shadow had hedged (not predicted) and that arrived in time
 
-    # decode iterations only: what the pipeline model needs (main's own time = decode time - wait)
+    # decode iterations only: what the pipeline model needs (main's own time = decode time - wait),
+    # and where a layer's time goes (summed over layers, `_LayerClock`): main splitting, placing and
+    # encoding; the round trip from the first send to the last answer, of which that worker handled
+    # `worker_s`; main decoding answers; main combining them
     decode: dict = field(
         default_factory=lambda: {
             "wait_s": 0.0,
@@ -93,6 +96,11 @@ class ExpertTraffic:
             "compute_s": 0.0,
             "loads": 0,
             "load_s": 0.0,
+            "prepare_s": 0.0,
+            "round_trip_s": 0.0,
+            "worker_s": 0.0,
+            "take_s": 0.0,
+            "combine_s": 0.0,
         }
     )
     prefill: dict = field(
@@ -154,6 +162,25 @@ class ExpertTraffic:
         w["bytes_loaded"] += result.bytes_loaded
         w["load_s"] += result.load_s
         w["compute_s"] += result.compute_s
+
+
+@dataclass
+class _LayerClock:
+    """perf_counter stamps of one layer's exchange on main (seconds)."""
+
+    sending: float = 0.0  # every call encoded, the first about to be handed to ZeroMQ
+    answered: float = 0.0  # the last answer's frames in hand
+    worker_s: float = 0.0  # how long that answer's worker handled its call (its `handled_s`)
+    take_s: float = 0.0  # decoding and checking every answer
+
+    def note(self, decode: dict, entered: float, gathered: float, combined: float) -> None:
+        decode["prepare_s"] += self.sending - entered
+        # from the first send: a send can cost main its core at once (to the worker it woke), so
+        # a stamp after the sends would count the workers' time as main's
+        decode["round_trip_s"] += self.answered - self.sending
+        decode["worker_s"] += self.worker_s
+        decode["take_s"] += self.take_s
+        decode["combine_s"] += combined - gathered
 
 
 @dataclass
@@ -232,6 +259,7 @@ class RemoteExperts:
     def __call__(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        entered = time.perf_counter()
         step = Step(self.request, self.iteration, layer)
         if self.fault is not None:
             self.fault.at(step.request, step.iteration, layer)
@@ -256,13 +284,21 @@ class RemoteExperts:
         computed = [stand_in.get(e, e) for e in experts]
         placement = self._place(step, computed, hidden.shape[0], predicted, groups, hedges)
         start = time.perf_counter()
-        rows_of = {stand_in.get(rows.expert, rows.expert): hidden[rows.token_idx] for rows in groups}
+        # one token (decode): every expert's rows are that token's row, `hidden` itself
+        rows_of = {
+            stand_in.get(rows.expert, rows.expert): (
+                hidden if hidden.shape[0] == rows.token_idx.shape[0] == 1 else hidden[rows.token_idx]
+            )
+            for rows in groups
+        }
         # the reference's grouped call covers every (token, slot) pair over all E experts (expert_math)
         self._grouped_shape = [top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
-        outputs = self._exchange(step, rows_of, placement)
+        clock = _LayerClock()
+        outputs = self._exchange(step, rows_of, placement, clock)
         if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
             outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
-        waited = time.perf_counter() - start
+        gathered = time.perf_counter()
+        waited = gathered - start
         self.traffic.wait_s += waited
         if self.tracer.enabled:
             self._main_since_us = now_us()
@@ -281,7 +317,10 @@ class RemoteExperts:
         else:
             self.traffic.note_prefill_layer(layer, waited, len(groups))
         parts = [(rows, outputs[stand_in.get(rows.expert, rows.expert)]) for rows in groups]
-        return combine(hidden, parts, top_k_weights, self.kernel)
+        out = combine(hidden, parts, top_k_weights, self.kernel)
+        if decode:
+            clock.note(self.traffic.decode, entered, gathered, time.perf_counter())
+        return out
 
     def _stand_ins(
         self, layer: int, top_k_index, top_k_weights, predicted: list[int] | None
@@ -321,17 +360,26 @@ class RemoteExperts:
             return []
 
     def _exchange(
-        self, step: Step, rows: dict[int, torch.Tensor], placement: dict[int, int]
+        self, step: Step, rows: dict[int, torch.Tensor], placement: dict[int, int], clock: _LayerClock
     ) -> dict[int, torch.Tensor]:
         """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
-        calls = {e: self._send(step, e, x, placement[e]) for e, x in rows.items()}
+        # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
+        # threads), which on a machine with few cores can take main's core at once; the next call
+        # would then leave only after that worker's whole computation, and the workers of a layer
+        # would compute one after the other instead of together.
+        messages = {e: self._encode(step, e, x) for e, x in rows.items()}
+        clock.sending = time.perf_counter()
+        calls = {e: self._send(step, e, x, placement[e], messages[e]) for e, x in rows.items()}
         layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
         deadline = time.monotonic() + self.timeout_s
         while not all(c.done for c in calls.values()):
             received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
             for worker, frames in received:
+                arrived = time.perf_counter()
                 result = self._take(step, calls, worker, frames)
-                if result is not None and step.iteration >= 1:
+                clock.take_s += time.perf_counter() - arrived
+                if result is not None:
+                    clock.answered, clock.worker_s = arrived, result.handled_s
                     layer_stall = max(layer_stall, result.waited_s)
             if lost:
                 self._resend(step, calls, set(lost))
@@ -352,31 +400,44 @@ class RemoteExperts:
             for e, c in calls.items()
         }
 
-    def _send(self, step: Step, expert: int, x: torch.Tensor, worker: int) -> _Call:
-        """Send one expert's rows, in prefill mini-batches when configured. A worker that cannot
-        take them is lost, and the rows go to its replacement."""
+    def _encode(self, step: Step, expert: int, x: torch.Tensor) -> list[list]:
+        """One expert's rows as the frames of each message: one message, or prefill mini-batches."""
         size = self.prefill.mini_batch if step.iteration == 0 and self.prefill.mini_batch > 0 else x.shape[0]
-        chunks = torch.split(x, max(size, 1))
+        chunks = torch.split(x, max(size, 1)) if x.shape[0] > size else (x,)
         per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
-        while True:
-            sent = True
-            for part, chunk in enumerate(chunks):
-                message = ComputeExpert(
-                    step=step,
-                    expert=expert,
-                    kernel=self.kernel,
+        return [
+            to_frames(
+                ComputeExpert(
+                    step,
+                    expert,
+                    self.kernel,
                     part=part,
                     parts=len(chunks),
                     per_part=per_part,
                     grouped_shape=self._grouped_shape,
-                )
-                sent = sent and self.members.send(worker, to_frames(message, [chunk]), copy=False)
+                ),
+                [chunk],
+            )
+            for part, chunk in enumerate(chunks)
+        ]
+
+    def _send(
+        self, step: Step, expert: int, x: torch.Tensor, worker: int, messages: list[list] | None = None
+    ) -> _Call:
+        """Send one expert's rows (`messages`: as `_encode` made them). A worker that cannot take
+        them is lost, and the rows go to its replacement."""
+        messages = messages or self._encode(step, expert, x)
+        while True:
+            sent = True
+            for frames in messages:
+                sent = sent and self.members.send(worker, frames, copy=False)
             if sent:
                 break
             self.members.mark_lost(worker, "cannot take messages")
             worker = self._replacement(step, {expert: worker})[expert]
         self.tracer.message("main", "compute", step, expert, sent=True)
-        return _Call(worker, x, len(chunks) if per_part else 1)
+        per_part = len(messages) > 1 and self.prefill.compute_per_mini_batch
+        return _Call(worker, x, len(messages) if per_part else 1)
 
     def _replacement(self, step: Step, lost: dict[int, int]) -> dict[int, int]:
         try:

@@ -191,3 +191,57 @@ def test_a_decode_steps_split_is_the_general_one(kernel, monkeypatch):
         for a, b in zip(got, want, strict=True):
             assert a.token_idx.tolist() == b.token_idx.tolist() and a.slot_idx.tolist() == b.slot_idx.tolist()
             assert a.token_idx.dtype == b.token_idx.dtype == torch.long
+
+
+# -- the expert math of a decode step ------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 37])
+def test_a_one_expert_grouped_call_is_transformers_own(dtype, rows):
+    """The direct grouped_mm call gives the bits transformers' `_grouped_linear` gives, also for rows
+    that start off a 16-byte boundary (as received frames may)."""
+    from transformers.integrations.moe import _grouped_linear
+
+    from odmoe.expert_math import expert_forward
+
+    g = torch.Generator().manual_seed(rows)
+    gate_up, down = torch.randn(64, 16, generator=g).to(dtype), torch.randn(16, 32, generator=g).to(dtype)
+    x = torch.randn(rows * 16 + 1, generator=g).to(dtype)[1:].view(rows, 16)  # storage offset: 1 element
+    offs = torch.tensor([rows], dtype=torch.int32)
+    gate, up = _grouped_linear(x, gate_up.unsqueeze(0), offs).chunk(2, dim=-1)
+    want = _grouped_linear(torch.nn.functional.silu(gate) * up, down.unsqueeze(0), offs)
+    got = expert_forward(x, gate_up, down, "silu", "grouped_mm")
+    assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm"])
+@pytest.mark.parametrize(
+    "hidden_dtype, weight_dtype", [(torch.float32,) * 2, (torch.bfloat16, torch.float32)]
+)
+def test_a_decode_steps_combine_is_the_general_one(kernel, hidden_dtype, weight_dtype, monkeypatch):
+    """One token, k distinct experts: the short combine gives the general path's bits, signed zeros,
+    infinities and NaNs included."""
+    from odmoe import expert_math
+
+    g = torch.Generator().manual_seed(1)
+    cases = []
+    for k in (1, 2, 4, 8):
+        for _ in range(5):
+            index = torch.randperm(16, generator=g)[:k].view(1, k)
+            weights = torch.rand(1, k, generator=g).to(weight_dtype)
+            ys = torch.randn(k, 1, 12, generator=g)
+            ys[:, :, :4] = torch.tensor([-0.0, 0.0, float("inf"), float("nan")])
+            cases.append((index, weights, ys.to(hidden_dtype)))
+    hidden = torch.zeros(1, 12, dtype=hidden_dtype)
+
+    def combined():
+        out = []
+        for index, weights, ys in cases:
+            groups = expert_math.split_by_expert(index, 16, kernel)
+            parts = [(rows, ys[int(rows.slot_idx[0])]) for rows in groups]
+            out.append(expert_math.combine(hidden, parts, weights, kernel))
+        return out
+
+    fast = combined()
+    monkeypatch.setattr(expert_math, "_one_row_per_slot", lambda *_: None)  # the general path
+    for got, want in zip(fast, combined(), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))

@@ -14,6 +14,12 @@ Measured in one run, on one machine, so the figures can be set against each othe
    through transformers' `generate()` (one torch thread, as every cluster node has). Per decode
    layer: (cluster's decode seconds per token - the reference's) / MoE layers. Requests are
    interleaved over the three; tokens must be identical.
+4. stages: where a cluster's decode layer goes, from main's stats (µs per layer, medians over
+   requests): `prepare` (split, place, encode every call), `round_trip` (from the first send to the
+   last answer's frames in hand), of it `worker` (that worker's own time: decode, compute; not its
+   encoding and sending, which stay in the round trip with the wire and the wake-ups), `take` (main
+   decoding and checking the answers), `combine`; beside them the reference's own experts call per
+   decode layer (timed by forward hooks), which a remote layer replaces.
 
 The issue's goal: a remote decode layer costs at most ~2x the raw round trip (the layer overhead
 with security on against raw CURVE, off against raw plain).
@@ -43,6 +49,7 @@ from odmoe.messages import ComputeExpert, ExpertResult, Step, from_frames, to_fr
 
 WIRE = (("raw", "plain"), ("raw", "curve"), ("codec", "plain"), ("codec", "curve"))
 SYSTEMS = ("reference", "security_on", "security_off")
+STAGES = ("prepare", "round_trip", "worker", "take", "combine")
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -169,6 +176,7 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int) -> dict:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every node of a local cluster (cluster.torch_threads=1)
     reference = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    experts_s = _time_decode_experts(reference)
     clusters = {}
     rows: dict[str, list[dict]] = {s: [] for s in SYSTEMS}
     differ = 0
@@ -186,7 +194,10 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int) -> dict:
                 order = SYSTEMS[(r + i) % 3 :] + SYSTEMS[: (r + i) % 3]
                 tokens = {}
                 for system in order:
+                    experts_s.clear()
                     row = _generate(system, reference, clusters, ids, suite.new_tokens)
+                    if system == "reference":
+                        row["experts_us_per_layer"] = statistics.mean(experts_s) * 1e6
                     tokens[system] = row.pop("token_ids")
                     rows[system].append(row)
                 differ += any(t != tokens["reference"] for t in tokens.values())
@@ -208,6 +219,11 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int) -> dict:
         # main blocked on workers per decode layer, and one expert's compute on a worker
         "wait_us_per_layer": {s: _median(rows[s], "wait_us_per_layer") for s in SYSTEMS[1:]},
         "worker_compute_us_per_expert": {s: _median(rows[s], "compute_us_per_expert") for s in SYSTEMS[1:]},
+        # where a cluster's decode layer goes, and the one-process experts call it replaces
+        "stages_us_per_layer": {
+            s: {k: statistics.median(r["stages_us"][k] for r in rows[s]) for k in STAGES} for s in SYSTEMS[1:]
+        },
+        "reference_experts_us_per_layer": _median(rows["reference"], "experts_us_per_layer"),
         "rows": rows,
     }
     return summary
@@ -227,8 +243,29 @@ def _generate(system: str, reference, clusters: dict, ids: list[int], new_tokens
         "decode_s_per_token": d["seconds"] / d["tokens"],
         "wait_us_per_layer": d["wait_s"] / d["layers"] * 1e6,
         "compute_us_per_expert": d["compute_s"] / d["experts"] * 1e6,
+        "stages_us": {k: d[f"{k}_s"] / d["layers"] * 1e6 for k in STAGES},
         "token_ids": result.token_ids,
     }
+
+
+def _time_decode_experts(model) -> list[float]:
+    """Forward hooks on every experts module: the seconds of each one-token (decode) call, appended."""
+    times: list[float] = []
+    started = [0.0]
+
+    def pre(module, args):
+        started[0] = time.perf_counter()
+
+    def post(module, args, output):
+        if args[0].shape[0] == 1:  # hidden [T, H]: one token is a decode step
+            times.append(time.perf_counter() - started[0])
+
+    for layer in model.model.layers:
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is not None:
+            experts.register_forward_pre_hook(pre)
+            experts.register_forward_hook(post)
+    return times
 
 
 def _median(rows: list[dict], key: str) -> float:
@@ -259,6 +296,17 @@ def print_report(report: dict) -> None:
         f"off {ms['security_off']:.2f} ({report['moe_layers']} MoE layers; "
         f"token sequences differing: {lay['token_sequences_differing']})"
     )
+    print(
+        f"where a decode layer goes, µs (medians); one process's experts call: "
+        f"{lay['reference_experts_us_per_layer']:.1f}"
+    )
+    for s, st in lay["stages_us_per_layer"].items():
+        print(
+            f"  {s:<13} prepare {st['prepare']:7.1f} | round trip {st['round_trip']:7.1f} (worker "
+            f"{st['worker']:.1f}, of it compute {lay['worker_compute_us_per_expert'][s]:.1f}; wire, "
+            f"wake-ups, sends, worker encode {st['round_trip'] - st['worker']:.1f}) | decode answers "
+            f"{st['take']:6.1f} | combine {st['combine']:6.1f}"
+        )
     for s in ("security_on", "security_off"):
         raw = w["raw_curve" if s == "security_on" else "raw_plain"]["median"]
         print(
