@@ -1,33 +1,131 @@
 #!/usr/bin/env bash
-# Issue 18 on a fresh GPU box, in one command (~20-25 min on one H100; README: On a GPU):
-#   bash benchmarks/gpu_session.sh OUT_DIR [LAYERS]
-# 1) installs a CUDA build of torch from the box's package index (no CPU constraint) and odmoe[dev];
-# 2) the gpu-marked unit tests (slots, kernels, main and shadow on CUDA) -> OUT_DIR/gpu-tests.txt;
-# 3) odmoe-bench suite=gpu on a LAYERS-layer (default 4) real-width Mixtral-shaped bf16 model
-#    -> OUT_DIR/gpu.json, OUT_DIR/gpu.png, OUT_DIR/gpu-bench.txt;
-# 4) the gpu-marked whole-cluster tests (every family) -> OUT_DIR/gpu-cluster-tests.txt.
-# Each step's time and exit status go to OUT_DIR/session.txt; a failing step does not stop the next.
+# Issue 18 on a lent GPU box that has no network (README: On a GPU). Two steps:
+#   here:   bash benchmarks/gpu_wheels.sh      # the wheels odmoe needs beyond the box's image -> .whl/
+#   there:  one device call per part, each with carry [".whl"], each well under a call's 10 minutes
+#           (timeout_s for the call: 420, 590, 510; 30 min of device time covers the three and a start):
+#     bash benchmarks/gpu_session.sh "$OUT" part1           # install, versions, gpu unit tests (<=300 s)
+#     bash benchmarks/gpu_session.sh "$OUT" part2 [LAYERS]  # install, odmoe-bench suite=gpu (<=500 s;
+#                                                           #   LAYERS default 4, 2 for a safe first run)
+#     bash benchmarks/gpu_session.sh "$OUT" part3           # install, gpu whole-cluster tests (<=420 s)
+#   also:   install (install and versions only; runs without a GPU too), all (part1..3 in a row, for a
+#           box with no 10-minute limit: ~15-20 min).
+# Install (offline, every part: the box may be a fresh one): .whl/*.whl into $SITE (default /tmp/site)
+# with PYTHONPATH=$SITE ahead of the image's packages, then odmoe itself editable into the box's Python
+# (--no-index --no-build-isolation: the image's setuptools builds it). Every part writes
+# $OUT/session.txt (install log, versions, each step's time and exit status) and its steps' logs:
+#   part1: gpu-tests.txt, gpu-tests.xml        part2: gpu-bench.txt, gpu.json, gpu.png
+#   part3: gpu-cluster-tests.txt, gpu-cluster-tests.xml       (all: those 8 files, the most a call returns)
+# A step is bounded by `timeout`; a failing or timed-out step does not stop the next. BENCH_ARGS: more
+# odmoe-bench words for part2 (e.g. the CPU dry run: gpu.device=cpu gpu.hidden=64 gpu.intermediate=128 ...).
 set -u
-OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT_DIR [LAYERS]}
-LAYERS=${2:-4}
+OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT_DIR part1|part2|part3|install|all [LAYERS]}
+PART=${2:-all}
+LAYERS=${3:-4}
+SITE=${SITE:-/tmp/site}
+WHL=${WHL:-.whl}  # another folder: a local check with wheels for another Python
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
 mkdir -p "$OUT"
 LOG="$OUT/session.txt"
-step() {  # step NAME TIMEOUT_S COMMAND...: run, log time and status
+t_start=$SECONDS
+
+say() { echo "$*" | tee -a "$LOG"; }
+step() {  # step NAME LIMIT_S COMMAND...: run bounded, log to $OUT/NAME.txt, record time and status
   local name=$1 limit=$2; shift 2
-  local t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+  local t0=$SECONDS
+  say "-- $name (limit ${limit}s, at +$((SECONDS - t_start))s): $*"
+  # to a file, not a pipe: a node process that outlives its step cannot hold the step open
+  timeout -k 20 "$limit" "$@" > "$OUT/$name.txt" 2>&1
   local rc=$?
-  echo "$name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$LOG"
-  tail -n 5 "$OUT/$name.txt"
+  local why=""
+  [ $rc = 124 ] || [ $rc = 137 ] && why=" (TIMED OUT)"
+  tail -n 25 "$OUT/$name.txt"
+  say "-- $name: rc=$rc in $((SECONDS - t0))s$why"
 }
-echo "gpu session $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null)" | tee "$LOG"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee -a "$LOG"
-# torch from the index as is: on Linux x86_64 PyPI's torch wheel is the CUDA build. Same version as
-# constraints-cpu.txt pins for CPU machines; bitsandbytes and accelerate come with odmoe[dev].
-step install 900 bash -c 'pip install -q "torch==2.13.0" && pip install -q -e ".[dev]"'
-python -c 'import torch, transformers, bitsandbytes, accelerate; print("torch", torch.__version__, "cuda", torch.version.cuda, torch.cuda.is_available(), torch.cuda.get_device_name(0)); print("transformers", transformers.__version__, "bitsandbytes", bitsandbytes.__version__, "accelerate", accelerate.__version__)' 2>&1 | tee -a "$LOG"
-PYTEST=(python -m pytest tests/test_gpu.py -q --timeout 300 -o addopts="--strict-markers -p no:cacheprovider --durations=15")
-step gpu-tests 420 "${PYTEST[@]}" -m "gpu and not integration" --junitxml="$OUT/gpu-tests.xml"
-step gpu-bench 900 odmoe-bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" gpu.model_dir=/tmp/odmoe-gpu-model
-step gpu-cluster-tests 600 "${PYTEST[@]}" -m "gpu and integration" --junitxml="$OUT/gpu-cluster-tests.xml"
-echo "done $(date -u +%FT%TZ)" | tee -a "$LOG"
+
+install() {
+  if ! ls "$WHL"/*.whl > /dev/null 2>&1; then
+    say "no .whl/*.whl here: run 'bash benchmarks/gpu_wheels.sh' on the CPU machine and carry [\".whl\"]"
+    exit 3
+  fi
+  local t0=$SECONDS
+  # idempotent on a warm box: the same wheels are installed once
+  local stamp
+  stamp=$(ls -l "$WHL"/*.whl | md5sum | cut -c1-32)
+  if [ "$(cat "$SITE/.odmoe-wheels" 2>/dev/null)" != "$stamp" ]; then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
+      "$WHL"/*.whl >> "$LOG" 2>&1 || { say "installing $WHL/ into $SITE failed (see above)"; exit 3; }
+    echo "$stamp" > "$SITE/.odmoe-wheels"
+  fi
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  # odmoe itself: editable, so that the package-dir mapping (odmoe.nodes -> nodes/, ...) holds while
+  # tests import from the repo root (where ./odmoe would shadow a copy installed elsewhere)
+  "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >> "$LOG" 2>&1 \
+    || { say "installing odmoe (pip install -e . offline) failed (see above)"; exit 3; }
+  say "installed in $((SECONDS - t0))s (PYTHONPATH=$PYTHONPATH)"
+  "$PY" - >> "$LOG" 2>&1 <<'EOF'
+import importlib, importlib.metadata as md, sys
+print("python", sys.version.split()[0], sys.executable)
+import torch
+cuda = torch.cuda.is_available()
+print("torch", torch.__version__, "cuda", torch.version.cuda, "available", cuda,
+      torch.cuda.get_device_name(0) if cuda else "-")
+for name in ("transformers", "accelerate", "bitsandbytes", "huggingface_hub", "tokenizers", "safetensors",
+             "grpcio", "protobuf", "pyzmq", "hydra-core", "fastapi", "pydantic", "numpy", "pytest"):
+    try:
+        print(f"  {name} {md.version(name)}")
+    except md.PackageNotFoundError:
+        print(f"  {name} MISSING")
+import transformers
+print("transformers from", transformers.__file__)
+for mod in ("odmoe.nodes.worker", "odmoe.nodes.main", "odmoe.launch.cli", "odmoe.benchmarks.suites.gpu",
+            "odmoe.rpc.odmoe_pb2_grpc", "grpc_health.v1.health", "fastapi", "uvicorn", "sse_starlette",
+            "zmq", "zstandard", "cryptography.x509", "hydra"):
+    try:
+        importlib.import_module(mod)
+        print(f"  import {mod}: ok")
+    except Exception as e:
+        print(f"  import {mod}: FAILED {type(e).__name__}: {e}")
+try:
+    import bitsandbytes as bnb
+    if cuda:
+        w = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+        q, state = bnb.functional.quantize_4bit(w, quant_type="nf4")
+        err = (bnb.functional.dequantize_4bit(q, state) - w).abs().max().item()
+        print(f"  bitsandbytes nf4 on cuda: ok (max error {err:.3g})")
+except Exception as e:
+    print(f"  bitsandbytes: FAILED {type(e).__name__}: {e} (int8/nf4 tests will fail or skip)")
+EOF
+  sed -n '/^python /,$p' "$LOG" | tail -n 40
+}
+
+PYTEST=("$PY" -m pytest tests/test_gpu.py -q -p no:cacheprovider --timeout 240
+        -o "addopts=--strict-markers --durations=15")
+part1() {  # the gpu-marked unit tests: slots, kernels (180 cases), main and shadow on CUDA (~1-3 min)
+  step gpu-tests 300 "${PYTEST[@]}" -m "gpu and not integration" --junitxml="$OUT/gpu-tests.xml"
+}
+part2() {  # suite gpu. Its model: LAYERS x 8 experts x 352 MB, bf16 (4 layers: 11.3 GB, 2: 5.6 GB),
+  # filled from a seeded pool and written to /tmp (about a minute at 4 layers, most of it the write),
+  # then odmoe, one process, accelerate offload and the LRU offloader in turn (est. 5-8 min at 4
+  # layers, 3-5 at 2; its JSON and figure are written at the end only).
+  step gpu-bench 500 "$PY" -m odmoe.launch.bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
+    gpu.model_dir="/tmp/odmoe-gpu-model-$LAYERS" gpu.timeout_s=400 ${BENCH_ARGS:-}
+  df -h /tmp | tail -n 1 | tee -a "$LOG"
+}
+part3() {  # the gpu-marked whole-cluster tests: every family + 3 quantized shadows (~3-6 min)
+  step gpu-cluster-tests 420 "${PYTEST[@]}" -m "gpu and integration" --junitxml="$OUT/gpu-cluster-tests.xml"
+}
+
+say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
+install
+case "$PART" in
+  install) ;;
+  part1) part1 ;;
+  part2) part2 ;;
+  part3) part3 ;;
+  all) part1; part2; part3 ;;
+  *) say "unknown part '$PART': part1|part2|part3|install|all"; exit 2 ;;
+esac
+say "done $PART in $((SECONDS - t_start))s $(date -u +%FT%TZ)"
