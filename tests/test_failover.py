@@ -197,19 +197,24 @@ def test_main_stopped_with_requests_waiting_exits_and_they_get_unavailable(model
     import odmoe
 
     codes, words = [], ["shadow.enabled=false"]
+    first_token = threading.Event()
     with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2, overrides=words) as c:
 
         def ask() -> None:
             try:
                 with odmoe.Client(c.address, credentials=c.credentials) as client:
-                    client.generate(PROMPTS[0], max_new_tokens=200)
+                    for _ in client.stream(PROMPTS[0], max_new_tokens=200):
+                        first_token.set()
             except grpc.RpcError as exc:
                 codes.append(exc.code())
 
-        threads = [threading.Thread(target=ask) for _ in range(2)]  # one runs, one waits in the queue
+        # one runs, two wait in the queue; SIGTERM once the first is streaming, not after a fixed
+        # sleep: 200 tokens of this model now take ~1.4 s, and a fixed 1.5 s let them all finish
+        threads = [threading.Thread(target=ask) for _ in range(3)]
         for t in threads:
             t.start()
-        time.sleep(1.5)
+        assert first_token.wait(timeout=60)
+        time.sleep(0.2)
         main = c.node("main").process
         main.send_signal(signal.SIGTERM)
         main.wait(timeout=20)
