@@ -149,7 +149,8 @@ class RayCluster:
         self._client: Client | None = None
         self._ray = None
         self._we_connected = False
-        self._keep: list = []  # ObjectRefs of key files: alive while a restarted actor may need them
+        self._key_refs: list = []  # ObjectRefs of key files: alive while a restarted actor may need them
+        self._groups: list = []  # the mains' placement group
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> RayCluster:
@@ -217,7 +218,7 @@ class RayCluster:
                 if cfg.ray.main.labels
                 else None,
             )
-            self._keep.append(group)
+            self._groups.append(group)
             main_options.pop("label_selector", None)
             main_options.pop("resources", None)
         for i, name in enumerate(names):
@@ -285,7 +286,7 @@ class RayCluster:
             return None
         key_name = "main" if name.startswith("main") else name  # standbys share main's key
         ref = self._ray.put(role_key_files(keys, name, key_name))
-        self._keep.append(ref)
+        self._key_refs.append(ref)
         return ref
 
     def _infos(self, names: list[str], timeout: float, what: str) -> list[dict]:
@@ -325,10 +326,9 @@ class RayCluster:
             for handle in self.actors.values():
                 ray.kill(handle, no_restart=True)
             self.actors = {}
-        for item in self._keep:
-            if type(item).__name__ == "PlacementGroup":
-                ray.util.remove_placement_group(item)
-        self._keep = []
+        for group in self._groups:
+            ray.util.remove_placement_group(group)
+        self._groups, self._key_refs = [], []
         if self._scratch is not None:
             shutil.rmtree(self._scratch, ignore_errors=True)
             self._scratch = None

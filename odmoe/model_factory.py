@@ -274,30 +274,35 @@ def add_chat_template(model_dir: str | Path) -> None:
 
 def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None = None) -> Path:
     """Write checkpoint + tokenizer into out_dir atomically (a crash never leaves half a model)."""
-    out_dir = Path(out_dir)
+    torch.manual_seed(spec.seed)
+    model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(ROUTER_SCALE)
+        for name, bias in model.named_buffers():
+            if name.endswith("mlp.gate.e_score_correction_bias"):
+                bias.copy_(torch.randn(bias.shape) * E_BIAS_STD)
+    _save_atomically(model, spec, Path(out_dir), max_shard_size, asdict(spec))
+    log.info("wrote %s model to %s", spec.family, out_dir)
+    return Path(out_dir)
+
+
+def _save_atomically(model, spec: ModelSpec, out_dir: Path, max_shard_size: str | None, meta: dict) -> None:
+    """The model's weights (sharded at `max_shard_size`, None: transformers' default), its tokenizer
+    and `odmoe_model.json` (meta) into out_dir, written beside it first and then renamed into place,
+    so a crash never leaves half a model."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
     try:
-        torch.manual_seed(spec.seed)
-        model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if name.endswith("mlp.gate.weight"):
-                    param.mul_(ROUTER_SCALE)
-            for name, bias in model.named_buffers():
-                if name.endswith("mlp.gate.e_score_correction_bias"):
-                    bias.copy_(torch.randn(bias.shape) * E_BIAS_STD)
-        kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-        model.save_pretrained(tmp, **kwargs)
+        model.save_pretrained(tmp, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         build_tokenizer(spec.vocab, spec.max_positions).save_pretrained(tmp)
-        (tmp / "odmoe_model.json").write_text(json.dumps(asdict(spec), indent=2))
+        (tmp / "odmoe_model.json").write_text(json.dumps(meta, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("wrote %s model to %s", spec.family, out_dir)
-    return out_dir
 
 
 POOL_ELEMENTS = 1 << 24  # random values each wide tensor is cut from
@@ -316,33 +321,21 @@ def make_wide_model(
     index, per-expert keys and tokenizer of a real download. Same spec, same bytes."""
     from accelerate import init_empty_weights
 
+    dtype = getattr(torch, spec.dtype)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=dtype)
+    model = model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(spec.seed)
+    pool = (torch.randn(POOL_ELEMENTS, generator=generator) * std).to(dtype)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            _fill_from_pool(param, pool, name, generator)
+    kept = {n for n, _ in model.named_parameters()}
+    for name, buffer in model.named_buffers():  # persistent buffers saved with the weights
+        if name not in kept and name.endswith("e_score_correction_bias"):
+            buffer.copy_(torch.randn(buffer.shape, generator=generator) * E_BIAS_STD)
     out_dir = Path(out_dir)
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
-        dtype = getattr(torch, spec.dtype)
-        with init_empty_weights(include_buffers=False):
-            model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=dtype)
-        model = model.to_empty(device="cpu")
-        generator = torch.Generator().manual_seed(spec.seed)
-        pool = (torch.randn(POOL_ELEMENTS, generator=generator) * std).to(dtype)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                _fill_from_pool(param, pool, name, generator)
-        kept = {n for n, _ in model.named_parameters()}
-        for name, buffer in model.named_buffers():  # persistent buffers saved with the weights
-            if name not in kept and name.endswith("e_score_correction_bias"):
-                buffer.copy_(torch.randn(buffer.shape, generator=generator) * E_BIAS_STD)
-        model.save_pretrained(tmp, max_shard_size=max_shard_size)
-        build_tokenizer(spec.vocab, spec.max_positions).save_pretrained(tmp)
-        (tmp / "odmoe_model.json").write_text(
-            json.dumps({**asdict(spec), "fill": "pool", "std": std}, indent=2)
-        )
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    _save_atomically(model, spec, out_dir, max_shard_size, {**asdict(spec), "fill": "pool", "std": std})
     log.info("wrote a wide %s model to %s", spec.family, out_dir)
     return out_dir
 
