@@ -217,9 +217,11 @@ class LookaheadSuite:
     hedging: bool = True  # part 2 (the replay)
     # part 2: hedging recall on main's trajectory (no clock)
     hedge_precisions: list[str] = field(default_factory=lambda: ["nf4", "int8_dynamic"])
-    hedge_margins: list[float] = field(default_factory=lambda: [0.0, 0.01, 0.02, 0.05, 0.1, 0.2])
-    replay_prompts: int = 4
-    replay_tokens: int = 128
+    hedge_margins: list[float] = field(default_factory=lambda: [0.0, 0.005, 0.01, 0.015, 0.02, 0.05, 0.1])
+    # 32 x 256 tokens: ~65,000 activated experts, so one miss moves recall by 1.5e-5 and a 0.999 goal
+    # is decided by dozens of misses, not by one (4 x 128 decided it by a single miss)
+    replay_prompts: int = 32
+    replay_tokens: int = 256
 
 
 @dataclass
@@ -279,6 +281,9 @@ class DataplaneSuite:
     prompt_tokens: int = 16
     new_tokens: int = 48
     layer_repeats: int = 3  # requests per prompt per system (reference, security on, off), interleaved
+    # main's side on CPU 0 (this process: the reference and the echo's client; main), the other side
+    # on CPU 1 (the echo; every worker): each end a core of its own, as on two boxes (needs taskset)
+    pin: bool = False
 
 
 @dataclass

@@ -188,6 +188,8 @@ def test_compression_suite_bound_and_ratios():
         ("faults", lambda d, out: plots.faults(d["rows"], out, "redrawn")),
         ("ablation", lambda d, out: plots.ablation(d["rows"], out, "redrawn")),
         ("soak", lambda d, out: plots.soak(d["samples"], d["events"], out, "redrawn")),
+        ("lookahead", lambda d, out: plots.lookahead(d, out, "redrawn")),
+        ("lookahead-hedging", lambda d, out: plots.lookahead(d, out, "redrawn")),  # part 2 alone
     ],
 )
 def test_a_figure_is_redrawn_from_its_committed_results_file(suite, draw, tmp_path):
@@ -210,3 +212,14 @@ def test_prefill_figure_is_redrawn_from_the_earlier_scripts_results(prompt_kv, t
     out = tmp_path / "prefill.png"
     plots.prefill(data, out, "redrawn")
     assert out.stat().st_size > 10_000
+
+
+def test_wilson_lower_bound_of_a_recall():
+    """The hedging goal is judged on this bound: a handful of misses in a small sample must not pass
+    it, dozens in a large one may."""
+    from odmoe.benchmarks.suites.lookahead import wilson_low
+
+    assert wilson_low(0, 0) == 0.0
+    assert wilson_low(4063, 4064) < 0.999 < 4063 / 4064  # the old 4 x 128 sample: even 1 miss decides nothing
+    assert 0.999 < wilson_low(65280 - 46, 65280) < (65280 - 46) / 65280  # 32 x 256: 46 misses
+    assert wilson_low(100, 100) == pytest.approx(0.963, abs=1e-3)  # the textbook all-successes case

@@ -23,10 +23,17 @@ Measured in one run, on one machine, so the figures can be set against each othe
 
 The issue's goal: a remote decode layer costs at most ~2x the raw round trip (the layer overhead
 with security on against raw CURVE, off against raw plain).
+
+`dataplane.pin=true` gives each end a core: this process (the reference, the echo's client) and
+main on CPU 0, the echo and every worker on CPU 1, so the figures show the data plane without the
+wake-ups queueing for a shared core (with `cluster.workers=1`: one process per core, as two boxes).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -44,6 +51,7 @@ from odmoe.benchmarks.config import BenchConfig, DataplaneSuite
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.checkpoint import Checkpoint
+from odmoe.launch.local_cluster import NodePlacement
 from odmoe.main_model import resolve_dtype
 from odmoe.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
 
@@ -53,15 +61,41 @@ STAGES = ("prepare", "round_trip", "worker", "take", "combine")
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    with _pinned(cfg.dataplane.pin) as pinning:
+        return _run(cfg, model_path, out, pinning)
+
+
+@contextlib.contextmanager
+def _pinned(pin: bool):
+    """With `pin`, this process on CPU 0 for the run (its children choose their own with taskset)."""
+    if not pin:
+        yield None
+        return
+    if shutil.which("taskset") is None or len(os.sched_getaffinity(0)) < 2:
+        raise RuntimeError("dataplane.pin=true needs taskset and at least two CPUs")
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {0})
+    try:
+        yield "this process and main on CPU 0; the echo and every worker on CPU 1"
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _taskset(pinning: str | None, cpu: int) -> list[str]:
+    return ["taskset", "-c", str(cpu)] if pinning else []
+
+
+def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None) -> dict:
     suite = cfg.dataplane
     ckpt = Checkpoint(model_path)
     row = torch.randn(1, ckpt.config.hidden_size).to(resolve_dtype("auto", ckpt))
     print(f"-- wire: one decode layer's message, {row.numel() * row.element_size()} B row", flush=True)
-    wire = measure_wire(suite, row)
+    wire = measure_wire(suite, row, pinning)
     codec = measure_codec(suite, row)
     print("-- layers: resident-experts cluster (security on, off) vs one process", flush=True)
-    layers = measure_layers(cfg, model_path, len(ckpt.moe_layers))
+    layers = measure_layers(cfg, model_path, len(ckpt.moe_layers), pinning)
     report = {
+        "pinned": pinning,
         "hidden_size": ckpt.config.hidden_size,
         "row_bytes": row.numel() * row.element_size(),
         "moe_layers": len(ckpt.moe_layers),
@@ -82,9 +116,9 @@ def _message(row: torch.Tensor) -> tuple[ComputeExpert, list]:
     return ComputeExpert(step=step, expert=5, kernel="eager"), [row]
 
 
-def _echo(mode: str, security: str) -> tuple[subprocess.Popen, zmq.Socket]:
+def _echo(mode: str, security: str, pinning: str | None) -> tuple[subprocess.Popen, zmq.Socket]:
     """One echo process and this process's DEALER connected to it."""
-    cmd = [sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
+    cmd = [*_taskset(pinning, 1), sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
     public = secret = b""
     if security == "curve":
         public, secret = zmq.curve_keypair()
@@ -122,9 +156,9 @@ def _round_trips(sock: zmq.Socket, mode: str, row: torch.Tensor, rounds: int) ->
     return times
 
 
-def measure_wire(suite: DataplaneSuite, row: torch.Tensor) -> dict:
+def measure_wire(suite: DataplaneSuite, row: torch.Tensor, pinning: str | None = None) -> dict:
     """Median round trip in µs per variant (and each repeat's median, to show the spread)."""
-    ends = {v: _echo(*v) for v in WIRE}
+    ends = {v: _echo(*v, pinning) for v in WIRE}
     try:
         per_repeat: dict[str, list[float]] = {f"{m}_{s}": [] for m, s in WIRE}
         for (mode, _), (_, sock) in ends.items():
@@ -169,7 +203,7 @@ def measure_codec(suite: DataplaneSuite, row: torch.Tensor) -> dict:
 
 
 # -- 3. layers -------------------------------------------------------------------------------------
-def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int) -> dict:
+def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: str | None = None) -> dict:
     suite = cfg.dataplane
     tok = AutoTokenizer.from_pretrained(model_path)
     prompts = [prompt_ids(tok, 200 + i, suite.prompt_tokens) for i in range(suite.prompts)]
@@ -186,7 +220,10 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int) -> dict:
             words = cluster_words(
                 cfg, "worker.resident=true", "shadow.enabled=false", f"security.enabled={on}"
             )
-            clusters[system] = odmoe.LocalCluster(model_path, overrides=words).start()
+            place = None
+            if pinning:
+                place = lambda name: NodePlacement(prefix=_taskset(pinning, 0 if name == "main" else 1))  # noqa: E731
+            clusters[system] = odmoe.LocalCluster(model_path, overrides=words, place=place).start()
         for system in SYSTEMS:  # warm-up: first-request costs are not the data plane's
             _generate(system, reference, clusters, prompts[0], 4)
         for r in range(suite.layer_repeats):
@@ -285,6 +322,8 @@ def goal(report: dict) -> dict:
 
 def print_report(report: dict) -> None:
     w, c, lay = report["wire_us"], report["codec_us"], report["layers"]
+    if report.get("pinned"):
+        print(f"\npinned: {report['pinned']}")
     print(f"\nround trip of one decode layer's call ({report['row_bytes']} B row), µs, median:")
     print(f"{'':<8}{'plain':>10}{'CURVE':>10}")
     for mode in ("raw", "codec"):
