@@ -284,6 +284,10 @@ class DataplaneSuite:
     # main's side on CPU 0 (this process: the reference and the echo's client; main), the other side
     # on CPU 1 (the echo; every worker): each end a core of its own, as on two boxes (needs taskset)
     pin: bool = False
+    # the raw round trip again with this much idle before each (as a decode layer's calls are spaced
+    # by main's own work): what the wire costs a process that slept in between; 0: not measured
+    spaced_gap_ms: float = 1.0
+    spaced_rounds: int = 300
 
 
 @dataclass

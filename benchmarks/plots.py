@@ -364,25 +364,32 @@ def lossy(rows: list[dict], out: Path, subtitle: str) -> None:
 
 
 def lookahead(report: dict, out: Path, subtitle: str) -> None:
-    """Issue 13: decode tokens/s and timely recall per system; hedging's recall vs extra loads."""
-    rows = report["rows"]
-    if not rows:  # part 2 alone (lookahead.systems=[]): the hedging panel only
-        fig, hedge = plt.subplots(figsize=(6.5, 4.6))
-        _lookahead_hedging(hedge, report["hedging"])
-        fig.suptitle(subtitle, fontsize=9)
-        _save(fig, out)
-        return
-    fig, (speed, hedge) = plt.subplots(1, 2, figsize=(13, 4.6), gridspec_kw={"width_ratios": [3, 2]})
-    labels = [f"{r['system']}\n{r['precision']}" for r in rows]
-    x = range(len(rows))
-    speeds, spread = [r["decode_tokens_per_s"] for r in rows], [r["decode_sd"] for r in rows]
-    bars = speed.bar(x, speeds, yerr=spread, color="C0", capsize=3)
-    timely = [r.get("timely_recall") for r in rows]
-    _label_bars(speed, bars, [None if t is None else f"in time\n{t:.3f}" for t in timely])
-    speed.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
-    speed.set_ylabel("decode tokens/s")
-    speed.set_title("decode speed and timely recall per system")
-    _lookahead_hedging(hedge, report["hedging"])
+    """Issue 13: decode tokens/s and timely recall per system; hedging's recall vs extra loads (each
+    panel only where the report has its part: `lookahead.systems=[]`, `lookahead.hedging=false`)."""
+    rows, hedging = report["rows"], report["hedging"]
+    panels = [p for p, present in (("speed", rows), ("hedge", hedging)) if present] or ["speed"]
+    widths = {"speed": 3, "hedge": 2}
+    fig, axes = plt.subplots(
+        1,
+        len(panels),
+        figsize=(2.6 * sum(widths[p] for p in panels) + 0.5, 4.6),
+        gridspec_kw={"width_ratios": [widths[p] for p in panels]},
+        squeeze=False,
+    )
+    ax = dict(zip(panels, axes[0], strict=True))
+    if "speed" in ax:
+        speed = ax["speed"]
+        labels = [f"{r['system']}\n{r['precision']}" for r in rows]
+        x = range(len(rows))
+        speeds, spread = [r["decode_tokens_per_s"] for r in rows], [r["decode_sd"] for r in rows]
+        bars = speed.bar(x, speeds, yerr=spread, color="C0", capsize=3)
+        timely = [r.get("timely_recall") for r in rows]
+        _label_bars(speed, bars, [None if t is None else f"in time\n{t:.3f}" for t in timely])
+        speed.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
+        speed.set_ylabel("decode tokens/s")
+        speed.set_title("decode speed and timely recall per system")
+    if "hedge" in ax:
+        _lookahead_hedging(ax["hedge"], hedging)
     fig.suptitle(subtitle, fontsize=9)
     _save(fig, out)
 
@@ -460,15 +467,25 @@ def dataplane(report: dict, out: Path, subtitle: str) -> None:
         "round trip through odmoe's codec": [wire["codec_plain"]["median"], wire["codec_curve"]["median"]],
         "decode layer: cluster - one process": [over["security_off"], over["security_on"]],
     }
+    if "raw_plain_spaced" in wire:
+        bars = {
+            "raw ZeroMQ round trip": bars["raw ZeroMQ round trip"],
+            f"raw, each after {report.get('spaced_gap_ms', 1):g} ms idle": [
+                wire["raw_plain_spaced"]["median"],
+                wire["raw_curve_spaced"]["median"],
+            ],
+            **{k: v for k, v in bars.items() if k != "raw ZeroMQ round trip"},
+        }
     width = 0.8 / len(bars)
     for i, (label, values) in enumerate(bars.items()):
-        xs = [g + (i - 1) * width for g in range(len(groups))]
+        xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(groups))]
         drawn = ax.bar(xs, values, width, label=label, color=f"C{i}")
         ax.bar_label(drawn, fmt="%.0f", fontsize=8)
     raw = bars["raw ZeroMQ round trip"]
     for g, r in enumerate(raw):
-        ax.hlines(2 * r, g - 0.45, g + 0.45, colors="C3", linestyles="dashed")
-    ax.plot([], [], "--", color="C3", label="goal: 2 x raw round trip")
+        ax.hlines(2 * r, g - 0.45, g + 0.45, colors="k", linestyles="dashed")
+    ax.plot([], [], "--", color="k", label="goal: 2 x raw round trip")
+    ax.set_ylim(0, 1.5 * max(max(v) for v in bars.values()))  # room for the legend above the bars
     ax.set_xticks(range(len(groups)), [f"security {'off' if g == 'plain' else 'on'} ({g})" for g in groups])
     ax.set_ylabel("µs")
     ax.set_title(
@@ -546,10 +563,10 @@ def gpu(report: dict, out: Path, subtitle: str) -> None:
 
 def _dataplane_stages(ax, layers: dict, stages: dict) -> None:
     """Stacked: where a cluster's decode layer goes (main's stats), beside one process's experts call."""
-    rows = {"one process: experts call": {"experts call": layers["reference_experts_us_per_layer"]}}
+    rows = {"one process:\nexperts call": {"experts call": layers["reference_experts_us_per_layer"]}}
     for system, st in stages.items():
         compute = layers["worker_compute_us_per_expert"][system]
-        rows[f"cluster, {system.replace('_', ' ')}"] = {
+        rows[f"cluster,\n{system.replace('_', ' ')}"] = {
             "main: split, place, encode": st["prepare"],
             "worker: compute": compute,
             "worker: decode, checks": st["worker"] - compute,

@@ -20,7 +20,13 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks.predictors import FrequencyPredictor, next_layer_gate
 from odmoe.kv_rows import newest_rows, overwrite_newest_rows
-from odmoe.shadow_model import choice_scores, load_shadow_model, router_modules
+from odmoe.shadow_model import (
+    choice_scores,
+    group_limit,
+    load_shadow_model,
+    router_modules,
+    unmasked_choice_scores,
+)
 
 Position = tuple[int, int]  # (decode iteration, layer)
 
@@ -44,7 +50,9 @@ class _RouterTap:
 
     def __init__(self, model, num_experts: int, top_k: int = 0):
         self.seen: dict[int, torch.Tensor] = {}
-        self.scores: dict[int, tuple[list[int], list[float]]] = {}  # layer -> top-(k+1) (when top_k)
+        # layer -> (top-(k+1) candidates, their scores, every expert's unmasked score or None, the
+        # router's group limit or None): what the shadow node decides its hedges from (when top_k)
+        self.scores: dict[int, tuple] = {}
         self.top_k = top_k
         self.handles = [
             router.register_forward_hook(self._hook(layer))
@@ -56,7 +64,9 @@ class _RouterTap:
             self.seen[layer] = output[2].detach()
             if self.top_k:  # what the shadow node publishes as candidates (hedging reads them)
                 probs, candidates = choice_scores(module, output[0][-1]).topk(self.top_k + 1)
-                self.scores[layer] = (candidates.tolist(), probs.tolist())
+                limit = group_limit(module)
+                unmasked = unmasked_choice_scores(module, output[0][-1]).tolist() if limit else None
+                self.scores[layer] = (candidates.tolist(), probs.tolist(), unmasked, limit)
 
         return hook
 
@@ -128,7 +138,8 @@ def replay_shadow(
     top_k: int = 0,
 ) -> dict[Position, list[int]]:
     """What a shadow node with this model and schedule predicts for each decode (iteration, layer).
-    With `scores` (a dict) and `top_k`, it also gets each position's top-(k+1) (candidates, scores)."""
+    With `scores` (a dict) and `top_k`, it also gets each position's top-(k+1) (candidates, scores),
+    and for a group-limited router every expert's unmasked score and the limit (`_RouterTap.scores`)."""
     routers = _RouterTap(shadow, num_experts, top_k if scores is not None else 0)
     predicted: dict[Position, list[int]] = {}
     device = next(shadow.parameters()).device

@@ -43,7 +43,7 @@ from odmoe.device_slots import device_peak_bytes
 from odmoe.dropped import DropLog
 from odmoe.families import family_of
 from odmoe.faults import FaultTrigger
-from odmoe.hedging import hedges_of
+from odmoe.hedging import shadow_hedges
 from odmoe.kv_rows import overwrite_newest_rows, overwrite_rows
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
@@ -59,7 +59,14 @@ from odmoe.messages import (
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
 from odmoe.security import NodeSecurity, secure_server
-from odmoe.shadow_model import choice_scores, load_shadow_model, model_bytes, router_modules
+from odmoe.shadow_model import (
+    choice_scores,
+    group_limit,
+    load_shadow_model,
+    model_bytes,
+    router_modules,
+    unmasked_choice_scores,
+)
 from odmoe.speculation import Speculation
 from odmoe.trace import Tracer, now_us
 
@@ -142,16 +149,23 @@ class ShadowNode:
             router.register_forward_hook(self._make_hook(layer))
 
     def _make_hook(self, layer: int):
+        limit = None  # a group-limited router's groups (read from the router at its first call)
+
         def hook(module, _inputs, output):
+            nonlocal limit
             request, iteration = self.step
             if iteration < 1:
                 return  # prefill: nothing to predict
             self.fault.at(request, iteration, layer)
-            scores = choice_scores(module, output[0][-1])  # the newest token's, [E]
+            logits = output[0][-1]  # the newest token's, [E]
+            scores = choice_scores(module, logits)
             probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
             experts = output[2][-1].tolist()
             candidates, probs = candidates.tolist(), probs.tolist()
-            hedges = hedges_of(candidates, probs, self.top_k, self.scfg.hedge_margin)
+            margin = self.scfg.hedge_margin
+            limit = limit or group_limit(module)
+            unmasked = unmasked_choice_scores(module, logits).tolist() if limit and margin > 0 else None
+            hedges = shadow_hedges(candidates, probs, self.top_k, margin, unmasked, limit)
             self.publish(layer, iteration, request, experts, candidates, probs, hedges)
             if self.tracer.enabled:
                 now = now_us()

@@ -23,6 +23,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.activations import ACT2FN
 
+from odmoe.hedging import GroupLimit
 from odmoe.main_model import experts_modules
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic")
@@ -174,18 +175,33 @@ def choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     of the other groups score -inf, so the top-(k+1) the shadow publishes are ones the router could
     pick. Group ranking as transformers does it: V3 sums each group's best two, V2 takes the best.
     """
+    scores = unmasked_choice_scores(router, logits)
+    limit = group_limit(router)
+    if limit is None:
+        return scores
+    grouped = scores.reshape(*scores.shape[:-1], limit.groups, -1)  # [..., G, E/G]
+    rank = grouped.topk(2, dim=-1).values.sum(-1) if limit.by_top2 else grouped.max(-1).values
+    keep = torch.zeros_like(rank, dtype=torch.bool)
+    keep.scatter_(-1, rank.topk(limit.keep, dim=-1).indices, True)
+    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(scores.shape)
+
+
+def unmasked_choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
+    """`choice_scores` before any expert group is ruled out (what group hedging ranks groups by)."""
     logits = logits.float()
     bias = getattr(router, "e_score_correction_bias", None)
-    scores = logits.sigmoid() + bias if bias is not None else logits.softmax(dim=-1)
+    return logits.sigmoid() + bias if bias is not None else logits.softmax(dim=-1)
+
+
+def group_limit(router: nn.Module) -> GroupLimit | None:
+    """How this router limits its choice to expert groups, or None: V3 always (groups ranked by
+    their best two scores), V2 with `group_limited_greedy` (by their best)."""
+    bias = getattr(router, "e_score_correction_bias", None)
     groups = getattr(router, "num_group", None) or 1
     limited = bias is not None or getattr(router, "topk_method", None) == "group_limited_greedy"
     if groups <= 1 or not limited:
-        return scores
-    grouped = scores.reshape(*scores.shape[:-1], groups, -1)  # [..., G, E/G]
-    rank = grouped.topk(2, dim=-1).values.sum(-1) if bias is not None else grouped.max(-1).values
-    keep = torch.zeros_like(rank, dtype=torch.bool)
-    keep.scatter_(-1, rank.topk(router.topk_group, dim=-1).indices, True)
-    return grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).reshape(scores.shape)
+        return None
+    return GroupLimit(groups, router.topk_group, bias is not None)
 
 
 def model_bytes(model: nn.Module) -> int:

@@ -139,6 +139,35 @@ def test_hedge_only_a_near_tie():
     assert hedges_of([4, 1], [0.6, 0.4], top_k=2, margin=0.5) == []  # no (k+1)-th candidate
 
 
+def test_group_hedge_only_for_a_near_tied_group_left_out():
+    from odmoe.hedging import GroupLimit, group_hedges
+
+    # 4 groups of 2 experts, keep 2, ranked by their best two summed (V3): group ranks 1.0, 0.9, 0.88, 0.1
+    scores = [0.6, 0.4, 0.5, 0.4, 0.3, 0.58, 0.05, 0.05]
+    v3 = GroupLimit(groups=4, keep=2, by_top2=True)
+    assert group_hedges(scores, v3, margin=0.05) == [5]  # group 2 (0.88) within 0.05 of group 1 (0.9)
+    assert group_hedges(scores, v3, margin=0.01) == []
+    assert group_hedges(scores, v3, margin=0.0) == []  # off
+    assert group_hedges(scores, None, margin=0.05) == []  # not group-limited
+    assert group_hedges(scores, GroupLimit(4, 4, True), margin=0.05) == []  # keeps every group
+    # V2 ranks a group by its best: 0.6, 0.5, 0.58, 0.05 -> keep groups 0 and 2; group 1 (0.5) is out
+    assert group_hedges(scores, GroupLimit(4, 2, False), margin=0.1) == [2]
+    assert group_hedges(scores, GroupLimit(4, 2, False), margin=0.05) == []
+
+
+def test_shadow_hedges_join_both_rules_without_repeats():
+    from odmoe.hedging import GroupLimit, shadow_hedges
+
+    scores = [0.6, 0.4, 0.5, 0.4, 0.3, 0.58, 0.05, 0.05]
+    limit = GroupLimit(groups=4, keep=2, by_top2=True)
+    # top-2 of the kept groups: 0 and 2; the (k+1)-th candidate, 1, is within 0.1 of the k-th
+    assert shadow_hedges([0, 2, 1], [0.6, 0.5, 0.4], 2, 0.1, scores, limit) == [1, 5]
+    assert shadow_hedges([0, 2, 1], [0.6, 0.5, 0.4], 2, 0.05, scores, limit) == [5]
+    assert shadow_hedges([0, 2, 1], [0.6, 0.5, 0.4], 2, 0.1) == [1]  # no scores: (k+1)-th rule only
+    # a group hedge that is already predicted is not named again
+    assert shadow_hedges([5, 0, 2], [0.58, 0.6, 0.5], 2, 0.05, scores, limit) == []
+
+
 def test_a_hedge_sits_with_the_kth_expert_and_main_sends_it_there():
     topo = Topology(workers=4, group_size=2)
     # layer 1 -> workers 2, 3; predicted [7, 2] by score: 2 (the k-th) -> worker 2, 7 -> worker 3

@@ -22,7 +22,10 @@ Measured in one run, on one machine, so the figures can be set against each othe
    decode layer (timed by forward hooks), which a remote layer replaces.
 
 The issue's goal: a remote decode layer costs at most ~2x the raw round trip (the layer overhead
-with security on against raw CURVE, off against raw plain).
+with security on against raw CURVE, off against raw plain). Beside it, the raw round trip of
+processes that idled `spaced_gap_ms` before each (as a cluster's do between decode layers: a
+process that slept wakes slower, with cold caches), printed as a second ratio; the goal stays the
+back-to-back one.
 
 `dataplane.pin=true` gives each end a core: this process (the reference, the echo's client) and
 main on CPU 0, the echo and every worker on CPU 1, so the figures show the data plane without the
@@ -96,6 +99,7 @@ def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None
     layers = measure_layers(cfg, model_path, len(ckpt.moe_layers), pinning)
     report = {
         "pinned": pinning,
+        "spaced_gap_ms": suite.spaced_gap_ms,
         "hidden_size": ckpt.config.hidden_size,
         "row_bytes": row.numel() * row.element_size(),
         "moe_layers": len(ckpt.moe_layers),
@@ -137,13 +141,18 @@ def _echo(mode: str, security: str, pinning: str | None) -> tuple[subprocess.Pop
     return proc, sock
 
 
-def _round_trips(sock: zmq.Socket, mode: str, row: torch.Tensor, rounds: int) -> list[float]:
+def _round_trips(
+    sock: zmq.Socket, mode: str, row: torch.Tensor, rounds: int, gap_s: float = 0.0
+) -> list[float]:
     """Each round trip's seconds: raw sends fixed frames and touches nothing that comes back;
-    codec encodes the call and decodes the answer, as main's _send/_take do."""
+    codec encodes the call and decodes the answer, as main's _send/_take do. With `gap_s`, both
+    ends idle that long before each round trip (not timed), as between a cluster's decode layers."""
     message, tensors = _message(row)
     fixed = [bytes(f) for f in to_frames(message, tensors)]
     times = []
     for _ in range(rounds):
+        if gap_s:
+            time.sleep(gap_s)
         start = time.perf_counter()
         if mode == "raw":
             sock.send_multipart(fixed, copy=False)
@@ -167,6 +176,11 @@ def measure_wire(suite: DataplaneSuite, row: torch.Tensor, pinning: str | None =
             for (mode, security), (_, sock) in ends.items():
                 times = _round_trips(sock, mode, row, suite.rounds)
                 per_repeat[f"{mode}_{security}"].append(statistics.median(times) * 1e6)
+        if suite.spaced_gap_ms > 0:  # the same wire for processes that slept between round trips
+            for (mode, security), (_, sock) in ends.items():
+                if mode == "raw":
+                    times = _round_trips(sock, mode, row, suite.spaced_rounds, suite.spaced_gap_ms / 1e3)
+                    per_repeat[f"raw_{security}_spaced"] = [statistics.median(times) * 1e6]
     finally:
         for proc, sock in ends.values():
             sock.close(0)
@@ -313,11 +327,15 @@ def _median(rows: list[dict], key: str) -> float:
 def goal(report: dict) -> dict:
     """The issue's figure: layer overhead / raw round trip, security on against CURVE, off against plain."""
     wire, over = report["wire_us"], report["layers"]["overhead_us_per_layer"]
-    return {
+    verdict = {
         "security_on": over["security_on"] / wire["raw_curve"]["median"],
         "security_off": over["security_off"] / wire["raw_plain"]["median"],
         "target": 2.0,
     }
+    if "raw_plain_spaced" in wire:  # beside it, against the wire between processes that slept
+        verdict["security_on_vs_spaced"] = over["security_on"] / wire["raw_curve_spaced"]["median"]
+        verdict["security_off_vs_spaced"] = over["security_off"] / wire["raw_plain_spaced"]["median"]
+    return verdict
 
 
 def print_report(report: dict) -> None:
@@ -328,6 +346,11 @@ def print_report(report: dict) -> None:
     print(f"{'':<8}{'plain':>10}{'CURVE':>10}")
     for mode in ("raw", "codec"):
         print(f"{mode:<8}{w[f'{mode}_plain']['median']:10.1f}{w[f'{mode}_curve']['median']:10.1f}")
+    if "raw_plain_spaced" in w:
+        print(
+            f"{'raw, after sleeping between round trips':<8}"
+            f"{w['raw_plain_spaced']['median']:10.1f}{w['raw_curve_spaced']['median']:10.1f}"
+        )
     print("codec in-process, µs: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()))
     ms = lay["decode_ms_per_token"]
     print(
@@ -354,3 +377,5 @@ def print_report(report: dict) -> None:
             f"{lay['wait_us_per_layer'][s]:.1f} µs per layer, worker computed "
             f"{lay['worker_compute_us_per_expert'][s]:.1f} µs per expert"
         )
+        if f"{s}_vs_spaced" in report["goal"]:
+            print(f"{'':<13} = {report['goal'][f'{s}_vs_spaced']:.2f} x the raw round trip after sleeping")

@@ -40,7 +40,7 @@ from odmoe.benchmarks.replay import load_reference, load_shadow, reference_traje
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.checkpoint import Checkpoint
-from odmoe.hedging import hedges_of
+from odmoe.hedging import shadow_hedges
 from odmoe.launch.local_cluster import NodePlacement
 
 
@@ -224,8 +224,8 @@ def _hedging(cfg: BenchConfig, model_path: str, tokenizer) -> list[dict]:
             for traj, predicted, scores in replays:
                 for position, act in traj.activated.items():
                     pred = set(predicted.get(position, []))
-                    candidates, probs = scores[position]
-                    hedges = set(hedges_of(candidates, probs, ckpt.top_k, margin)) - pred
+                    candidates, probs, unmasked, limit = scores[position]
+                    hedges = set(shadow_hedges(candidates, probs, ckpt.top_k, margin, unmasked, limit)) - pred
                     hits += len(pred & set(act))
                     hedged_hits += len((pred | hedges) & set(act))
                     activated += len(act)
