@@ -43,12 +43,13 @@ class ResultsDir:
     def link_on(self) -> bool:
         return self.cfg.link.bandwidth_gbps > 0 or self.cfg.link.latency_ms > 0
 
-    def describe(self, new_tokens: int) -> str:
-        """One line saying what a figure was measured on: cluster shape, shadow, link, tokens."""
+    def describe(self, new_tokens: int, shadow: str | None = None) -> str:
+        """One line saying what a figure was measured on: cluster shape, shadow, link, tokens.
+        `shadow`: what to say of the shadow where a suite varies its precision (default: the config's)."""
         c, link = self.cfg.cluster, self.cfg.link
         on = f"{link.bandwidth_gbps:g} Gbit/s + {link.latency_ms:g} ms emulated load link"
         return (
-            f"{c.workers} workers in groups of {c.group_size}, {c.shadow_precision} shadow, "
+            f"{c.workers} workers in groups of {c.group_size}, {shadow or c.shadow_precision + ' shadow'}, "
             f"{on if self.link_on else 'no emulated link'}, {new_tokens} new tokens"
         )
 

@@ -119,6 +119,58 @@ def test_shadow_choice_scores_rank_as_the_router_chooses(routing, tmp_path):
         assert limited_differs == (routing != "v2-greedy")
 
 
+@pytest.mark.parametrize("routing", ["v2-group_limited_greedy", "v3-sigmoid-bias-groups"])
+def test_the_shadow_node_hedges_the_best_expert_of_a_near_tied_group_left_out(routing, tmp_path):
+    """The shadow node's router hook (nodes/shadow.py) publishes group hedges for a group-limited
+    router: with a margin wider than any gap, the best expert of the best group left out, which the
+    router scored -inf, beside the (k+1)-th candidate."""
+    from types import SimpleNamespace
+
+    from odmoe.hedging import GroupLimit
+    from odmoe.nodes.shadow import ShadowNode
+
+    model = AutoModelForCausalLM.from_pretrained(_save_tiny(routing, tmp_path / "m"))
+    router = _moe_routers(model)[0]
+    published = []
+    node = SimpleNamespace(
+        step=("r", 1),
+        top_k=router.top_k,
+        num_experts=router.num_experts if hasattr(router, "num_experts") else router.n_routed_experts,
+        scfg=SimpleNamespace(hedge_margin=100.0),
+        fault=SimpleNamespace(at=lambda *_: None),
+        tracer=SimpleNamespace(enabled=False),
+        publish=lambda layer, it, request, experts, candidates, probs, hedges: published.append(
+            (experts, candidates, hedges)
+        ),
+    )
+    hook = ShadowNode._make_hook(node, 0)
+    torch.manual_seed(3)
+    size = node.num_experts // router.num_group
+    for row in torch.randn(20, model.config.hidden_size):
+        with torch.no_grad():
+            output = router(row[None])
+        hook(router, (row[None],), output)
+        experts, candidates, hedges = published[-1]
+        chosen_groups = {e // size for e in experts}
+        assert candidates[router.top_k] in hedges  # the (k+1)-th: every gap is within this margin
+        outside = [h for h in hedges if h // size not in chosen_groups]
+        assert len(outside) == 1  # the group hedge: from a group the router left out
+        unmasked = (
+            output[0][-1].float().sigmoid() + router.e_score_correction_bias
+            if routing.startswith("v3")
+            else output[0][-1].float().softmax(-1)
+        )
+        limit = GroupLimit(router.num_group, router.topk_group, routing.startswith("v3"))
+        ranks = [
+            unmasked[g * size : (g + 1) * size].topk(2).values.sum()
+            if limit.by_top2
+            else unmasked[g * size : (g + 1) * size].max()
+            for g in range(limit.groups)
+        ]
+        best_out = max((g for g in range(limit.groups) if g not in chosen_groups), key=lambda g: ranks[g])
+        assert outside[0] == best_out * size + int(unmasked[best_out * size : (best_out + 1) * size].argmax())
+
+
 @pytest.mark.parametrize(
     "dtype",
     [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.slow)],

@@ -109,7 +109,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     pinning = "the shadow on CPU 1, main and the workers on CPU 0" if pin else None
     report = {"rows": rows, "tokens_identical": identical, "hedging": hedging, "pinned": pinning}
     out.write("lookahead", "lookahead", report)
-    subtitle = out.describe(suite.new_tokens)
+    subtitle = out.describe(suite.new_tokens, shadow=f"shadow {' / '.join(suite.precisions)}")
     if not rows:
         subtitle = (
             f"hedging on main's trajectory: {suite.replay_prompts} prompts x {suite.replay_tokens} tokens, "
