@@ -19,7 +19,9 @@ Group-limited routers (DeepSeek-V3; V2 with `group_limited_greedy`) pick their e
 their best `keep` of `groups` expert groups, so a near-tie can also be between two *groups*: when
 the best group left out ranks within the margin of the last group kept, the router may take that
 group instead, and experts the shadow scored -inf become main's choice. No (k+1)-th candidate can
-cover that; `group_hedges` then also names that group's best expert.
+cover that; `group_hedges` then also names that group's best experts, as many as a kept group
+gives the router on average (top_k / keep, rounded up: 2 for V3's top-4 from 2 groups): a swapped
+group brings its experts in together.
 """
 
 from __future__ import annotations
@@ -60,10 +62,12 @@ def group_ranks(scores: list[float], limit: GroupLimit) -> list[float]:
     return ranks
 
 
-def group_hedges(scores: list[float], limit: GroupLimit | None, margin: float) -> list[int]:
-    """The best expert of the best group left out, when that group ranks within `margin` of the last
-    group kept ([] when off, the router is not group-limited, or it keeps every group). `scores`: the
-    router's choice scores for every expert, no group masked."""
+def group_hedges(
+    scores: list[float], limit: GroupLimit | None, margin: float, per_group: int = 1
+) -> list[int]:
+    """The best `per_group` experts of the best group left out, best first, when that group ranks
+    within `margin` of the last group kept ([] when off, the router is not group-limited, or it
+    keeps every group). `scores`: the router's choice scores for every expert, no group masked."""
     if margin <= 0 or limit is None or limit.groups <= 1 or limit.keep >= limit.groups:
         return []
     ranks = group_ranks(scores, limit)
@@ -72,7 +76,7 @@ def group_hedges(scores: list[float], limit: GroupLimit | None, margin: float) -
     if ranks[kept] - ranks[out] > margin:
         return []
     size = len(scores) // limit.groups
-    return [max(range(out * size, (out + 1) * size), key=lambda e: scores[e])]
+    return sorted(range(out * size, (out + 1) * size), key=lambda e: -scores[e])[:per_group]
 
 
 def shadow_hedges(
@@ -84,10 +88,12 @@ def shadow_hedges(
     limit: GroupLimit | None = None,
 ) -> list[int]:
     """Every hedge the shadow names for one layer: the near-tied (k+1)-th candidate, and for a
-    group-limited router the best expert of a near-tied group left out (`scores`: all experts'
+    group-limited router the best experts of a near-tied group left out (`scores`: all experts'
     unmasked choice scores). The shadow node and the hedging benchmark both decide through this."""
     hedges = hedges_of(candidates, probs, top_k, margin)
-    if scores is not None:
+    if scores is not None and limit is not None:
         chosen = set(candidates[:top_k])
-        hedges += [h for h in group_hedges(scores, limit, margin) if h not in chosen and h not in hedges]
+        per_group = -(-top_k // limit.keep)  # what a kept group gives the router, on average
+        swapped_in = group_hedges(scores, limit, margin, per_group)
+        hedges += [h for h in swapped_in if h not in chosen and h not in hedges]
     return hedges

@@ -153,6 +153,8 @@ def test_group_hedge_only_for_a_near_tied_group_left_out():
     # V2 ranks a group by its best: 0.6, 0.5, 0.58, 0.05 -> keep groups 0 and 2; group 1 (0.5) is out
     assert group_hedges(scores, GroupLimit(4, 2, False), margin=0.1) == [2]
     assert group_hedges(scores, GroupLimit(4, 2, False), margin=0.05) == []
+    # a swapped group brings its experts in together: its best ones, best first
+    assert group_hedges(scores, v3, margin=0.05, per_group=2) == [5, 4]
 
 
 def test_shadow_hedges_join_both_rules_without_repeats():
@@ -164,6 +166,8 @@ def test_shadow_hedges_join_both_rules_without_repeats():
     assert shadow_hedges([0, 2, 1], [0.6, 0.5, 0.4], 2, 0.1, scores, limit) == [1, 5]
     assert shadow_hedges([0, 2, 1], [0.6, 0.5, 0.4], 2, 0.05, scores, limit) == [5]
     assert shadow_hedges([0, 2, 1], [0.6, 0.5, 0.4], 2, 0.1) == [1]  # no scores: (k+1)-th rule only
+    # top-4 from 2 kept groups: a kept group gives 2 on average, so 2 from the group left out
+    assert shadow_hedges([0, 2, 1, 3, 5], [0.6, 0.5, 0.4, 0.4, 0.1], 4, 0.05, scores, limit) == [5, 4]
     # a group hedge that is already predicted is not named again
     assert shadow_hedges([5, 0, 2], [0.58, 0.6, 0.5], 2, 0.05, scores, limit) == []
 
