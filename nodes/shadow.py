@@ -43,7 +43,7 @@ from odmoe.device_slots import device_peak_bytes
 from odmoe.dropped import DropLog
 from odmoe.families import family_of
 from odmoe.faults import FaultTrigger
-from odmoe.hedging import shadow_hedges
+from odmoe.hedging import GroupLimit, shadow_hedges
 from odmoe.kv_rows import overwrite_newest_rows, overwrite_rows
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
@@ -146,13 +146,13 @@ class ShadowNode:
     # -- predictions -------------------------------------------------------------------------
     def _hook_routers(self) -> None:
         for layer, router in router_modules(self.model, self.num_experts):
-            router.register_forward_hook(self._make_hook(layer))
+            router.register_forward_hook(self._make_hook(layer, group_limit(router)))
 
-    def _make_hook(self, layer: int):
-        limit = None  # a group-limited router's groups (read from the router at its first call)
+    def _make_hook(self, layer: int, limit: GroupLimit | None):
+        """The router hook that publishes layer `layer`'s prediction (`limit`: the router's expert
+        groups, where it picks only from some: group hedges need them)."""
 
         def hook(module, _inputs, output):
-            nonlocal limit
             request, iteration = self.step
             if iteration < 1:
                 return  # prefill: nothing to predict
@@ -163,7 +163,6 @@ class ShadowNode:
             experts = output[2][-1].tolist()
             candidates, probs = candidates.tolist(), probs.tolist()
             margin = self.scfg.hedge_margin
-            limit = limit or group_limit(module)
             unmasked = unmasked_choice_scores(module, logits).tolist() if limit and margin > 0 else None
             hedges = shadow_hedges(candidates, probs, self.top_k, margin, unmasked, limit)
             self.publish(layer, iteration, request, experts, candidates, probs, hedges)

@@ -27,7 +27,7 @@ from odmoe.families import UnsupportedModelError
 from odmoe.kv_rows import newest_rows, overwrite_newest_rows
 from odmoe.main_model import build_main_model
 from odmoe.model_factory import ModelSpec, make_model
-from odmoe.shadow_model import PRECISIONS, choice_scores, load_shadow_model, router_modules
+from odmoe.shadow_model import PRECISIONS, choice_scores, group_limit, load_shadow_model, router_modules
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.tiny_configs import TINY
 
@@ -143,7 +143,7 @@ def test_the_shadow_node_hedges_the_best_expert_of_a_near_tied_group_left_out(ro
             (experts, candidates, hedges)
         ),
     )
-    hook = ShadowNode._make_hook(node, 0)
+    hook = ShadowNode._make_hook(node, 0, group_limit(router))
     torch.manual_seed(3)
     size = node.num_experts // router.num_group
     for row in torch.randn(20, model.config.hidden_size):
