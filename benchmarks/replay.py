@@ -21,9 +21,9 @@ from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks.predictors import FrequencyPredictor, next_layer_gate
 from odmoe.kv_rows import newest_rows, overwrite_newest_rows
 from odmoe.shadow_model import (
-    choice_scores,
     group_limit,
     load_shadow_model,
+    mask_groups,
     router_modules,
     unmasked_choice_scores,
 )
@@ -63,10 +63,11 @@ class _RouterTap:
         def hook(module, _inputs, output):
             self.seen[layer] = output[2].detach()
             if self.top_k:  # what the shadow node publishes as candidates (hedging reads them)
-                probs, candidates = choice_scores(module, output[0][-1]).topk(self.top_k + 1)
                 limit = group_limit(module)
-                unmasked = unmasked_choice_scores(module, output[0][-1]).tolist() if limit else None
-                self.scores[layer] = (candidates.tolist(), probs.tolist(), unmasked, limit)
+                unmasked = unmasked_choice_scores(module, output[0][-1])
+                probs, candidates = mask_groups(unmasked, limit).topk(self.top_k + 1)
+                every = unmasked.tolist() if limit else None
+                self.scores[layer] = (candidates.tolist(), probs.tolist(), every, limit)
 
         return hook
 

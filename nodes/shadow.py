@@ -60,9 +60,9 @@ from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
 from odmoe.security import NodeSecurity, secure_server
 from odmoe.shadow_model import (
-    choice_scores,
     group_limit,
     load_shadow_model,
+    mask_groups,
     model_bytes,
     router_modules,
     unmasked_choice_scores,
@@ -157,14 +157,14 @@ class ShadowNode:
             if iteration < 1:
                 return  # prefill: nothing to predict
             self.fault.at(request, iteration, layer)
-            logits = output[0][-1]  # the newest token's, [E]
-            scores = choice_scores(module, logits)
+            unmasked = unmasked_choice_scores(module, output[0][-1])  # the newest token's, [E]
+            scores = mask_groups(unmasked, limit)  # what the router ranks by: its choice_scores
             probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
             experts = output[2][-1].tolist()
             candidates, probs = candidates.tolist(), probs.tolist()
             margin = self.scfg.hedge_margin
-            unmasked = unmasked_choice_scores(module, logits).tolist() if limit and margin > 0 else None
-            hedges = shadow_hedges(candidates, probs, self.top_k, margin, unmasked, limit)
+            every = unmasked.tolist() if limit and margin > 0 else None  # group hedges rank groups by it
+            hedges = shadow_hedges(candidates, probs, self.top_k, margin, every, limit)
             self.publish(layer, iteration, request, experts, candidates, probs, hedges)
             if self.tracer.enabled:
                 now = now_us()

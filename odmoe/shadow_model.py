@@ -175,8 +175,11 @@ def choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     of the other groups score -inf, so the top-(k+1) the shadow publishes are ones the router could
     pick. Group ranking as transformers does it: V3 sums each group's best two, V2 takes the best.
     """
-    scores = unmasked_choice_scores(router, logits)
-    limit = group_limit(router)
+    return mask_groups(unmasked_choice_scores(router, logits), group_limit(router))
+
+
+def mask_groups(scores: torch.Tensor, limit: GroupLimit | None) -> torch.Tensor:
+    """Unmasked choice scores [..., E] with every expert outside the router's kept groups at -inf."""
     if limit is None:
         return scores
     grouped = scores.reshape(*scores.shape[:-1], limit.groups, -1)  # [..., G, E/G]
