@@ -284,6 +284,14 @@ class DataplaneSuite:
     # main's side on CPU 0 (this process: the reference and the echo's client; main), the other side
     # on CPU 1 (the echo; every worker): each end a core of its own, as on two boxes (needs taskset)
     pin: bool = False
+    # the clusters' workers each on a core of their own (cluster.spread_workers), main and this
+    # process anywhere: without it the kernel may queue a layer's two workers on one core
+    spread: bool = False
+    # the floor: a decode layer's exchange with nothing but the wire and the compute (main fans raw
+    # frames out to `cluster.group_size` echo processes that each stay busy for the workers' measured
+    # compute time per expert), main busy this long before each (its own layer work); 0 rounds: off
+    fanout_rounds: int = 2000
+    fanout_gap_us: float = 250.0
     # the raw round trip again with this much idle before each (as a decode layer's calls are spaced
     # by main's own work): what the wire costs a process that slept in between; 0: not measured
     spaced_gap_ms: float = 1.0

@@ -17,7 +17,9 @@ Exit codes: 0 success, 2 bad configuration or input, 1 anything else (the messag
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -125,6 +127,15 @@ def _launch(raw: DictConfig) -> None:
         import torch
 
         torch.set_num_threads(cfg.cluster.torch_threads)
+    if cfg.cluster.cpus:
+        try:
+            os.sched_setaffinity(0, cfg.cluster.cpus)
+        except (OSError, ValueError) as exc:
+            print(f"odmoe-launch: cluster.cpus={cfg.cluster.cpus}: {exc}", file=sys.stderr)
+            sys.exit(BAD_INPUT)
+        for thread in os.listdir("/proc/self/task"):  # threads imports started; later ones inherit it
+            with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
+                os.sched_setaffinity(int(thread), cfg.cluster.cpus)
     if not cfg.security.enabled and (exposed := exposed_hosts(cfg)):  # allowed by security.insecure_lan
         logging.getLogger("odmoe.security").warning(
             "SECURITY IS OFF on %s: anyone on that network can send this node work or read what it "

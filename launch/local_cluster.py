@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import os
 import shutil
 import signal
 import subprocess
@@ -182,7 +183,11 @@ class LocalCluster:
         }
 
     def _worker_args(self, index: int) -> list[str]:
-        return ["role=worker", f"worker.index={index}"]
+        args = ["role=worker", f"worker.index={index}"]
+        if self.cfg.cluster.spread_workers:
+            cpus = sorted(os.sched_getaffinity(0))
+            args.append(f"cluster.cpus=[{cpus[index % len(cpus)]}]")
+        return args
 
     def _main_args(self, name: str) -> list[str]:
         args = ["role=main", f"cluster.worker_addresses=[{','.join(self.worker_addresses)}]"]

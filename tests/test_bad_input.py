@@ -154,3 +154,27 @@ def test_no_orphans_after_ctrl_c_or_launcher_death(model_dirs, how, reap_childre
     proc.wait(timeout=60)
     _, alive = psutil.wait_procs(kids, timeout=20)
     assert not alive, f"orphans after {how}: {[k.pid for k in alive]}"
+
+
+def test_cli_rejects_cpus_it_cannot_run_on_with_exit_code_2(reap_children):
+    proc = subprocess.run(
+        [*LAUNCH, "role=local", "cluster.cpus=[99999]"], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and "cluster.cpus=[99999]" in proc.stderr
+
+
+def test_spread_workers_puts_each_worker_on_a_core_of_its_own(model_dirs, reap_children):
+    """cluster.spread_workers: worker i runs on the i-th of the launcher's CPUs (mod their count), its
+    threads (ZeroMQ's, torch's) with it; main stays free."""
+    cpus = sorted(os.sched_getaffinity(0))
+    with LocalCluster(
+        model_dirs["mixtral"], overrides=["cluster.spread_workers=true", "shadow.enabled=false"]
+    ) as cluster:
+        for i in range(2):
+            worker = psutil.Process(cluster.node(f"worker{i}").process.pid)
+            assert worker.cpu_affinity() == [cpus[i % len(cpus)]]
+            assert {t.id for t in worker.threads()} and all(
+                os.sched_getaffinity(t.id) == {cpus[i % len(cpus)]} for t in worker.threads()
+            )
+        assert set(psutil.Process(cluster.node("main").process.pid).cpu_affinity()) == set(cpus)
+        assert cluster.client.generate([1, 2, 3], max_new_tokens=3).token_ids

@@ -245,3 +245,29 @@ def test_a_decode_steps_combine_is_the_general_one(kernel, hidden_dtype, weight_
     monkeypatch.setattr(expert_math, "_one_row_per_slot", lambda *_: None)  # the general path
     for got, want in zip(fast, combined(), strict=True):
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def test_the_suites_floor_fans_calls_out_to_busy_echoes():
+    """The dataplane suite's floor: real echo processes that stay busy before answering, every call
+    answered (the round trip cannot be shorter than one echo's busy time)."""
+    from odmoe.benchmarks.config import DataplaneSuite
+    from odmoe.benchmarks.suites.dataplane import measure_fanout
+
+    suite = DataplaneSuite(fanout_rounds=30, warmup_rounds=5, fanout_gap_us=50.0)
+    out = measure_fanout(suite, torch.zeros(1, 8), echoes=2, calls=3, spin_us=2000.0, pinning=None)
+    assert out["echoes"] == 2 and out["calls"] == 3
+    assert out["median"] >= 2 * 2000.0  # echo 0 gets calls 0 and 2: two busy spells in turn
+
+
+def test_dataplane_verdict_sets_each_overhead_against_its_raw_round_trip():
+    from odmoe.benchmarks.suites.dataplane import goal
+
+    wire = {"raw_plain": {"median": 100.0}, "raw_curve": {"median": 125.0}}
+    layers = {
+        "overhead_us_per_layer": {"security_on": 500.0, "security_off": 400.0},
+        "call_overhead_us_per_layer": {"security_on": 250.0, "security_off": 300.0},
+    }
+    verdict = goal({"wire_us": wire, "layers": layers, "fanout_us": {"floor_us_per_layer": 50.0}})
+    assert verdict["security_on"] == 4.0 and verdict["security_off"] == 4.0
+    assert verdict["call_security_on"] == 2.0 and verdict["call_security_off"] == 3.0
+    assert verdict["floor_security_off"] == 0.5

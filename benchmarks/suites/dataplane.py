@@ -97,8 +97,19 @@ def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None
     codec = measure_codec(suite, row)
     print("-- layers: resident-experts cluster (security on, off) vs one process", flush=True)
     layers = measure_layers(cfg, model_path, len(ckpt.moe_layers), pinning)
+    spin_us = layers["worker_compute_us_per_expert"]["security_off"]
+    top_k = int(getattr(ckpt.config, "num_experts_per_tok", 2))
+    fanout = None
+    if suite.fanout_rounds > 0:
+        print(
+            f"-- floor: {top_k} calls fanned out to {cfg.cluster.group_size} echoes, "
+            f"each busy {spin_us:.0f} µs per call"
+        )
+        fanout = measure_fanout(suite, row, cfg.cluster.group_size, top_k, spin_us, pinning)
+        fanout["floor_us_per_layer"] = fanout["median"] - layers["reference_experts_us_per_layer"]
     report = {
         "pinned": pinning,
+        "spread": suite.spread,
         "spaced_gap_ms": suite.spaced_gap_ms,
         "hidden_size": ckpt.config.hidden_size,
         "row_bytes": row.numel() * row.element_size(),
@@ -106,6 +117,7 @@ def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None
         "wire_us": wire,
         "codec_us": codec,
         "layers": layers,
+        "fanout_us": fanout,
     }
     report["goal"] = goal(report)
     print_report(report)
@@ -189,6 +201,57 @@ def measure_wire(suite: DataplaneSuite, row: torch.Tensor, pinning: str | None =
     return {k: {"median": statistics.median(v), "repeats": v} for k, v in per_repeat.items()}
 
 
+def measure_fanout(
+    suite: DataplaneSuite, row: torch.Tensor, echoes: int, calls: int, spin_us: float, pinning: str | None
+) -> dict:
+    """µs from the first send to the last answer of `calls` raw messages dealt round-robin over
+    `echoes` echo processes that each stay busy `spin_us` per message; this process busy
+    `fanout_gap_us` before each round, as main is with its own layer work (median of the rounds)."""
+    ends = []
+    try:
+        for _ in range(echoes):
+            cmd = [*_taskset(pinning, 1), sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", "raw"]
+            proc = subprocess.Popen(
+                [*cmd, "--spin-us", str(spin_us)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+            )
+            sock = zmq.Context.instance().socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
+            ends.append((proc, sock))
+        message, tensors = _message(row)
+        fixed = [bytes(f) for f in to_frames(message, tensors)]
+        poller = zmq.Poller()
+        for _, sock in ends:
+            poller.register(sock, zmq.POLLIN)
+        times = []
+        for r in range(suite.warmup_rounds + suite.fanout_rounds):
+            busy = time.perf_counter()
+            while time.perf_counter() - busy < suite.fanout_gap_us / 1e6:
+                pass
+            start = time.perf_counter()
+            for c in range(calls):
+                ends[c % echoes][1].send_multipart(fixed, copy=False)
+            owed = calls
+            while owed:
+                for sock, _ in poller.poll():
+                    sock.recv_multipart(copy=False)
+                    owed -= 1
+            if r >= suite.warmup_rounds:
+                times.append(time.perf_counter() - start)
+    finally:
+        for proc, sock in ends:
+            sock.close(0)
+            proc.stdin.close()
+            proc.wait(timeout=10)
+    return {
+        "median": statistics.median(times) * 1e6,
+        "echoes": echoes,
+        "calls": calls,
+        "spin_us": spin_us,
+        "gap_us": suite.fanout_gap_us,
+    }
+
+
 # -- 2. codec --------------------------------------------------------------------------------------
 def measure_codec(suite: DataplaneSuite, row: torch.Tensor) -> dict:
     """µs to encode / decode each message of a decode layer's exchange, in this process."""
@@ -232,7 +295,11 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
         for system in SYSTEMS[1:]:
             on = "true" if system == "security_on" else "false"
             words = cluster_words(
-                cfg, "worker.resident=true", "shadow.enabled=false", f"security.enabled={on}"
+                cfg,
+                "worker.resident=true",
+                "shadow.enabled=false",
+                f"security.enabled={on}",
+                *(["cluster.spread_workers=true"] if suite.spread else []),
             )
             place = None
             if pinning:
@@ -276,6 +343,15 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
         },
         "reference_experts_us_per_layer": _median(rows["reference"], "experts_us_per_layer"),
         "rows": rows,
+    }
+    # The experts call alone: main's whole remote call (prepare + round trip + take + combine) above
+    # the one-process experts call it replaces. The per-token figure above also holds what main does
+    # once a token and the reference does not (streaming it to the client, detokenizing) and main's
+    # own layers running slower in a process that slept while the workers computed.
+    reference_call = summary["reference_experts_us_per_layer"]
+    summary["call_overhead_us_per_layer"] = {
+        s: sum(v for k, v in st.items() if k != "worker") - reference_call
+        for s, st in summary["stages_us_per_layer"].items()
     }
     return summary
 
@@ -332,6 +408,13 @@ def goal(report: dict) -> dict:
         "security_off": over["security_off"] / wire["raw_plain"]["median"],
         "target": 2.0,
     }
+    fanout = report.get("fanout_us")
+    if fanout:  # the exchange with no software at all: how far below the goal the wire itself is
+        verdict["floor_security_off"] = fanout["floor_us_per_layer"] / wire["raw_plain"]["median"]
+    call = report["layers"].get("call_overhead_us_per_layer")
+    if call:  # the experts call alone (no per-token costs)
+        verdict["call_security_on"] = call["security_on"] / wire["raw_curve"]["median"]
+        verdict["call_security_off"] = call["security_off"] / wire["raw_plain"]["median"]
     if "raw_plain_spaced" in wire:  # beside it, against the wire between processes that slept
         verdict["security_on_vs_spaced"] = over["security_on"] / wire["raw_curve_spaced"]["median"]
         verdict["security_off_vs_spaced"] = over["security_off"] / wire["raw_plain_spaced"]["median"]
@@ -342,6 +425,8 @@ def print_report(report: dict) -> None:
     w, c, lay = report["wire_us"], report["codec_us"], report["layers"]
     if report.get("pinned"):
         print(f"\npinned: {report['pinned']}")
+    if report.get("spread"):
+        print("\neach worker on a core of its own (cluster.spread_workers=true)")
     print(f"\nround trip of one decode layer's call ({report['row_bytes']} B row), µs, median:")
     print(f"{'':<8}{'plain':>10}{'CURVE':>10}")
     for mode in ("raw", "codec"):
@@ -379,3 +464,14 @@ def print_report(report: dict) -> None:
         )
         if f"{s}_vs_spaced" in report["goal"]:
             print(f"{'':<13} = {report['goal'][f'{s}_vs_spaced']:.2f} x the raw round trip after sleeping")
+        if s == "security_off" and (f := report.get("fanout_us")):
+            print(
+                f"{'':<13} the floor: {f['calls']} raw calls fanned out to {f['echoes']} echoes busy "
+                f"{f['spin_us']:.0f} µs each took {f['median']:.1f} µs, {f['floor_us_per_layer']:.1f} µs "
+                f"above the one-process call = {report['goal']['floor_security_off']:.2f} x raw"
+            )
+        if f"call_{s}" in report["goal"]:
+            print(
+                f"{'':<13} the experts call alone (main's remote call above the one-process call): "
+                f"{lay['call_overhead_us_per_layer'][s]:.1f} µs = {report['goal'][f'call_{s}']:.2f} x raw"
+            )
