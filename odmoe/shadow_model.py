@@ -111,10 +111,24 @@ def _to_bitsandbytes(model: PreTrainedModel, precision: str, device: torch.devic
                 quant_type="nf4",
             )
             q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+            if not _fits_packed_cpu_nf4(lin.in_features, lin.out_features, q.weight.blocksize):
+                # bitsandbytes repacks nf4 weights for its AVX512-BF16 CPU kernel on the first forward,
+                # which only takes rows of whole blocks (and crashes on e.g. a 32-wide LoRA input);
+                # such a linear keeps the generic nf4 path, the same on every CPU
+                q.support_avx512bf16_for_cpu = False
         if lin.bias is not None:
             q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
         q = q.to(device if device is not None else lin.weight.device)  # quantizes as it reaches a GPU
         setattr(parent, name, FlatRows(q) if name == "kv_b_proj" else q)
+
+
+_PACKED_NF4_BLOCK_N = 32  # bitsandbytes' _convert_weight_packed_for_cpu packs output rows by 32
+
+
+def _fits_packed_cpu_nf4(in_features: int, out_features: int, blocksize: int) -> bool:
+    """Pure: whether bitsandbytes' packed CPU nf4 kernel can take this linear (whole blocks per row,
+    output rows in whole packs)."""
+    return in_features % blocksize == 0 and out_features % _PACKED_NF4_BLOCK_N == 0
 
 
 def _to_dynamic_int8(model: PreTrainedModel) -> None:

@@ -27,7 +27,14 @@ from odmoe.families import UnsupportedModelError
 from odmoe.kv_rows import newest_rows, overwrite_newest_rows
 from odmoe.main_model import build_main_model
 from odmoe.model_factory import ModelSpec, make_model
-from odmoe.shadow_model import PRECISIONS, choice_scores, group_limit, load_shadow_model, router_modules
+from odmoe.shadow_model import (
+    PRECISIONS,
+    _fits_packed_cpu_nf4,
+    choice_scores,
+    group_limit,
+    load_shadow_model,
+    router_modules,
+)
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.tiny_configs import TINY
 
@@ -251,6 +258,22 @@ def test_shadow_loads_deepseek_at_every_precision(precision, model_dirs):
     if precision in ("int8", "nf4", "int8_dynamic"):  # routers and their bias stay full precision
         assert all(r.weight.dtype == torch.float32 for r in routers)
     assert all(r.e_score_correction_bias.dtype == torch.float32 for r in routers)
+
+
+def test_nf4_linears_the_packed_cpu_kernel_cannot_take_keep_the_generic_path(model_dirs):
+    """Regression: on a CPU with AVX512-BF16, bitsandbytes repacks nf4 weights for its own kernel on
+    the first forward and crashed on the tiny DeepSeek's 32-wide LoRA inputs ("shape '[96, 0]' is
+    invalid"); those linears now keep the generic nf4 path, every other one is left to bitsandbytes."""
+    import bitsandbytes as bnb
+
+    assert _fits_packed_cpu_nf4(64, 96, 64) and _fits_packed_cpu_nf4(1536, 4096, 64)
+    assert not _fits_packed_cpu_nf4(32, 96, 64) and not _fits_packed_cpu_nf4(64, 48, 64)
+    model = load_shadow_model(model_dirs["deepseek_v3"], "nf4")
+    quantized = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    narrow = [m for m in quantized if not _fits_packed_cpu_nf4(m.in_features, m.out_features, 64)]
+    assert narrow and all(m.support_avx512bf16_for_cpu is False for m in narrow)
+    fitting = [m for m in quantized if m not in narrow]
+    assert all(m.support_avx512bf16_for_cpu == bnb.functional.has_avx512bf16() for m in fitting)
 
 
 # -- checkpoints as downloaded -----------------------------------------------------------------
