@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 import sys
 import time
 from pathlib import Path
@@ -40,6 +41,8 @@ def run_worker(cfg: OdmoeConfig, overrides: list[str]) -> int:
 def run_shadow(cfg: OdmoeConfig, overrides: list[str]) -> int:
     from odmoe.nodes.shadow import ShadowNode
 
+    if cfg.shadow.nice:
+        os.nice(cfg.shadow.nice)  # every thread the node starts from here on inherits it
     return _serve("shadow", ShadowNode, cfg)
 
 

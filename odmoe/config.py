@@ -124,6 +124,10 @@ class ShadowConfig:
     # this of the k-th's (0: off); it needs a spare slot (worker.slots above what lookahead fills)
     hedge_margin: float = 0.0
     seed: int = 0
+    # Scheduling priority of the shadow process (an os.nice increment, 0..19). On cores it shares
+    # with main and the workers, a niced shadow runs on the time they leave idle (main waiting on
+    # workers, workers waiting on main) instead of taking it from them; on a box of its own it is moot.
+    nice: int = 0
 
 
 @dataclass
@@ -310,6 +314,8 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
     cfg.miss.validate()
     make_plan(cfg.alignment)  # raises on a bad mode, negative periods or bounds
+    if not 0 <= cfg.shadow.nice <= 19:
+        raise ValueError(f"shadow.nice must lie in 0..19 (an os.nice increment), got {cfg.shadow.nice}")
     if cfg.shadow.hedge_margin < 0:
         raise ValueError(f"shadow.hedge_margin must be >= 0 (0: off), got {cfg.shadow.hedge_margin}")
     Speculation(1, cfg.alignment.max_ahead)  # raises on max_ahead < 1

@@ -178,3 +178,15 @@ def test_spread_workers_puts_each_worker_on_a_core_of_its_own(model_dirs, reap_c
             )
         assert set(psutil.Process(cluster.node("main").process.pid).cpu_affinity()) == set(cpus)
         assert cluster.client.generate([1, 2, 3], max_new_tokens=3).token_ids
+
+
+def test_a_niced_shadow_runs_at_that_priority_and_the_others_do_not(model_dirs, reap_children):
+    """shadow.nice: the shadow process (and the threads it starts) at that nice value; the words
+    reach every node, only the shadow applies it."""
+    with LocalCluster(model_dirs["mixtral"], overrides=["shadow.nice=7"]) as cluster:
+        base = os.getpriority(os.PRIO_PROCESS, 0)
+        shadow = psutil.Process(cluster.node("shadow").process.pid)
+        assert shadow.nice() == base + 7
+        assert psutil.Process(cluster.node("main").process.pid).nice() == base
+        assert psutil.Process(cluster.node("worker0").process.pid).nice() == base
+        assert cluster.client.generate([1, 2, 3], max_new_tokens=3).token_ids

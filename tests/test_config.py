@@ -32,6 +32,8 @@ def test_lan_example_composes(tmp_path):
         (["role=main"], "worker_addresses"),
         (["prompt="], "empty"),
         (["max_new_tokens=0"], "at least 1"),
+        (["shadow.nice=20"], "shadow.nice"),
+        (["shadow.nice=-1"], "shadow.nice"),
     ],
 )
 def test_bad_configs_fail_with_a_readable_message(words, msg):
