@@ -60,7 +60,7 @@ class ClusterConfig:
     cpus: list[int] = field(default_factory=list)
     # role=local: worker i runs on the i-th of the launcher's CPUs (mod their count), main and the
     # shadow anywhere. Without it the kernel wakes a layer's workers next to each other on one core
-    # and the second computes only after the first (dataplane suite: ~200 µs a decode layer on 2 cores).
+    # and the second computes only after the first (dataplane suite: ~100 µs a decode layer on 2 cores).
     spread_workers: bool = False
 
 
