@@ -25,14 +25,18 @@ import zmq
 from odmoe.messages import ComputeExpert, ExpertResult, from_frames, to_frames
 
 
+def busy(seconds: float) -> None:
+    """Keep this core busy (as a computing node does), not asleep, for `seconds`."""
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        pass
+
+
 def serve(sock: zmq.Socket, mode: str, spin_s: float = 0.0) -> None:
     while True:
         peer, *frames = sock.recv_multipart(copy=False)
         if mode == "raw":
-            if spin_s:
-                start = time.perf_counter()
-                while time.perf_counter() - start < spin_s:  # busy, as a computing worker's core is
-                    pass
+            busy(spin_s)
             sock.send_multipart([peer, *frames], copy=False)
             continue
         message, tensors = from_frames(frames)

@@ -52,6 +52,7 @@ from odmoe.benchmarks.baselines import timed_generate
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig, DataplaneSuite
 from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.wire_echo import busy
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.checkpoint import Checkpoint
 from odmoe.launch.local_cluster import NodePlacement
@@ -132,9 +133,13 @@ def _message(row: torch.Tensor) -> tuple[ComputeExpert, list]:
     return ComputeExpert(step=step, expert=5, kernel="eager"), [row]
 
 
-def _echo(mode: str, security: str, pinning: str | None) -> tuple[subprocess.Popen, zmq.Socket]:
-    """One echo process and this process's DEALER connected to it."""
+def _echo(
+    mode: str, security: str, pinning: str | None, spin_us: float = 0.0
+) -> tuple[subprocess.Popen, zmq.Socket]:
+    """One echo process (raw: busy `spin_us` before each answer) and this process's DEALER to it."""
     cmd = [*_taskset(pinning, 1), sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
+    if spin_us:
+        cmd += ["--spin-us", str(spin_us)]
     public = secret = b""
     if security == "curve":
         public, secret = zmq.curve_keypair()
@@ -194,11 +199,16 @@ def measure_wire(suite: DataplaneSuite, row: torch.Tensor, pinning: str | None =
                     times = _round_trips(sock, mode, row, suite.spaced_rounds, suite.spaced_gap_ms / 1e3)
                     per_repeat[f"raw_{security}_spaced"] = [statistics.median(times) * 1e6]
     finally:
-        for proc, sock in ends.values():
-            sock.close(0)
-            proc.stdin.close()
-            proc.wait(timeout=10)
+        _stop(ends.values())
     return {k: {"median": statistics.median(v), "repeats": v} for k, v in per_repeat.items()}
+
+
+def _stop(ends) -> None:
+    """Close each DEALER and let its echo go (it leaves when its stdin closes)."""
+    for proc, sock in ends:
+        sock.close(0)
+        proc.stdin.close()
+        proc.wait(timeout=10)
 
 
 def measure_fanout(
@@ -210,14 +220,7 @@ def measure_fanout(
     ends = []
     try:
         for _ in range(echoes):
-            cmd = [*_taskset(pinning, 1), sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", "raw"]
-            proc = subprocess.Popen(
-                [*cmd, "--spin-us", str(spin_us)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-            )
-            sock = zmq.Context.instance().socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.connect(f"tcp://127.0.0.1:{int(proc.stdout.readline())}")
-            ends.append((proc, sock))
+            ends.append(_echo("raw", "plain", pinning, spin_us))
         message, tensors = _message(row)
         fixed = [bytes(f) for f in to_frames(message, tensors)]
         poller = zmq.Poller()
@@ -225,9 +228,7 @@ def measure_fanout(
             poller.register(sock, zmq.POLLIN)
         times = []
         for r in range(suite.warmup_rounds + suite.fanout_rounds):
-            busy = time.perf_counter()
-            while time.perf_counter() - busy < suite.fanout_gap_us / 1e6:
-                pass
+            busy(suite.fanout_gap_us / 1e6)
             start = time.perf_counter()
             for c in range(calls):
                 ends[c % echoes][1].send_multipart(fixed, copy=False)
@@ -239,10 +240,7 @@ def measure_fanout(
             if r >= suite.warmup_rounds:
                 times.append(time.perf_counter() - start)
     finally:
-        for proc, sock in ends:
-            sock.close(0)
-            proc.stdin.close()
-            proc.wait(timeout=10)
+        _stop(ends)
     return {
         "median": statistics.median(times) * 1e6,
         "echoes": echoes,
@@ -350,7 +348,7 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
     # own layers running slower in a process that slept while the workers computed.
     reference_call = summary["reference_experts_us_per_layer"]
     summary["call_overhead_us_per_layer"] = {
-        s: sum(v for k, v in st.items() if k != "worker") - reference_call
+        s: st["prepare"] + st["round_trip"] + st["take"] + st["combine"] - reference_call
         for s, st in summary["stages_us_per_layer"].items()
     }
     return summary
