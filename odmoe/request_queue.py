@@ -2,7 +2,8 @@
 
 Contract: a front door (gRPC or HTTP) calls `submit(request, timeout_s)` and gets a `Ticket` at once,
 or `QueueFull` when `max_waiting` requests already wait (the caller answers 429 / RESOURCE_EXHAUSTED:
-a queue that grows without bound only turns into timeouts later), or `QueueClosed` once main shuts
+a queue that grows without bound only turns into timeouts later; a request handed straight to an
+idle engine thread does not wait, even before that thread has woken), or `QueueClosed` once main shuts
 down (UNAVAILABLE / 503: clients fail over). The engine thread calls `take()` and serves tickets one
 at a time, putting each event in the ticket; the front door reads them with `Ticket.next()`. A
 ticket is cancelled by its front door when the client goes away (`Ticket.cancel()`): the engine
@@ -66,6 +67,11 @@ class RequestQueue:
         self.max_waiting, self.default_timeout_s = max_waiting, default_timeout_s
         self._waiting: deque[Ticket] = deque()
         self._ready = threading.Condition()
+        # A request that arrives while the engine thread is idle in take() is handed to it, not
+        # queued: it does not wait, so it does not count against max_waiting before that thread
+        # wakes (a second request right behind it may wait; a third is refused).
+        self._idle_takers = 0
+        self._handed: Ticket | None = None
         self.running: Ticket | None = None
         self.closed = False
 
@@ -80,9 +86,12 @@ class RequestQueue:
         with self._ready:
             if self.closed:
                 raise QueueClosed("main is shutting down")
-            if len(self._waiting) >= self.max_waiting:
+            if self._idle_takers and self._handed is None and not self._waiting:
+                self._handed = ticket
+            elif len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already (server.max_waiting)")
-            self._waiting.append(ticket)
+            else:
+                self._waiting.append(ticket)
             self._ready.notify()
         return ticket
 
@@ -92,8 +101,8 @@ class RequestQueue:
         end = time.monotonic() + timeout
         with self._ready:
             while True:
-                while self._waiting:
-                    ticket = self._waiting.popleft()
+                while self._handed is not None or self._waiting:
+                    ticket, self._handed = self._handed or self._waiting.popleft(), None
                     if ticket.cancelled.is_set():
                         ticket.put(END)
                     elif ticket.expired():
@@ -105,7 +114,11 @@ class RequestQueue:
                 left = end - time.monotonic()
                 if left <= 0 or self.closed:
                     return None
-                self._ready.wait(left)
+                self._idle_takers += 1
+                try:
+                    self._ready.wait(left)
+                finally:
+                    self._idle_takers -= 1
 
     def done(self, ticket: Ticket) -> None:
         ticket.put(END)
@@ -115,6 +128,9 @@ class RequestQueue:
         """Shutting down: every waiting ticket ends with `reason`."""
         with self._ready:
             self.closed = True
+            if self._handed is not None:
+                self._waiting.appendleft(self._handed)
+                self._handed = None
             while self._waiting:
                 ticket = self._waiting.popleft()
                 ticket.put(reason)

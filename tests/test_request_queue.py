@@ -48,3 +48,19 @@ def test_take_wakes_when_a_request_arrives_and_close_ends_the_waiting():
     assert isinstance(waiting.next(0), RuntimeError) and waiting.next(0) is END
     with pytest.raises(QueueClosed):  # not QueueFull: a closing main sends clients elsewhere
         q.submit("third")
+
+
+def test_a_request_handed_to_the_idle_engine_does_not_count_as_waiting():
+    """Regression: with max_waiting=1 and the engine idle, two requests at once got a 429 when the
+    second came before the engine thread woke for the first (seen under load in test_http_api)."""
+    q = RequestQueue(max_waiting=1, default_timeout_s=60)
+    got = []
+    taker = threading.Thread(target=lambda: got.append(q.take(5)))
+    taker.start()
+    time.sleep(0.05)  # the engine thread is idle in take()
+    with q._ready:  # the engine thread cannot wake until both have arrived
+        first, second = q.submit("first"), q.submit("second")
+        with pytest.raises(QueueFull):
+            q.submit("third")
+    taker.join(2)
+    assert got == [first] and q.waiting == 1 and q.take(0.1) is second
