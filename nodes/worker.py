@@ -9,8 +9,9 @@ group's workers by the shared round-robin rule; this worker preloads its share i
 slot, earliest (iteration, layer) first. A compute request then finds the expert already loaded (a
 hit) or loads it on demand (a miss: the stall the shadow exists to avoid). After computing, the
 expert is evicted: no cache. Preloads the request did not use are dropped when main releases the
-layer (it does after every decode layer, to every worker of the group). The result is the same
-either way; only time differs.
+layer: its last call to this worker in a decode layer carries `release` (handled once the answer
+is sent, off main's critical path), and a worker of the group that got no call gets a Release
+message. The result is the same either way; only time differs.
 
 A failure inside one request (an expert it does not hold, rows of the wrong shape) is answered
 with an error result instead of killing the process, so main can report it with the worker named.
@@ -231,6 +232,9 @@ class WorkerNode:
         reply = self._guarded(self.handle, message, tensors, peer.bytes)
         if reply is not None:  # a mini-batch that only completes a batch gets no answer of its own
             self.sock.send_multipart([peer, *reply], copy=False)
+        if isinstance(message, ComputeExpert) and message.release:  # main's last call here this layer
+            step = message.step
+            self._guarded(self._finish, step.request, (step.iteration, step.layer))
 
     def handle(self, message, tensors: list[torch.Tensor], peer: bytes = b"") -> list | None:
         if isinstance(message, Release):

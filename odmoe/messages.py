@@ -43,6 +43,9 @@ class ComputeExpert:
     # [rows, experts] of the reference's grouped_mm call over the whole layer (T*k, E): a CUDA worker
     # mirrors that call's shape so the kernel picks the reference's tiles (odmoe.expert_math); [] = none
     grouped_shape: list[int] = field(default_factory=list)
+    # decode: main asks this worker nothing more in this layer, so once it has answered it drops what
+    # it preloaded for the layer, as a Release would, without a message (and a wake-up) of its own
+    release: bool = False
     kind: str = "compute"
 
 
@@ -78,7 +81,8 @@ class Ping:
 
 @dataclass(frozen=True)
 class Release:
-    """main -> worker: layer `step.layer` needs nothing from you; drop what you preloaded for it."""
+    """main -> worker: layer `step.layer` needs nothing from you; drop what you preloaded for it.
+    Sent after a decode layer to each worker of its group that no call with `release` set reached."""
 
     step: Step
     kind: str = "release"

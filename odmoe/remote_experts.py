@@ -294,7 +294,11 @@ class RemoteExperts:
         # the reference's grouped call covers every (token, slot) pair over all E experts (expert_math)
         self._grouped_shape = [top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
         clock = _LayerClock()
-        outputs = self._exchange(step, rows_of, placement, clock)
+        # what the group preloaded for this layer and did not use is stale once main is past it: each
+        # worker's last call of the layer says so itself (a Release goes only to the group's others).
+        # Without a shadow nothing is ever preloaded: no releasing at all.
+        releasing = decode and self.shadow is not None
+        outputs, released = self._exchange(step, rows_of, placement, clock, releasing)
         if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
             outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
         gathered = time.perf_counter()
@@ -308,12 +312,12 @@ class RemoteExperts:
         if decode:
             self.traffic.decode["wait_s"] += waited
             self.traffic.decode["layers"] += 1
-            # whatever the group preloaded for this layer and did not use is now stale (without a
-            # shadow nothing is ever preloaded: two messages per layer saved, and two worker wake-ups)
-            if self.shadow is not None:
-                release = to_frames(Release(step))
-                for worker in self._serving(layer):
-                    self.members.send(worker, release)
+            if releasing:
+                unreleased = [w for w in self._serving(layer) if w not in released]
+                if unreleased:
+                    release = to_frames(Release(step))
+                    for worker in unreleased:
+                        self.members.send(worker, release)
         else:
             self.traffic.note_prefill_layer(layer, waited, len(groups))
         parts = [(rows, outputs[stand_in.get(rows.expert, rows.expert)]) for rows in groups]
@@ -360,14 +364,22 @@ class RemoteExperts:
             return []
 
     def _exchange(
-        self, step: Step, rows: dict[int, torch.Tensor], placement: dict[int, int], clock: _LayerClock
-    ) -> dict[int, torch.Tensor]:
-        """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
+        self,
+        step: Step,
+        rows: dict[int, torch.Tensor],
+        placement: dict[int, int],
+        clock: _LayerClock,
+        releasing: bool = False,
+    ) -> tuple[dict[int, torch.Tensor], set[int]]:
+        """Send every expert's rows, gather the answers; re-send what a lost worker owed. With
+        `releasing`, each worker's last call (in send order, the order it handles them) carries
+        `release`; returns the outputs and the workers whose releasing call they answered."""
+        last_call = {placement[e]: e for e in rows} if releasing else {}
         # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
         # threads), which on a machine with few cores can take main's core at once; the next call
         # would then leave only after that worker's whole computation, and the workers of a layer
         # would compute one after the other instead of together.
-        messages = {e: self._encode(step, e, x) for e, x in rows.items()}
+        messages = {e: self._encode(step, e, x, last_call.get(placement[e]) == e) for e, x in rows.items()}
         clock.sending = time.perf_counter()
         calls = {e: self._send(step, e, x, placement[e], messages[e]) for e, x in rows.items()}
         layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
@@ -395,12 +407,14 @@ class RemoteExperts:
         if step.iteration >= 1:
             stall = self.traffic.stall_s_per_layer
             stall[step.layer] = stall.get(step.layer, 0.0) + layer_stall
-        return {
+        outputs = {
             e: torch.cat([c.parts[i] for i in sorted(c.parts)]) if len(c.parts) > 1 else c.parts[0]
             for e, c in calls.items()
         }
+        # a re-sent call never releases: its new worker gets a Release after the layer
+        return outputs, {w for w, e in last_call.items() if calls[e].worker == w}
 
-    def _encode(self, step: Step, expert: int, x: torch.Tensor) -> list[list]:
+    def _encode(self, step: Step, expert: int, x: torch.Tensor, release: bool = False) -> list[list]:
         """One expert's rows as the frames of each message: one message, or prefill mini-batches."""
         size = self.prefill.mini_batch if step.iteration == 0 and self.prefill.mini_batch > 0 else x.shape[0]
         chunks = torch.split(x, max(size, 1)) if x.shape[0] > size else (x,)
@@ -415,6 +429,7 @@ class RemoteExperts:
                     parts=len(chunks),
                     per_part=per_part,
                     grouped_shape=self._grouped_shape,
+                    release=release,
                 ),
                 [chunk],
             )

@@ -32,7 +32,7 @@ from odmoe.remote_experts import RemoteExperts
 
 STEP = Step("r-1", 3, 2)
 SAMPLES = [
-    ComputeExpert(step=STEP, expert=6, kernel="eager", part=1, parts=3, per_part=True),
+    ComputeExpert(step=STEP, expert=6, kernel="eager", part=1, parts=3, per_part=True, release=True),
     ExpertResult(STEP, 6, 1, 0.5, 0.25, 7, 8, error="", preloaded=True, part=2, waited_s=0.125),
     Pong(1, [0, 2], 10, 11, [8.0, 0.1], 12),
     Release(STEP),
@@ -125,24 +125,31 @@ def test_encoding_does_not_copy_a_contiguous_row_and_copies_a_view():
 
 # -- main's messages per layer -----------------------------------------------------------------------
 class _Workers(Membership):
-    """Membership without sockets: each ComputeExpert is answered at once with its rows doubled."""
+    """Membership without sockets: each ComputeExpert is answered at once with its rows doubled.
+    `lose`: the worker reported lost at the first wait, its answers never arriving."""
 
-    def __init__(self, topology: Topology):
+    def __init__(self, topology: Topology, lose: int | None = None):
         self.topology, self.pongs, self.events = topology, {}, []
         self.links = {w: None for w in range(topology.workers)}
         self.sent: list[tuple[int, str]] = []
+        self.messages: list[tuple[int, object]] = []
         self.inbox: list[tuple[int, list]] = []
+        self.lose = lose
 
     def send(self, worker, frames, copy=True):
         message, tensors = from_frames(frames)
         self.sent.append((worker, message.kind))
-        if isinstance(message, ComputeExpert):
+        self.messages.append((worker, message))
+        if isinstance(message, ComputeExpert) and worker != self.lose:
             result = ExpertResult(message.step, message.expert, worker, 0.0, 0.0, 0, 0)
             self.inbox.append((worker, to_frames(result, [tensors[0] * 2])))
         return True
 
     def wait(self, timeout_ms):
         received, self.inbox = self.inbox, []
+        if self.lose is not None and self.lose in self.links:
+            del self.links[self.lose]
+            return received, [self.lose]
         return received, []
 
 
@@ -153,25 +160,54 @@ class _Shadow:
         return None
 
 
-def _decode_layer(shadow) -> list[tuple[int, str]]:
-    members = _Workers(Topology(workers=2, group_size=2))
-    experts = RemoteExperts(members, num_experts=4, kernel="eager", shadow=shadow)
-    experts.begin("r", 1)
+def _decode_layer(shadow, experts=(1, 3), topology=Topology(workers=2, group_size=2), lose=None):
+    members = _Workers(topology, lose)
+    remote = RemoteExperts(members, num_experts=4, kernel="eager", shadow=shadow)
+    remote.begin("r", 1)
     hidden = torch.randn(1, 8)
-    out = experts(0, hidden, torch.tensor([[1, 3]]), torch.tensor([[0.75, 0.25]]))
-    assert torch.equal(out, (hidden * 2 * 0.75) + (hidden * 2 * 0.25))
-    return members.sent
+    weights = torch.tensor([[0.75, 0.25][: len(experts)]])
+    out = remote(0, hidden, torch.tensor([list(experts)]), weights)
+    want = sum(hidden * 2 * w for w in weights[0].tolist())
+    assert torch.equal(out, want)
+    return members
+
+
+def _calls(members) -> list[tuple[int, int, bool]]:
+    return [(w, m.expert, m.release) for w, m in members.messages if isinstance(m, ComputeExpert)]
 
 
 def test_without_a_shadow_a_decode_layer_sends_only_its_expert_calls():
     """Nothing is ever preloaded without a shadow, so a Release would only wake the workers."""
-    assert sorted(kind for _, kind in _decode_layer(None)) == ["compute", "compute"]
+    members = _decode_layer(None)
+    assert sorted(kind for _, kind in members.sent) == ["compute", "compute"]
+    assert not any(release for *_, release in _calls(members))
 
 
-def test_with_a_shadow_the_serving_group_is_released_after_the_layer():
-    sent = _decode_layer(_Shadow())
-    assert [kind for _, kind in sent[-2:]] == ["release", "release"]
-    assert sorted(w for w, kind in sent if kind == "release") == [0, 1]
+def test_with_a_shadow_each_workers_call_releases_the_layer_and_no_release_is_sent():
+    """Both workers of the group got a call: it says the layer is over for them (a Release message
+    per worker would wake each once more per layer)."""
+    members = _decode_layer(_Shadow())
+    assert sorted(_calls(members)) == [(0, 1, True), (1, 3, True)]
+    assert [kind for _, kind in members.sent] == ["compute", "compute"]
+
+
+def test_a_worker_of_the_group_that_got_no_call_gets_a_release():
+    members = _decode_layer(_Shadow(), experts=(3,))
+    assert _calls(members) == [(0, 3, True)]
+    assert members.sent[-1] == (1, "release")
+
+
+def test_of_two_calls_to_one_worker_only_the_last_releases():
+    """The worker handles its calls in send order: releasing with the first would drop the second's preload."""
+    members = _decode_layer(_Shadow(), topology=Topology(workers=1, group_size=1))
+    assert _calls(members) == [(0, 1, False), (0, 3, True)]
+    assert "release" not in [kind for _, kind in members.sent]
+
+
+def test_a_re_sent_call_does_not_release_and_its_new_worker_gets_a_release():
+    members = _decode_layer(_Shadow(), experts=(3,), lose=0)
+    assert _calls(members) == [(0, 3, True), (1, 3, False)]
+    assert members.sent[-1] == (1, "release")
 
 
 # -- main's split of a decode step -------------------------------------------------------------------

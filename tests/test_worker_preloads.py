@@ -123,3 +123,32 @@ def test_a_hedged_expert_main_asks_for_is_a_hit(worker):
     result, _ = from_frames(frames)
     assert result.preloaded and result.bytes_loaded > 0
     assert result.hedges[:2] == [1, 1]  # one hedge loaded, one used
+
+
+def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(worker):
+    """Main's last call to a worker in a decode layer stands for the Release message it no longer
+    sends: what the worker preloaded for that layer and was not asked for goes (over real sockets)."""
+    import zmq
+
+    from odmoe.messages import ExpertResult, from_frames, to_frames
+
+    worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
+    worker._preload_next()  # expert 3 of layer 0 loading for iteration 1
+    assert [slot.holds for slot in worker.slots.held()] == [(0, 3)]
+    main = zmq.Context.instance().socket(zmq.DEALER)
+    main.setsockopt(zmq.LINGER, 0)
+    main.connect(worker.address)
+    try:
+        hidden = torch.randn(1, worker.store.gate_up_shape[1])
+        # the router chose 6, not 3 (a misprediction): main's only call to worker 0 in this layer
+        call = ComputeExpert(step=Step("r", 1, 0), expert=6, kernel="eager", release=True)
+        main.send_multipart(to_frames(call, [hidden]))
+        assert worker.sock.poll(5000)
+        worker._serve_request()
+        assert main.poll(5000)
+        result, (rows,) = from_frames(main.recv_multipart())
+        assert isinstance(result, ExpertResult) and not result.error and rows.shape == hidden.shape
+    finally:
+        main.close(0)
+    assert worker.slots.held() == []  # the unused preload of expert 3 is gone
+    assert worker.done == (1, 0)
