@@ -51,6 +51,7 @@ from odmoe.messages import (
     BeginRequest,
     EndRequest,
     Prediction,
+    ShadowEnded,
     ShadowIteration,
     Step,
     from_frames,
@@ -276,6 +277,8 @@ class ShadowNode:
                     )
                 self.step = ("", 0)
                 self.tracer.flush()
+            elif isinstance(message, EndRequest):  # after its request's last prediction, in order
+                self.pub.send_multipart([b"main", *to_frames(ShadowEnded(message.request))])
 
     def _check_begin(self, begin: BeginRequest) -> None:
         ids = begin.prompt_ids

@@ -126,6 +126,16 @@ class ShadowIteration:
 
 
 @dataclass(frozen=True)
+class ShadowEnded:
+    """shadow -> main: main's EndRequest for `request` reached the shadow, which works on it no more.
+    Every prediction it published for the request came before this on the same connection, so main
+    stops waiting for late ones here (they will never come) instead of at its deadline."""
+
+    request: str
+    kind: str = "shadow_ended"
+
+
+@dataclass(frozen=True)
 class BeginRequest:
     """main -> shadow: a new request; the shadow prefills its own copy from these tokens."""
 
@@ -187,6 +197,7 @@ _ALL = (
     Release,
     Prediction,
     ShadowIteration,
+    ShadowEnded,
     BeginRequest,
     Align,
     EndRequest,
@@ -201,6 +212,7 @@ Message = (
     | Release
     | Prediction
     | ShadowIteration
+    | ShadowEnded
     | BeginRequest
     | Align
     | EndRequest

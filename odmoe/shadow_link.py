@@ -32,6 +32,7 @@ from odmoe.messages import (
     BeginRequest,
     EndRequest,
     Prediction,
+    ShadowEnded,
     ShadowIteration,
     Step,
     from_frames,
@@ -69,6 +70,7 @@ class ShadowLink:
         self.order = {layer: i for i, layer in enumerate(moe_layers)}
         self.request = ""
         self.active = False  # this request runs with the shadow
+        self.ended = False  # the shadow said it works on this request no more (ShadowEnded)
         self.predictions: dict[tuple[int, int], Prediction] = {}
         self.seen = ShadowObservations()
         self.dropped = DropLog(log, "main (predictions)")
@@ -120,6 +122,7 @@ class ShadowLink:
 
     def begin(self, request: str, prompt_ids: list[int], max_new_tokens: int) -> None:
         self.request, self.predictions, self.seen = request, {}, ShadowObservations()
+        self.ended = False
         self.lost_at_us = 0.0  # stats report a loss seen during this request only
         self.active = self.up
         if self.active:
@@ -155,11 +158,13 @@ class ShadowLink:
         return self.predictions.get((step.iteration, step.layer))
 
     def collect(self, keys: list[tuple[int, int]], wait_s: float) -> dict[tuple[int, int], Prediction]:
-        """This request's predictions for `keys`, waiting up to wait_s for ones still in flight."""
+        """This request's predictions for `keys`, waiting up to wait_s for ones still in flight: until
+        the shadow has said it stopped working on the request (after `end`), whose predictions for
+        the rest will never come. Without that word (a lost or stuck shadow) wait_s bounds the wait."""
         if not self.active:
             return {}
         deadline = time.monotonic() + wait_s
-        while any(k not in self.predictions for k in keys) and time.monotonic() < deadline:
+        while not self.ended and any(k not in self.predictions for k in keys) and time.monotonic() < deadline:
             if self.sub.poll(10):
                 self._drain(None)
         return dict(self.predictions)
@@ -187,6 +192,8 @@ class ShadowLink:
                         - self.order[now.layer]
                     )
                     self.seen.lookahead_layers.append(ahead)
+            elif isinstance(message, ShadowEnded) and message.request == self.request:
+                self.ended = True
             elif isinstance(message, ShadowIteration) and message.request == self.request:
                 self.seen.late_departure_s[message.iteration] = message.late_departure_s
                 self.seen.alignment_wait_s[message.iteration] = message.alignment_wait_s

@@ -25,6 +25,7 @@ from odmoe.messages import (
     Ping,
     Prediction,
     Release,
+    ShadowEnded,
     ShadowIteration,
     Step,
     to_frames,
@@ -49,6 +50,7 @@ def _real(rng: random.Random, hidden: int) -> list[bytes]:
         lambda: to_frames(Membership([rng.randrange(-2, 6) for _ in range(rng.randrange(4))])),
         lambda: to_frames(Prediction(step, [1, 2], [1, 2, 3], [0.5, 0.3, 0.2])),
         lambda: to_frames(ShadowIteration(step.request, 1, 0.0)),
+        lambda: to_frames(ShadowEnded(step.request)),
         lambda: to_frames(BeginRequest(step.request, [rng.randrange(-5, 2000) for _ in range(3)], 4)),
         lambda: to_frames(Align(step.request, rng.randrange(5), token=rng.randrange(-1, 50))),
         lambda: to_frames(

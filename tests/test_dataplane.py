@@ -160,8 +160,8 @@ class _Shadow:
         return None
 
 
-def _decode_layer(shadow, experts=(1, 3), topology=Topology(workers=2, group_size=2), lose=None):
-    members = _Workers(topology, lose)
+def _decode_layer(shadow, experts=(1, 3), topology=None, lose=None):
+    members = _Workers(topology or Topology(workers=2, group_size=2), lose)
     remote = RemoteExperts(members, num_experts=4, kernel="eager", shadow=shadow)
     remote.begin("r", 1)
     hidden = torch.randn(1, 8)
@@ -198,7 +198,7 @@ def test_a_worker_of_the_group_that_got_no_call_gets_a_release():
 
 
 def test_of_two_calls_to_one_worker_only_the_last_releases():
-    """The worker handles its calls in send order: releasing with the first would drop the second's preload."""
+    """A worker handles its calls in send order: releasing with the first would drop the second's preload."""
     members = _decode_layer(_Shadow(), topology=Topology(workers=1, group_size=1))
     assert _calls(members) == [(0, 1, False), (0, 3, True)]
     assert "release" not in [kind for _, kind in members.sent]

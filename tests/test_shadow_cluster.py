@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
+import zmq
 
 from odmoe import LocalCluster
+from odmoe.messages import ShadowEnded, from_frames
+from odmoe.security import NodeSecurity, secure_client
 from tests.conftest import FAMILY_NAMES
 from tests.test_cluster_fidelity import PROMPTS, reference
 
@@ -69,6 +74,26 @@ def test_tokens_equal_reference_whatever_the_shadow_predicts(family, overrides, 
             assert got.stats["shadow"] is True
 
 
+def _listen_as_main(cluster) -> zmq.Socket:
+    """A second subscriber to what the shadow publishes for main, with main's keys (security is on)."""
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    secure_client(sub, NodeSecurity.load(True, str(cluster.key_dir), "main").curve, "shadow")
+    sub.setsockopt(zmq.SUBSCRIBE, b"main")
+    sub.connect(cluster.shadow_info["pub_address"])
+    return sub
+
+
+def _shadow_ended(sub: zmq.Socket, request: str, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while sub.poll(max(int((deadline - time.monotonic()) * 1000), 0)):
+        _topic, *frames = sub.recv_multipart()
+        message, _ = from_frames(frames)
+        if isinstance(message, ShadowEnded) and message.request == request:
+            return True
+    return False
+
+
 def test_fp32_shadow_aligned_every_iteration_is_an_exact_emulator(model_dirs, reap_children):
     with LocalCluster(
         model_dirs["mixtral"],
@@ -76,7 +101,14 @@ def test_fp32_shadow_aligned_every_iteration_is_an_exact_emulator(model_dirs, re
         group_size=2,
         overrides=["shadow.precision=fp32", "alignment.token_period=1", "alignment.kv_period=1"],
     ) as c:
-        stats = c.client.generate(PROMPTS[0], max_new_tokens=32).stats
+        sub = _listen_as_main(c)
+        try:
+            c.client.generate(PROMPTS[0], max_new_tokens=4)  # the subscription has joined by its end
+            stats = c.client.generate(PROMPTS[0], max_new_tokens=32).stats
+            # the shadow says when main's EndRequest reached it: main waits for late predictions no longer
+            assert _shadow_ended(sub, stats["request_id"])
+        finally:
+            sub.close(0)
     recall = stats["recall"]
     assert recall["overall"] == 1.0
     assert set(recall["per_token"].values()) == {1.0} and len(recall["per_token"]) == 31

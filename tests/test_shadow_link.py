@@ -1,0 +1,82 @@
+"""Main's link to the shadow over real ZeroMQ sockets: the end of a request waits for late
+predictions only until the shadow says it stopped (it used to wait its whole deadline whenever the
+shadow was behind at the end, delaying the request's last reply, and the next request, by 1 s)."""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+
+from odmoe.messages import BeginRequest, EndRequest, Prediction, ShadowEnded, Step, from_frames, to_frames
+from odmoe.shadow_link import ShadowLink
+
+
+class _FakeShadow:
+    """The shadow's two sockets, driven by the test: a PULL for main's control, a PUB for predictions."""
+
+    def __init__(self):
+        ctx = zmq.Context.instance()
+        self.control, self.pub = ctx.socket(zmq.PULL), ctx.socket(zmq.PUB)
+        for sock in (self.control, self.pub):
+            sock.setsockopt(zmq.LINGER, 0)
+        self.control_address = f"tcp://127.0.0.1:{self.control.bind_to_random_port('tcp://127.0.0.1')}"
+        self.pub_address = f"tcp://127.0.0.1:{self.pub.bind_to_random_port('tcp://127.0.0.1')}"
+
+    def publish(self, message) -> None:
+        self.pub.send_multipart([b"main", *to_frames(message)])
+
+    def received(self):
+        assert self.control.poll(5000), "main sent nothing"
+        return from_frames(self.control.recv_multipart())[0]
+
+    def close(self) -> None:
+        self.control.close(0)
+        self.pub.close(0)
+
+
+def _link_with_a_request(shadow: _FakeShadow) -> ShadowLink:
+    link = ShadowLink(shadow.control_address, shadow.pub_address, moe_layers=[0, 1])
+    assert link.wait_up(5.0)
+    link.begin("r", [1, 2, 3], 8)
+    assert isinstance(shadow.received(), BeginRequest)
+    # a PUB drops what it sends before the SUB has joined: publish until the link has one
+    first = Prediction(Step("r", 1, 0), [1, 2], [1, 2, 3], [0.5, 0.3, 0.2])
+    deadline = time.monotonic() + 5
+    while link.prediction(Step("r", 1, 0)) is None:
+        assert time.monotonic() < deadline, "the prediction never reached main"
+        shadow.publish(first)
+        time.sleep(0.01)
+    return link
+
+
+def test_collecting_stops_once_the_shadow_says_it_ended_the_request():
+    shadow = _FakeShadow()
+    link = _link_with_a_request(shadow)
+    try:
+        link.end()
+        assert isinstance(shadow.received(), EndRequest)
+        # the shadow was behind: one more prediction was in flight, the rest never comes
+        shadow.publish(Prediction(Step("r", 1, 1), [0, 3], [0, 3, 4], [0.5, 0.3, 0.2]))
+        shadow.publish(ShadowEnded("r"))
+        start = time.monotonic()
+        got = link.collect([(1, 0), (1, 1), (2, 0), (2, 1)], wait_s=10.0)
+        assert time.monotonic() - start < 5.0  # without the word: the whole 10 s
+        assert sorted(got) == [(1, 0), (1, 1)]  # what was published before the word is all in
+    finally:
+        link.close()
+        shadow.close()
+
+
+def test_another_requests_end_does_not_stop_the_wait():
+    shadow = _FakeShadow()
+    link = _link_with_a_request(shadow)
+    try:
+        shadow.publish(ShadowEnded("an earlier request"))
+        start = time.monotonic()
+        link.collect([(1, 0), (1, 1)], wait_s=0.5)
+        assert time.monotonic() - start >= 0.45  # still waited: that word was not about this request
+        assert not link.ended
+    finally:
+        link.close()
+        shadow.close()
