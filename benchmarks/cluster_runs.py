@@ -2,13 +2,16 @@
 
 `run_cluster(model, words, prompts, new_tokens)` starts one `LocalCluster` with the suite's words,
 sends one warm-up request and then one request per prompt, and returns every request's stats with
-the nodes' peak memory. `summarise` pools them the way the paper reports: recall over all decode
-tokens (Eq. 3), tokens/s as mean and spread over requests.
+the nodes' peak memory and the CPU time each node spent on each request (`cpu_per_token`).
+`summarise` pools them the way the paper reports: recall over all decode tokens (Eq. 3), tokens/s
+as mean and spread over requests.
 """
 
 from __future__ import annotations
 
+import os
 import statistics
+import time
 from dataclasses import dataclass, field
 
 import odmoe
@@ -34,6 +37,9 @@ class ClusterRun:
     stats: list[dict] = field(default_factory=list)  # one per measured request
     token_ids: list[list[int]] = field(default_factory=list)
     peak_rss_bytes: dict[str, int] = field(default_factory=dict)  # node name -> bytes
+    # per measured request: CPU seconds each node (and "client": this process) spent on it, and its wall
+    cpu_s: list[dict[str, float]] = field(default_factory=list)
+    wall_s: list[float] = field(default_factory=list)
     shadow_weight_bytes: int | None = None
 
 
@@ -53,12 +59,41 @@ def run_cluster(
         if warmup:  # first-request costs (allocations, lazy imports) are not what we measure
             cluster.client.generate(prompts[0], max_new_tokens=min(new_tokens, 4))
         for ids, tokens in zip(prompts, lengths, strict=True):
+            before, client, start = cluster.cpu_seconds(), time.process_time(), time.perf_counter()
             result = cluster.client.generate(ids, max_new_tokens=tokens)
+            run.wall_s.append(time.perf_counter() - start)
+            used = {n: s - before[n] for n, s in cluster.cpu_seconds().items() if n in before}
+            run.cpu_s.append({**used, "client": time.process_time() - client})
             run.stats.append(result.stats)
             run.token_ids.append(result.token_ids)
         run.peak_rss_bytes = cluster.peak_rss_bytes()
         run.shadow_weight_bytes = cluster.shadow_info.get("weight_bytes")
     return run
+
+
+def cpu_per_token(run: ClusterRun) -> dict | None:
+    """Where a cluster's CPU went, pooled over its measured requests: ms per generated token by node
+    (workers summed; prefill included), the cores it kept busy on average, and the most tokens/s
+    this machine's cores could give that work if every node's share packed them perfectly (a bound
+    set by CPU alone, whatever the schedule)."""
+    if not run.cpu_s:
+        return None
+    tokens = sum(len(ids) for ids in run.token_ids)
+    by_node: dict[str, float] = {}
+    for used in run.cpu_s:
+        for name, seconds in used.items():
+            key = "workers" if name.startswith("worker") else name
+            by_node[key] = by_node.get(key, 0.0) + seconds
+    total = sum(by_node.values())
+    cores = len(os.sched_getaffinity(0))
+    return {
+        "ms_per_token": {k: v / tokens * 1e3 for k, v in sorted(by_node.items())},
+        "total_ms_per_token": total / tokens * 1e3,
+        "cores_busy": total / sum(run.wall_s),
+        "cores": cores,
+        "bound_tokens_per_s": cores * tokens / total if total else None,
+        "tokens_per_s": tokens / sum(run.wall_s),  # the same basis: whole requests, prefill included
+    }
 
 
 def pooled_recall(stats: list[dict], key: str = "recall") -> float | None:

@@ -349,6 +349,19 @@ class LocalCluster:
                     peaks[node.name] = int(line.split()[1]) * 1024
         return peaks
 
+    def cpu_seconds(self) -> dict[str, float]:
+        """Each running node's CPU time so far (user + system, every thread; Linux /proc), by node name."""
+        tick = os.sysconf("SC_CLK_TCK")
+        used = {}
+        for node in self.nodes:
+            try:
+                stat = Path(f"/proc/{node.process.pid}/stat").read_text()
+            except OSError:  # exited (or not Linux)
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": comm may hold spaces
+            used[node.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+        return used
+
     def __enter__(self) -> LocalCluster:
         return self.start()
 

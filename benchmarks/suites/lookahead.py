@@ -17,6 +17,9 @@ clusters run again pinned with `taskset`: the shadow alone on CPU 1, main and th
 On two shared cores the shadow's CPU time competes with main's; giving it a core of its own (as a
 shadow box of its own would) shows how much of a result that decides. Main and the workers take
 turns (main waits for the workers, they wait for main), so they share a core at little cost.
+Per cluster also the CPU time each node spent per generated token (every thread, from /proc), the
+cores it kept busy, and the bound that CPU alone sets: this machine's cores divided by the CPU a
+token takes, against the resident cluster's tokens/s on the same basis (whole requests).
 
 Part 2, hedging without the clock (benchmarks/replay.py): each precision's shadow re-played on
 main's greedy trajectory with token + K/V alignment; recall with and without the hedges of each
@@ -34,7 +37,7 @@ from transformers import AutoTokenizer
 
 from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
+from odmoe.benchmarks.cluster_runs import cluster_words, cpu_per_token, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
 from odmoe.benchmarks.results import ResultsDir, fmt
@@ -105,6 +108,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         identical = len({tuple(map(tuple, r.pop("token_ids"))) for r in rows}) == 1
         _print_table(rows)
         print(f"tokens identical across systems: {identical}")
+        _print_cpu(rows)
     hedging = _hedging(cfg, model_path, tokenizer) if suite.hedging else []
     pinning = "the shadow on CPU 1, main and the workers on CPU 0" if pin else None
     report = {"rows": rows, "tokens_identical": identical, "hedging": hedging, "pinned": pinning}
@@ -146,6 +150,7 @@ def _row(label: str, precision: str, run) -> dict:
         "hedge_bytes": sum(h.get("hedge_bytes", 0) for h in hedging),
         "bytes_loaded": sum(s["bytes_loaded"] for s in stats),
         "periods": [s["alignment"] for s in stats if s.get("alignment", {}).get("tuned")],
+        "cpu": cpu_per_token(run),
         "token_ids": run.token_ids,
     }
 
@@ -193,6 +198,35 @@ def _print_table(rows: list[dict]) -> None:
         )
         for periods in r.get("periods") or []:
             print(f"{'':<28}tuned periods: {periods}")
+
+
+def _print_cpu(rows: list[dict]) -> None:
+    rows = [r for r in rows if r.get("cpu")]
+    if not rows:
+        return
+    base = {r["system"]: r["cpu"]["tokens_per_s"] for r in rows if r["system"].startswith("resident_workers")}
+    cores = rows[0]["cpu"]["cores"]
+    print(
+        f"\nCPU ms per generated token (prefill included, every thread); the bound: {cores} cores / CPU per "
+        "token, as tokens/s and as a share of the resident cluster's (whole requests both)"
+    )
+    nodes = ("main", "shadow", "workers", "client")
+    print(
+        f"{'system':<28}{'shadow':>13}"
+        + "".join(f"{n:>9}" for n in nodes)
+        + f"{'total':>8}{'cores busy':>11}{'tok/s':>8}{'bound':>8}{'bound vs resident':>18}"
+    )
+    for r in rows:
+        c = r["cpu"]
+        ref = base.get("resident_workers (pinned)" if "pinned" in r["system"] else "resident_workers")
+        share = c["bound_tokens_per_s"] / ref if ref and c["bound_tokens_per_s"] else None
+        print(
+            f"{r['system']:<28}{r['precision']:>13}"
+            + "".join(fmt(c["ms_per_token"].get(n), 9, ".2f") for n in nodes)
+            + f"{c['total_ms_per_token']:>8.2f}{c['cores_busy']:>11.2f}{c['tokens_per_s']:>8.1f}"
+            + f"{fmt(c['bound_tokens_per_s'], 8, '.1f')}{fmt(share, 18, '.3f')}",
+            flush=True,
+        )
 
 
 def _hedging(cfg: BenchConfig, model_path: str, tokenizer) -> list[dict]:
