@@ -223,3 +223,22 @@ def test_wilson_lower_bound_of_a_recall():
     assert wilson_low(4063, 4064) < 0.999 < 4063 / 4064  # the old 4 x 128 sample: even 1 miss decides nothing
     assert 0.999 < wilson_low(65280 - 46, 65280) < (65280 - 46) / 65280  # 32 x 256: 46 misses
     assert wilson_low(100, 100) == pytest.approx(0.963, abs=1e-3)  # the textbook all-successes case
+
+
+def test_cpu_per_token_pools_requests_and_sums_the_workers(monkeypatch):
+    from odmoe.benchmarks.cluster_runs import ClusterRun, cpu_per_token
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    run = ClusterRun(words=[], token_ids=[[1] * 10, [2] * 30])
+    run.cpu_s = [
+        {"main": 0.04, "worker0": 0.01, "worker1": 0.02, "client": 0.01},
+        {"main": 0.12, "worker0": 0.03, "worker1": 0.05, "client": 0.02},
+    ]
+    run.wall_s = [0.05, 0.15]
+    cpu = cpu_per_token(run)
+    assert cpu["ms_per_token"] == pytest.approx({"client": 0.75, "main": 4.0, "workers": 2.75})
+    assert cpu["total_ms_per_token"] == pytest.approx(7.5)
+    assert cpu["cores_busy"] == pytest.approx(0.3 / 0.2)
+    assert cpu["bound_tokens_per_s"] == pytest.approx(2 * 40 / 0.3)  # 2 cores / 7.5 ms
+    assert cpu["tokens_per_s"] == pytest.approx(200.0)
+    assert cpu_per_token(ClusterRun(words=[])) is None

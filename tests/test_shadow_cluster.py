@@ -133,7 +133,12 @@ def test_no_shadow_means_no_predictions_and_same_tokens(model_dirs, reap_childre
     path = model_dirs["olmoe"]
     with LocalCluster(path, workers=2, group_size=2, overrides=["ablation=case6"]) as cluster:
         assert not any(n.name == "shadow" for n in cluster.nodes)
+        before = cluster.cpu_seconds()
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=32)
+        after = cluster.cpu_seconds()
+    # each node's CPU time (the lookahead suite's CPU table): main and both workers worked on it
+    assert sorted(after) == ["main", "worker0", "worker1"]
+    assert all(after[n] > before[n] for n in after)
     assert got.token_ids == reference(path, PROMPTS[0])[0]
     assert got.stats["shadow"] is False and got.stats["preloaded"] == 0
     assert got.stats["recall"]["overall"] == 0.0
