@@ -242,3 +242,14 @@ def test_cpu_per_token_pools_requests_and_sums_the_workers(monkeypatch):
     assert cpu["bound_tokens_per_s"] == pytest.approx(2 * 40 / 0.3)  # 2 cores / 7.5 ms
     assert cpu["tokens_per_s"] == pytest.approx(200.0)
     assert cpu_per_token(ClusterRun(words=[])) is None
+
+
+def test_the_busiest_links_load_time_per_token():
+    from odmoe.benchmarks.suites.lookahead import _busiest_link
+
+    stats = [
+        {"new_tokens": 10, "per_worker": {"worker0": {"load_s": 0.02}, "worker1": {"load_s": 0.05}}},
+        {"new_tokens": 30, "per_worker": {"worker0": {"load_s": 0.10}, "worker1": {"load_s": 0.03}}},
+    ]
+    assert _busiest_link(stats) == pytest.approx(0.12 / 40 * 1e3)  # worker0: 3 ms per token
+    assert _busiest_link([{"new_tokens": 5, "per_worker": {"worker0": {"load_s": 0.0}}}]) is None  # resident

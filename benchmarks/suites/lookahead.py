@@ -17,9 +17,10 @@ clusters run again pinned with `taskset`: the shadow alone on CPU 1, main and th
 On two shared cores the shadow's CPU time competes with main's; giving it a core of its own (as a
 shadow box of its own would) shows how much of a result that decides. Main and the workers take
 turns (main waits for the workers, they wait for main), so they share a core at little cost.
-Per cluster also the CPU time each node spent per generated token (every thread, from /proc), the
-cores it kept busy, and the bound that CPU alone sets: this machine's cores divided by the CPU a
-token takes, against the resident cluster's tokens/s on the same basis (whole requests).
+Per cluster also what bounds its speed: the CPU time each node spent per generated token (every
+thread, from /proc), the cores it kept busy and the bound that CPU alone sets (this machine's cores
+divided by the CPU a token takes); and the busiest worker's link time per token (its loads, each as
+long as the emulated link makes it) and the bound that sets. Both against the resident cluster.
 
 Part 2, hedging without the clock (benchmarks/replay.py): each precision's shadow re-played on
 main's greedy trajectory with token + K/V alignment; recall with and without the hedges of each
@@ -108,7 +109,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         identical = len({tuple(map(tuple, r.pop("token_ids"))) for r in rows}) == 1
         _print_table(rows)
         print(f"tokens identical across systems: {identical}")
-        _print_cpu(rows)
+        _print_bounds(rows)
     hedging = _hedging(cfg, model_path, tokenizer) if suite.hedging else []
     pinning = "the shadow on CPU 1, main and the workers on CPU 0" if pin else None
     report = {"rows": rows, "tokens_identical": identical, "hedging": hedging, "pinned": pinning}
@@ -151,8 +152,22 @@ def _row(label: str, precision: str, run) -> dict:
         "bytes_loaded": sum(s["bytes_loaded"] for s in stats),
         "periods": [s["alignment"] for s in stats if s.get("alignment", {}).get("tuned")],
         "cpu": cpu_per_token(run),
+        "link_ms_per_token": _busiest_link(stats),
         "token_ids": run.token_ids,
     }
+
+
+def _busiest_link(stats: list[dict]) -> float | None:
+    """ms per generated token that the busiest worker spent loading experts (each load as long as the
+    emulated link makes it), over the requests: its link can carry no more, so 1000 / this is the
+    most tokens/s the links allow, whatever the CPU and schedule. Counts the loads main used
+    (preloaded or reloaded); unused preloads also take the link, so the true figure is higher."""
+    tokens = sum(s["new_tokens"] for s in stats)
+    busy: dict[str, float] = {}
+    for s in stats:
+        for worker, row in (s.get("per_worker") or {}).items():
+            busy[worker] = busy.get(worker, 0.0) + row["load_s"]
+    return max(busy.values()) / tokens * 1e3 if busy and tokens and max(busy.values()) > 0 else None
 
 
 def _lru_row(cfg: BenchConfig, model_path: str, prompts) -> dict:
@@ -200,31 +215,38 @@ def _print_table(rows: list[dict]) -> None:
             print(f"{'':<28}tuned periods: {periods}")
 
 
-def _print_cpu(rows: list[dict]) -> None:
+def _print_bounds(rows: list[dict]) -> None:
     rows = [r for r in rows if r.get("cpu")]
     if not rows:
         return
     base = {r["system"]: r["cpu"]["tokens_per_s"] for r in rows if r["system"].startswith("resident_workers")}
     cores = rows[0]["cpu"]["cores"]
     print(
-        f"\nCPU ms per generated token (prefill included, every thread); the bound: {cores} cores / CPU per "
-        "token, as tokens/s and as a share of the resident cluster's (whole requests both)"
+        f"\nWhat bounds the speed. CPU ms per generated token (prefill included, every thread); its bound: "
+        f"{cores} cores / CPU per token, as tokens/s and as a share of the resident cluster's (whole "
+        "requests both). The busiest worker's link: ms of expert loads per generated token; its bound: "
+        "1000 / that"
     )
     nodes = ("main", "shadow", "workers", "client")
     print(
         f"{'system':<28}{'shadow':>13}"
         + "".join(f"{n:>9}" for n in nodes)
         + f"{'total':>8}{'cores busy':>11}{'tok/s':>8}{'bound':>8}{'bound vs resident':>18}"
+        + f"{'link ms/tok':>12}{'link bound':>11}{'vs resident':>12}"
     )
     for r in rows:
         c = r["cpu"]
         ref = base.get("resident_workers (pinned)" if "pinned" in r["system"] else "resident_workers")
         share = c["bound_tokens_per_s"] / ref if ref and c["bound_tokens_per_s"] else None
+        link = r.get("link_ms_per_token")
+        link_bound = 1e3 / link if link else None
+        link_share = link_bound / ref if link_bound and ref else None
         print(
             f"{r['system']:<28}{r['precision']:>13}"
             + "".join(fmt(c["ms_per_token"].get(n), 9, ".2f") for n in nodes)
             + f"{c['total_ms_per_token']:>8.2f}{c['cores_busy']:>11.2f}{c['tokens_per_s']:>8.1f}"
-            + f"{fmt(c['bound_tokens_per_s'], 8, '.1f')}{fmt(share, 18, '.3f')}",
+            + f"{fmt(c['bound_tokens_per_s'], 8, '.1f')}{fmt(share, 18, '.3f')}"
+            + f"{fmt(link, 12, '.2f')}{fmt(link_bound, 11, '.1f')}{fmt(link_share, 12, '.3f')}",
             flush=True,
         )
 
