@@ -350,7 +350,8 @@ class LocalCluster:
         return peaks
 
     def cpu_seconds(self) -> dict[str, float]:
-        """Each running node's CPU time so far (user + system, every thread; Linux /proc), by node name."""
+        """Each running node's CPU time so far (user + system, every thread; Linux /proc), by node name.
+        In the kernel's clock ticks (10 ms on most Linux systems): read differences over seconds."""
         tick = os.sysconf("SC_CLK_TCK")
         used = {}
         for node in self.nodes:

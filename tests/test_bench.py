@@ -253,3 +253,17 @@ def test_the_busiest_links_load_time_per_token():
     ]
     assert _busiest_link(stats) == pytest.approx(0.12 / 40 * 1e3)  # worker0: 3 ms per token
     assert _busiest_link([{"new_tokens": 5, "per_worker": {"worker0": {"load_s": 0.0}}}]) is None  # resident
+
+
+def test_clusters_are_compared_with_the_lru_offloader_prompt_by_prompt(capsys):
+    from odmoe.benchmarks.suites.lookahead import _print_vs_lru
+
+    rows = [
+        {"system": "speculative", "precision": "fp32", "decode_per_request": [120.0, 100.0, 90.0]},
+        {"system": "lru_offloader", "precision": "-", "decode_per_request": [100.0, 125.0, 60.0]},
+        {"system": "resident_workers", "precision": "-", "decode_per_request": [200.0]},  # not comparable
+    ]
+    _print_vs_lru(rows)
+    assert rows[0]["vs_lru_per_prompt"] == pytest.approx([1.2, 0.8, 1.5])
+    assert "faster on 2 of 3 prompts" in capsys.readouterr().out
+    assert "vs_lru_per_prompt" not in rows[2]

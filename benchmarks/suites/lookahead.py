@@ -109,6 +109,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         identical = len({tuple(map(tuple, r.pop("token_ids"))) for r in rows}) == 1
         _print_table(rows)
         print(f"tokens identical across systems: {identical}")
+        _print_vs_lru(rows)
         _print_bounds(rows)
     hedging = _hedging(cfg, model_path, tokenizer) if suite.hedging else []
     pinning = "the shadow on CPU 1, main and the workers on CPU 0" if pin else None
@@ -140,6 +141,7 @@ def _row(label: str, precision: str, run) -> dict:
         "precision": precision if shadowed else "-",
         "decode_tokens_per_s": statistics.mean(decode),
         "decode_sd": statistics.stdev(decode) if len(decode) > 1 else 0.0,
+        "decode_per_request": decode,  # in prompt order, as every system gets them
         "timely_recall": pooled_recall(stats, "timely_recall") if shadowed else None,
         "recall": pooled_recall(stats) if shadowed else None,
         "reloads_per_token": sum(s["reloads"] for s in stats) / tokens if tokens else None,
@@ -183,6 +185,7 @@ def _lru_row(cfg: BenchConfig, model_path: str, prompts) -> dict:
         "precision": "-",
         "decode_tokens_per_s": statistics.mean(decode),
         "decode_sd": statistics.stdev(decode) if len(decode) > 1 else 0.0,
+        "decode_per_request": decode,
         "token_ids": [r["token_ids"] for r in runs],
     }
 
@@ -213,6 +216,26 @@ def _print_table(rows: list[dict]) -> None:
         )
         for periods in r.get("periods") or []:
             print(f"{'':<28}tuned periods: {periods}")
+
+
+def _print_vs_lru(rows: list[dict]) -> None:
+    """Each cluster against the LRU offloader prompt by prompt: the offloader's speed varies with
+    the prompt (its cache hits) far more than the clusters' do, so means alone hide the answer."""
+    lru = next((r["decode_per_request"] for r in rows if r["system"] == "lru_offloader"), None)
+    if not lru:
+        return
+    print("\nagainst the LRU offloader, the same prompts: decode tokens/s ratio per prompt")
+    for r in rows:
+        mine = r.get("decode_per_request")
+        if r["system"] == "lru_offloader" or not mine or len(mine) != len(lru):
+            continue
+        ratios = [a / b for a, b in zip(mine, lru, strict=True)]
+        r["vs_lru_per_prompt"] = ratios
+        wins = sum(x > 1 for x in ratios)
+        print(
+            f"{r['system']:<28}{r['precision']:>13}  faster on {wins} of {len(ratios)} prompts; "
+            + " ".join(f"{x:.2f}" for x in ratios)
+        )
 
 
 def _print_bounds(rows: list[dict]) -> None:
