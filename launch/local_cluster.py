@@ -336,17 +336,23 @@ class LocalCluster:
     def pids(self) -> list[int]:
         return [n.process.pid for n in self.nodes]
 
+    def _proc(self, entry: str) -> dict[str, str]:
+        """/proc/<pid>/<entry> of each running node, by node name (none for one exited, or off Linux)."""
+        texts = {}
+        for node in self.nodes:
+            try:
+                texts[node.name] = Path(f"/proc/{node.process.pid}/{entry}").read_text()
+            except OSError:
+                continue
+        return texts
+
     def peak_rss_bytes(self) -> dict[str, int]:
         """Each running node's peak resident memory so far (Linux VmHWM), by node name."""
         peaks = {}
-        for node in self.nodes:
-            try:
-                status = Path(f"/proc/{node.process.pid}/status").read_text()
-            except OSError:  # exited (or not Linux)
-                continue
+        for name, status in self._proc("status").items():
             for line in status.splitlines():
                 if line.startswith("VmHWM:"):
-                    peaks[node.name] = int(line.split()[1]) * 1024
+                    peaks[name] = int(line.split()[1]) * 1024
         return peaks
 
     def cpu_seconds(self) -> dict[str, float]:
@@ -354,13 +360,9 @@ class LocalCluster:
         In the kernel's clock ticks (10 ms on most Linux systems): read differences over seconds."""
         tick = os.sysconf("SC_CLK_TCK")
         used = {}
-        for node in self.nodes:
-            try:
-                stat = Path(f"/proc/{node.process.pid}/stat").read_text()
-            except OSError:  # exited (or not Linux)
-                continue
+        for name, stat in self._proc("stat").items():
             fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": comm may hold spaces
-            used[node.name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
+            used[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
         return used
 
     def __enter__(self) -> LocalCluster:

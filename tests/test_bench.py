@@ -256,13 +256,22 @@ def test_the_busiest_links_load_time_per_token():
 
 
 def test_clusters_are_compared_with_the_lru_offloader_prompt_by_prompt(capsys):
-    from odmoe.benchmarks.suites.lookahead import _print_vs_lru
+    from odmoe.benchmarks.suites.lookahead import _print_vs_lru, _ratios
+
+    def row(system, precision, per_request):
+        return {
+            "system": system,
+            "precision": precision,
+            "decode_per_request": per_request,
+            "decode_tokens_per_s": sum(per_request) / len(per_request),
+        }
 
     rows = [
-        {"system": "speculative", "precision": "fp32", "decode_per_request": [120.0, 100.0, 90.0]},
-        {"system": "lru_offloader", "precision": "-", "decode_per_request": [100.0, 125.0, 60.0]},
-        {"system": "resident_workers", "precision": "-", "decode_per_request": [200.0]},  # not comparable
+        row("speculative", "fp32", [120.0, 100.0, 90.0]),
+        row("lru_offloader", "-", [100.0, 125.0, 60.0]),
+        row("resident_workers", "-", [200.0]),  # not comparable prompt by prompt
     ]
+    _ratios(rows)
     _print_vs_lru(rows)
     assert rows[0]["vs_lru_per_prompt"] == pytest.approx([1.2, 0.8, 1.5])
     assert "faster on 2 of 3 prompts" in capsys.readouterr().out

@@ -169,7 +169,8 @@ def _busiest_link(stats: list[dict]) -> float | None:
     for s in stats:
         for worker, row in (s.get("per_worker") or {}).items():
             busy[worker] = busy.get(worker, 0.0) + row["load_s"]
-    return max(busy.values()) / tokens * 1e3 if busy and tokens and max(busy.values()) > 0 else None
+    busiest = max(busy.values(), default=0.0)
+    return busiest / tokens * 1e3 if busiest > 0 and tokens else None  # none: resident (no loads)
 
 
 def _lru_row(cfg: BenchConfig, model_path: str, prompts) -> dict:
@@ -190,11 +191,22 @@ def _lru_row(cfg: BenchConfig, model_path: str, prompts) -> dict:
     }
 
 
+def _resident(system: str) -> str:
+    """The resident cluster a system is measured against: pinned against pinned."""
+    return "resident_workers (pinned)" if "pinned" in system else "resident_workers"
+
+
 def _ratios(rows: list[dict]) -> None:
+    """Each row against the resident cluster, and prompt by prompt against the LRU offloader (whose
+    speed varies with the prompt, its cache hits, far more than a cluster's: means alone hide it)."""
     base = {r["system"]: r["decode_tokens_per_s"] for r in rows if r["system"].startswith("resident")}
+    lru = next((r["decode_per_request"] for r in rows if r["system"] == "lru_offloader"), None)
     for r in rows:
-        ref = base.get("resident_workers (pinned)" if "pinned" in r["system"] else "resident_workers")
+        ref = base.get(_resident(r["system"]))
         r["vs_resident"] = r["decode_tokens_per_s"] / ref if ref else None
+        mine = r.get("decode_per_request")
+        if lru and mine and r["system"] != "lru_offloader" and len(mine) == len(lru):
+            r["vs_lru_per_prompt"] = [a / b for a, b in zip(mine, lru, strict=True)]
 
 
 def _print_table(rows: list[dict]) -> None:
@@ -219,18 +231,12 @@ def _print_table(rows: list[dict]) -> None:
 
 
 def _print_vs_lru(rows: list[dict]) -> None:
-    """Each cluster against the LRU offloader prompt by prompt: the offloader's speed varies with
-    the prompt (its cache hits) far more than the clusters' do, so means alone hide the answer."""
-    lru = next((r["decode_per_request"] for r in rows if r["system"] == "lru_offloader"), None)
-    if not lru:
+    compared = [r for r in rows if r.get("vs_lru_per_prompt")]
+    if not compared:
         return
     print("\nagainst the LRU offloader, the same prompts: decode tokens/s ratio per prompt")
-    for r in rows:
-        mine = r.get("decode_per_request")
-        if r["system"] == "lru_offloader" or not mine or len(mine) != len(lru):
-            continue
-        ratios = [a / b for a, b in zip(mine, lru, strict=True)]
-        r["vs_lru_per_prompt"] = ratios
+    for r in compared:
+        ratios = r["vs_lru_per_prompt"]
         wins = sum(x > 1 for x in ratios)
         print(
             f"{r['system']:<28}{r['precision']:>13}  faster on {wins} of {len(ratios)} prompts; "
@@ -259,7 +265,7 @@ def _print_bounds(rows: list[dict]) -> None:
     )
     for r in rows:
         c = r["cpu"]
-        ref = base.get("resident_workers (pinned)" if "pinned" in r["system"] else "resident_workers")
+        ref = base.get(_resident(r["system"]))
         share = c["bound_tokens_per_s"] / ref if ref and c["bound_tokens_per_s"] else None
         link = r.get("link_ms_per_token")
         link_bound = 1e3 / link if link else None
