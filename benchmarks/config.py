@@ -292,6 +292,10 @@ class DataplaneSuite:
     # compute time per expert), main busy this long before each (its own layer work); 0 rounds: off
     fanout_rounds: int = 2000
     fanout_gap_us: float = 250.0
+    # the floor again with each echo computing a real expert of the model's shape (random weights,
+    # the layer's experts in turn) instead of spinning: what the wire and a compute in a process
+    # just woken cost, with no odmoe code on the path
+    floor_with_experts: bool = True
     # the raw round trip again with this much idle before each (as a decode layer's calls are spaced
     # by main's own work): what the wire costs a process that slept in between; 0: not measured
     spaced_gap_ms: float = 1.0

@@ -10,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from odmoe.checkpoint import Checkpoint
 from odmoe.codec import CodecError, decode, encode
 from odmoe.membership import Membership
 from odmoe.messages import (
@@ -295,6 +296,40 @@ def test_the_suites_floor_fans_calls_out_to_busy_echoes():
     assert out["median"] >= 2 * 2000.0  # echo 0 gets calls 0 and 2: two busy spells in turn
 
 
+def test_the_suites_floor_with_real_compute_has_its_echoes_compute_the_models_experts(model_dirs):
+    """The floor with real compute: echo processes that compute the checkpoint's experts on the row
+    with the workers' own expert_forward, and answer with the output; their compute time comes back."""
+    from odmoe.benchmarks.config import DataplaneSuite
+    from odmoe.benchmarks.suites.dataplane import EchoExperts, measure_fanout
+
+    ckpt = Checkpoint(model_dirs["mixtral"])
+    suite = DataplaneSuite(fanout_rounds=20, warmup_rounds=2, fanout_gap_us=10.0)
+    experts = EchoExperts(model_dirs["mixtral"], ckpt.moe_layers[0], "eager")
+    row = torch.ones(1, ckpt.config.hidden_size)
+    out = measure_fanout(suite, row, echoes=2, calls=2, spin_us=0.0, pinning=None, expert=experts)
+    assert out["expert"]["kernel"] == "eager" and out["spin_us"] == 0.0
+    assert out["compute_us"] > 0 and out["median"] >= out["compute_us"]
+
+
+def test_the_echo_answers_with_the_workers_expert_output(model_dirs):
+    from odmoe.benchmarks.wire_echo import Expert
+    from odmoe.expert_math import expert_forward
+
+    class Frame:  # a received ZeroMQ frame's interface: .buffer
+        def __init__(self, t):
+            self.buffer = memoryview(t.numpy()).cast("B")
+
+    ckpt = Checkpoint(model_dirs["mixtral"])
+    layer = ckpt.moe_layers[0]
+    expert = Expert(model_dirs["mixtral"], layer, "grouped_mm")
+    x = torch.randn(1, ckpt.config.hidden_size)
+    for e in (0, 1):  # the experts in turn
+        w = ckpt.expert(layer, e)
+        want = expert_forward(x, w.gate_up, w.down, ckpt.config.hidden_act, "grouped_mm")
+        assert torch.equal(expert(Frame(x)), want)
+    assert expert.calls == 2 and len(expert.compute_s) == 2
+
+
 def test_dataplane_verdict_sets_each_overhead_against_its_raw_round_trip():
     from odmoe.benchmarks.suites.dataplane import goal
 
@@ -303,7 +338,14 @@ def test_dataplane_verdict_sets_each_overhead_against_its_raw_round_trip():
         "overhead_us_per_layer": {"security_on": 500.0, "security_off": 400.0},
         "call_overhead_us_per_layer": {"security_on": 250.0, "security_off": 300.0},
     }
-    verdict = goal({"wire_us": wire, "layers": layers, "fanout_us": {"floor_us_per_layer": 50.0}})
+    verdict = goal(
+        {
+            "wire_us": wire,
+            "layers": layers,
+            "fanout_us": {"floor_us_per_layer": 50.0},
+            "fanout_computing_us": {"floor_us_per_layer": 150.0},
+        }
+    )
     assert verdict["security_on"] == 4.0 and verdict["security_off"] == 4.0
     assert verdict["call_security_on"] == 2.0 and verdict["call_security_off"] == 3.0
-    assert verdict["floor_security_off"] == 0.5
+    assert verdict["floor_security_off"] == 0.5 and verdict["floor_computing_security_off"] == 1.5

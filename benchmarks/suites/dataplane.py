@@ -20,6 +20,13 @@ Measured in one run, on one machine, so the figures can be set against each othe
    encoding and sending, which stay in the round trip with the wire and the wake-ups), `take` (main
    decoding and checking the answers), `combine`; beside them the reference's own experts call per
    decode layer (timed by forward hooks), which a remote layer replaces.
+5. floors: the same exchange with none of odmoe's code on it. Main (this process) fans raw frames
+   out to `cluster.group_size` echo processes, `top_k` calls a round, and the round is set against
+   the one-process experts call. In the first, each echo spins the workers' measured compute time
+   and this process spins between rounds. In the second (`floor_with_experts`), each echo computes
+   the model's experts with the workers' own `expert_forward`, and this process applies main's own
+   weights between rounds (MainWork): the caches see real work on both sides, as in the cluster.
+   The distance from the second floor to the cluster's experts call is odmoe's own per-layer code.
 
 The issue's goal: a remote decode layer costs at most ~2x the raw round trip (the layer overhead
 with security on against raw CURVE, off against raw plain). Beside it, the raw round trip of
@@ -35,6 +42,7 @@ wake-ups queueing for a shared core (with `cluster.workers=1`: one process per c
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
 import statistics
@@ -58,6 +66,37 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.main_model import resolve_dtype
 from odmoe.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
+
+
+@dataclasses.dataclass(frozen=True)
+class EchoExperts:
+    """What the real-compute floor's echoes compute: `layer`'s experts of `model`, with `kernel`."""
+
+    model: str
+    layer: int
+    kernel: str
+
+
+class MainWork:
+    """Main's own layer work for the real-compute floor: a row through each of the checkpoint's
+    non-expert matrices (attention projections, routers, lm_head) in turn, carrying on where the
+    last call stopped, so over a token's layers the cache sees what main's work makes it see."""
+
+    def __init__(self, ckpt: Checkpoint):
+        # the embedding is a lookup of one row, not a matmul: left out
+        weights = sorted(ckpt.non_expert_state_dict().items())
+        matrices = [w for k, w in weights if w.dim() == 2 and "embed" not in k]
+        self.work = [(w, torch.ones(1, w.shape[1], dtype=w.dtype)) for w in matrices]
+        self.next = 0
+
+    def __call__(self, seconds: float) -> None:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            while time.perf_counter() - start < seconds:
+                w, x = self.work[self.next % len(self.work)]
+                torch.nn.functional.linear(x, w)
+                self.next += 1
+
 
 WIRE = (("raw", "plain"), ("raw", "curve"), ("codec", "plain"), ("codec", "curve"))
 SYSTEMS = ("reference", "security_on", "security_off")
@@ -108,6 +147,17 @@ def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None
         )
         fanout = measure_fanout(suite, row, cfg.cluster.group_size, top_k, spin_us, pinning)
         fanout["floor_us_per_layer"] = fanout["median"] - layers["reference_experts_us_per_layer"]
+    computing = None
+    if suite.fanout_rounds > 0 and suite.floor_with_experts:
+        experts = EchoExperts(model_path, ckpt.moe_layers[0], layers["kernel"])
+        print(
+            f"-- floor with real compute: echoes compute layer {experts.layer}'s experts, {experts.kernel}",
+            flush=True,
+        )
+        computing = measure_fanout(
+            suite, row, cfg.cluster.group_size, top_k, 0.0, pinning, expert=experts, main_work=MainWork(ckpt)
+        )
+        computing["floor_us_per_layer"] = computing["median"] - layers["reference_experts_us_per_layer"]
     report = {
         "pinned": pinning,
         "spread": suite.spread,
@@ -119,6 +169,7 @@ def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None
         "codec_us": codec,
         "layers": layers,
         "fanout_us": fanout,
+        "fanout_computing_us": computing,
     }
     report["goal"] = goal(report)
     print_report(report)
@@ -134,12 +185,15 @@ def _message(row: torch.Tensor) -> tuple[ComputeExpert, list]:
 
 
 def _echo(
-    mode: str, security: str, pinning: str | None, spin_us: float = 0.0
+    mode: str, security: str, pinning: str | None, spin_us: float = 0.0, expert: EchoExperts | None = None
 ) -> tuple[subprocess.Popen, zmq.Socket]:
-    """One echo process (raw: busy `spin_us` before each answer) and this process's DEALER to it."""
+    """One echo process (raw: busy `spin_us`, or computing `expert`, before each answer) and this
+    process's DEALER to it."""
     cmd = [*_taskset(pinning, 1), sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
     if spin_us:
         cmd += ["--spin-us", str(spin_us)]
+    if expert is not None:
+        cmd += ["--model", expert.model, "--layer", str(expert.layer), "--kernel", expert.kernel]
     public = secret = b""
     if security == "curve":
         public, secret = zmq.curve_keypair()
@@ -203,24 +257,35 @@ def measure_wire(suite: DataplaneSuite, row: torch.Tensor, pinning: str | None =
     return {k: {"median": statistics.median(v), "repeats": v} for k, v in per_repeat.items()}
 
 
-def _stop(ends) -> None:
-    """Close each DEALER and let its echo go (it leaves when its stdin closes)."""
+def _stop(ends) -> list[str]:
+    """Close each DEALER and let its echo go (it leaves when its stdin closes); what each printed last."""
+    last = []
     for proc, sock in ends:
         sock.close(0)
         proc.stdin.close()
+        last.append(proc.stdout.read().strip())
         proc.wait(timeout=10)
+    return last
 
 
 def measure_fanout(
-    suite: DataplaneSuite, row: torch.Tensor, echoes: int, calls: int, spin_us: float, pinning: str | None
+    suite: DataplaneSuite,
+    row: torch.Tensor,
+    echoes: int,
+    calls: int,
+    spin_us: float,
+    pinning: str | None,
+    expert: EchoExperts | None = None,
+    main_work=busy,
 ) -> dict:
     """µs from the first send to the last answer of `calls` raw messages dealt round-robin over
-    `echoes` echo processes that each stay busy `spin_us` per message; this process busy
-    `fanout_gap_us` before each round, as main is with its own layer work (median of the rounds)."""
-    ends = []
+    `echoes` echo processes that each stay busy `spin_us` per message (or, with `expert`, compute one
+    of those experts on the row); this process busy `fanout_gap_us` before each round, as main
+    is with its own layer work (median of the rounds)."""
+    ends, computed = [], []
     try:
         for _ in range(echoes):
-            ends.append(_echo("raw", "plain", pinning, spin_us))
+            ends.append(_echo("raw", "plain", pinning, 0.0 if expert else spin_us, expert))
         message, tensors = _message(row)
         fixed = [bytes(f) for f in to_frames(message, tensors)]
         poller = zmq.Poller()
@@ -228,7 +293,7 @@ def measure_fanout(
             poller.register(sock, zmq.POLLIN)
         times = []
         for r in range(suite.warmup_rounds + suite.fanout_rounds):
-            busy(suite.fanout_gap_us / 1e6)
+            main_work(suite.fanout_gap_us / 1e6)
             start = time.perf_counter()
             for c in range(calls):
                 ends[c % echoes][1].send_multipart(fixed, copy=False)
@@ -240,14 +305,17 @@ def measure_fanout(
             if r >= suite.warmup_rounds:
                 times.append(time.perf_counter() - start)
     finally:
-        _stop(ends)
-    return {
+        computed = [float(line) for line in _stop(ends) if line]
+    out = {
         "median": statistics.median(times) * 1e6,
         "echoes": echoes,
         "calls": calls,
         "spin_us": spin_us,
         "gap_us": suite.fanout_gap_us,
     }
+    if expert is not None:  # what a call's compute took in the echoes (their medians' median)
+        out.update(spin_us=0.0, expert=dataclasses.asdict(expert), compute_us=statistics.median(computed))
+    return out
 
 
 # -- 2. codec --------------------------------------------------------------------------------------
@@ -327,6 +395,7 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
         "repeats": suite.layer_repeats,
         "new_tokens": suite.new_tokens,
         "token_sequences_differing": differ,
+        "kernel": reference.config._experts_implementation,  # the experts kernel every node runs
         "decode_ms_per_token": {s: v * 1e3 for s, v in per_token.items()},
         # per decode layer, above the same layer in one process
         "overhead_us_per_layer": {
@@ -409,6 +478,10 @@ def goal(report: dict) -> dict:
     fanout = report.get("fanout_us")
     if fanout:  # the exchange with no software at all: how far below the goal the wire itself is
         verdict["floor_security_off"] = fanout["floor_us_per_layer"] / wire["raw_plain"]["median"]
+    computing = report.get("fanout_computing_us")
+    if computing:  # the same with the echoes computing real experts: the wire and a woken compute
+        floor = computing["floor_us_per_layer"]
+        verdict["floor_computing_security_off"] = floor / wire["raw_plain"]["median"]
     call = report["layers"].get("call_overhead_us_per_layer")
     if call:  # the experts call alone (no per-token costs)
         verdict["call_security_on"] = call["security_on"] / wire["raw_curve"]["median"]
@@ -467,6 +540,15 @@ def print_report(report: dict) -> None:
                 f"{'':<13} the floor: {f['calls']} raw calls fanned out to {f['echoes']} echoes busy "
                 f"{f['spin_us']:.0f} µs each took {f['median']:.1f} µs, {f['floor_us_per_layer']:.1f} µs "
                 f"above the one-process call = {report['goal']['floor_security_off']:.2f} x raw"
+            )
+        if s == "security_off" and (f := report.get("fanout_computing_us")):
+            print(
+                f"{'':<13} the floor with real compute (main applying its own weights between rounds): "
+                f"the echoes computing an expert each "
+                f"({f['compute_us']:.0f} µs a call, the workers "
+                f"{lay['worker_compute_us_per_expert'][s]:.0f}) "
+                f"took {f['median']:.1f} µs, {f['floor_us_per_layer']:.1f} µs above the one-process call "
+                f"= {report['goal']['floor_computing_security_off']:.2f} x raw"
             )
         if f"call_{s}" in report["goal"]:
             print(
