@@ -185,11 +185,17 @@ def _message(row: torch.Tensor) -> tuple[ComputeExpert, list]:
 
 
 def _echo(
-    mode: str, security: str, pinning: str | None, spin_us: float = 0.0, expert: EchoExperts | None = None
+    mode: str,
+    security: str,
+    pinning: str | None,
+    spin_us: float = 0.0,
+    expert: EchoExperts | None = None,
+    cpu: int | None = None,
 ) -> tuple[subprocess.Popen, zmq.Socket]:
     """One echo process (raw: busy `spin_us`, or computing `expert`, before each answer) and this
-    process's DEALER to it."""
-    cmd = [*_taskset(pinning, 1), sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
+    process's DEALER to it; on `cpu` when given (as a spread worker), else as `pinning` says."""
+    where = ["taskset", "-c", str(cpu)] if cpu is not None else _taskset(pinning, 1)
+    cmd = [*where, sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
     if spin_us:
         cmd += ["--spin-us", str(spin_us)]
     if expert is not None:
@@ -284,8 +290,11 @@ def measure_fanout(
     is with its own layer work (median of the rounds)."""
     ends, computed = [], []
     try:
-        for _ in range(echoes):
-            ends.append(_echo("raw", "plain", pinning, 0.0 if expert else spin_us, expert))
+        for i in range(echoes):
+            # with the workers spread (each on CPU i), each echo on the CPU its worker had
+            cpus = sorted(os.sched_getaffinity(0))
+            cpu = cpus[i % len(cpus)] if suite.spread and not pinning else None
+            ends.append(_echo("raw", "plain", pinning, 0.0 if expert else spin_us, expert, cpu))
         message, tensors = _message(row)
         fixed = [bytes(f) for f in to_frames(message, tensors)]
         poller = zmq.Poller()
