@@ -136,6 +136,10 @@ class LocalCluster:
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LocalCluster:
+        """Start every node and wait until each serves; on a cluster already started, nothing more
+        (so `with LocalCluster(...).start() as c:` runs one cluster, not a second beside the first)."""
+        if self.nodes:
+            return self
         atexit.register(self.stop)
         self._dir.mkdir(parents=True, exist_ok=True)
         try:

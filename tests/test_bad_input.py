@@ -190,3 +190,14 @@ def test_a_niced_shadow_runs_at_that_priority_and_the_others_do_not(model_dirs, 
         assert psutil.Process(cluster.node("main").process.pid).nice() == base
         assert psutil.Process(cluster.node("worker0").process.pid).nice() == base
         assert cluster.client.generate([1, 2, 3], max_new_tokens=3).token_ids
+
+
+def test_a_started_cluster_entered_with_with_is_not_started_twice(model_dirs, reap_children):
+    """`with LocalCluster(...).start() as c:` used to spawn a second set of nodes beside the first
+    (the client talked to the second while the first idled until stop)."""
+    cluster = LocalCluster(model_dirs["mixtral"], workers=1, group_size=1).start()
+    pids = cluster.pids
+    with cluster as again:
+        assert again is cluster and cluster.pids == pids
+        assert cluster.client.generate("def f(x):", max_new_tokens=2).token_ids
+    assert cluster.pids == []
