@@ -493,7 +493,7 @@ def dataplane(report: dict, out: Path, subtitle: str) -> None:
     )
     ax.legend(fontsize=8, loc="upper left")
     if stages:
-        _dataplane_stages(axes[0][1], report["layers"], stages)
+        _dataplane_stages(axes[0][1], report["layers"], stages, report.get("fanout_computing_us"))
     _save(fig, out)
 
 
@@ -561,9 +561,15 @@ def gpu(report: dict, out: Path, subtitle: str) -> None:
     _save(fig, out)
 
 
-def _dataplane_stages(ax, layers: dict, stages: dict) -> None:
-    """Stacked: where a cluster's decode layer goes (main's stats), beside one process's experts call."""
+def _dataplane_stages(ax, layers: dict, stages: dict, floor: dict | None = None) -> None:
+    """Stacked: where a cluster's decode layer goes (main's stats), beside one process's experts call
+    and, when measured, the floor with real compute (the same exchange with no odmoe code on it)."""
     rows = {"one process:\nexperts call": {"experts call": layers["reference_experts_us_per_layer"]}}
+    if floor:
+        rows["floor: real compute,\nno odmoe code"] = {
+            "echo: compute": floor["compute_us"],
+            "wire, wake-ups (raw sends, no codec)": floor["median"] - floor["compute_us"],
+        }
     for system, st in stages.items():
         compute = layers["worker_compute_us_per_expert"][system]
         rows[f"cluster,\n{system.replace('_', ' ')}"] = {
