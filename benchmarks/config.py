@@ -292,9 +292,9 @@ class DataplaneSuite:
     # compute time per expert), main busy this long before each (its own layer work); 0 rounds: off
     fanout_rounds: int = 2000
     fanout_gap_us: float = 250.0
-    # the floor again with each echo computing a real expert of the model's shape (random weights,
-    # the layer's experts in turn) instead of spinning: what the wire and a compute in a process
-    # just woken cost, with no odmoe code on the path
+    # the floor again with real work on both sides and still no odmoe code on the path: each echo
+    # computes the model's experts (the workers' expert_forward, the layer's experts in turn) and
+    # this process applies main's own weights between rounds instead of spinning
     floor_with_experts: bool = True
     # the raw round trip again with this much idle before each (as a decode layer's calls are spaced
     # by main's own work): what the wire costs a process that slept in between; 0: not measured

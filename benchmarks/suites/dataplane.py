@@ -285,16 +285,18 @@ def measure_fanout(
     main_work=busy,
 ) -> dict:
     """µs from the first send to the last answer of `calls` raw messages dealt round-robin over
-    `echoes` echo processes that each stay busy `spin_us` per message (or, with `expert`, compute one
-    of those experts on the row); this process busy `fanout_gap_us` before each round, as main
-    is with its own layer work (median of the rounds)."""
-    ends, computed = [], []
+    `echoes` echo processes that each stay busy `spin_us` per message (or, with `expert` and
+    `spin_us` 0, compute one of those experts on the row); this process busy `fanout_gap_us`
+    before each round (`main_work(seconds)`: a spin, or MainWork), as main is with its own layer
+    work (median of the rounds)."""
+    ends = []
+    # with the workers spread (worker i on CPU i, as LocalCluster places them), echo i sits there too
+    cpus = sorted(os.sched_getaffinity(0)) if suite.spread and not pinning else []
     try:
         for i in range(echoes):
-            # with the workers spread (each on CPU i), each echo on the CPU its worker had
-            cpus = sorted(os.sched_getaffinity(0))
-            cpu = cpus[i % len(cpus)] if suite.spread and not pinning else None
-            ends.append(_echo("raw", "plain", pinning, 0.0 if expert else spin_us, expert, cpu))
+            ends.append(
+                _echo("raw", "plain", pinning, spin_us, expert, cpus[i % len(cpus)] if cpus else None)
+            )
         message, tensors = _message(row)
         fixed = [bytes(f) for f in to_frames(message, tensors)]
         poller = zmq.Poller()
@@ -323,7 +325,7 @@ def measure_fanout(
         "gap_us": suite.fanout_gap_us,
     }
     if expert is not None:  # what a call's compute took in the echoes (their medians' median)
-        out.update(spin_us=0.0, expert=dataclasses.asdict(expert), compute_us=statistics.median(computed))
+        out.update(expert=dataclasses.asdict(expert), compute_us=statistics.median(computed))
     return out
 
 
