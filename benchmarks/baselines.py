@@ -37,6 +37,7 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.device_slots import device_peak_bytes
 from odmoe.expert_math import combine, expert_forward, split_by_expert
 from odmoe.expert_store import DeviceSlots, ExpertKey, ExpertStore, Link, Slot
+from odmoe.load_dtypes import expert_dtype
 from odmoe.main_model import build_main_model, resolve_dtype
 from odmoe.memory import peak_rss_bytes
 
@@ -161,7 +162,10 @@ def build(
     ckpt = Checkpoint(path)
     main = build_main_model(ckpt, resolve_dtype(dtype, ckpt), device)
     store = ExpertStore.build(
-        ckpt, ckpt.moe_layers, main.dtype, pin_memory=torch.device(device).type == "cuda"
+        ckpt,
+        ckpt.moe_layers,
+        expert_dtype(ckpt.config, main.dtype),
+        pin_memory=torch.device(device).type == "cuda",
     )
     lru = LruExperts(
         store,

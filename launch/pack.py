@@ -22,6 +22,7 @@ from odmoe.checkpoint import Checkpoint, CheckpointError
 from odmoe.compressed_tensor import DEFAULT_CHUNK_ELEMS, DEFAULT_LEVEL, decompress
 from odmoe.expert_pack import PACK_DIR, ExpertPack, PackError, dtype_name, write_pack
 from odmoe.families import UnsupportedModelError
+from odmoe.load_dtypes import expert_dtype
 from odmoe.main_model import resolve_dtype
 
 KINDS = ("gate_up", "down")
@@ -75,7 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         checkpoint = Checkpoint(args.model)
-        dtypes = [resolve_dtype(name, checkpoint) for name in (args.dtype or ["auto"])]
+        # Packed at the dtype the experts load in (from_pretrained's rule, not always --dtype's).
+        asked = [resolve_dtype(name, checkpoint) for name in (args.dtype or ["auto"])]
+        dtypes = [expert_dtype(checkpoint.config, dtype) for dtype in asked]
     except (CheckpointError, UnsupportedModelError, ValueError) as exc:
         print(f"odmoe-pack: {exc}", file=sys.stderr)
         return 2

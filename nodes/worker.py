@@ -49,6 +49,7 @@ from odmoe.expert_math import KERNELS, expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
 from odmoe.faults import FaultTrigger
 from odmoe.hedging import hedge_rank
+from odmoe.load_dtypes import expert_dtype
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import parse_bytes, peak_rss_bytes
 from odmoe.messages import (
@@ -92,7 +93,8 @@ class WorkerNode:
         self.topology = cfg.topology
         checkpoint = Checkpoint(model_path)
         self.hidden_act = checkpoint.config.hidden_act
-        dtype = resolve_dtype(cfg.model.dtype, checkpoint)
+        # The experts' dtype as from_pretrained would load them (not always model.dtype: load_dtypes).
+        dtype = expert_dtype(checkpoint.config, resolve_dtype(cfg.model.dtype, checkpoint))
         layers = checkpoint.moe_layers
         layers = self.topology.stored_layers(self.index, layers)
         start = time.perf_counter()

@@ -11,8 +11,8 @@ Every family odmoe serves computes its routed experts through transformers' expe
 DeepSeek-V2/V3 included, so the router's output (DeepSeek: float32 weights, already normalised
 and multiplied by `routed_scaling_factor` inside the router) reaches the remote call exactly as it
 would reach transformers' kernel. Persistent buffers (DeepSeek-V3's `e_score_correction_bias`) are
-loaded like parameters, and tensors transformers keeps in fp32 (`_keep_in_fp32_modules[_strict]`)
-stay fp32 whatever `dtype` is, as `from_pretrained` does.
+loaded like parameters, and every tensor takes the dtype `from_pretrained(dtype=...)` would give it,
+read from the model class by `load_dtypes` (DeepSeek's router weight stays float32 at bf16).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from odmoe.checkpoint import Checkpoint, CheckpointError
+from odmoe.load_dtypes import loaded_dtypes
 
 REMOTE = "odmoe_remote"
 
@@ -105,15 +106,15 @@ def build_main_model(
     missing = sorted(needed - state.keys())
     if missing:
         raise CheckpointError(f"{checkpoint.path} lacks tensors main needs: {missing[:5]}")
-    keep_fp32 = _keep_in_fp32(model)
+    dtype_of = loaded_dtypes(model, dtype)
     for key in sorted(needed):
-        _set_parameter(model, key, state[key].to(device, torch.float32 if keep_fp32(key) else dtype))
+        _set_parameter(model, key, state[key].to(device, dtype_of(key)))
     # Persistent buffers saved with the weights (DeepSeek-V3's router `e_score_correction_bias`)
     # are real tensors already (zeros); put the checkpoint's in, in the dtype from_pretrained gives them.
     for key, buffer in list(model.named_buffers()):
         owner_name, _, attr = key.rpartition(".")
         if key in state:
-            value = state[key].to(device, torch.float32 if keep_fp32(key) else dtype)
+            value = state[key].to(device, dtype_of(key))
             setattr(model.get_submodule(owner_name), attr, value)
         elif buffer.device != device and buffer.device.type != "meta":  # rotary inv_freq, computed on CPU
             setattr(model.get_submodule(owner_name), attr, buffer.to(device))
@@ -122,13 +123,6 @@ def build_main_model(
     model.set_experts_implementation(REMOTE)
     model.eval()
     return MainModel(model=model, kernel=kernel, moe_layers=checkpoint.moe_layers, dtype=dtype, device=device)
-
-
-def _keep_in_fp32(model: PreTrainedModel) -> Callable[[str], bool]:
-    """Whether from_pretrained keeps this tensor in fp32 whatever the dtype asked for
-    (`_keep_in_fp32_modules[_strict]`, e.g. DeepSeek-V3's `e_score_correction_bias`)."""
-    names = [*(model._keep_in_fp32_modules or []), *(model._keep_in_fp32_modules_strict or [])]
-    return lambda key: any(name in key.split(".") for name in names)
 
 
 def _set_parameter(model: torch.nn.Module, key: str, value: torch.Tensor) -> None:

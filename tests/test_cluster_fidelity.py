@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
-from tests.conftest import cluster_families
+from tests.conftest import FAMILY_NAMES, cluster_families
 
 PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    ", "    return sorted(items, key="]
 NEW_TOKENS = 32
@@ -87,6 +87,26 @@ def test_bf16_and_token_id_prompts(model_dirs, reap_children):
         got = cluster.client.generate(prompt_ids, max_new_tokens=NEW_TOKENS, return_logits=True)
         assert got.token_ids == want_ids
         assert torch.allclose(got.final_logits, want_logits, rtol=0, atol=1e-5)
+
+
+# A prompt longer than one prefill mini-batch, so batched prefill runs at bf16 too.
+LONG_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    for name in sorted(os.listdir(argv[1])):\n"
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_bf16_cluster_with_bf16_shadow_every_family(family, model_dirs, reap_children):
+    """Issue 27: at bf16 every family's tokens (decode with a bf16 shadow predicting, and batched
+    prefill) equal transformers' at bf16, DeepSeek's float32 routers included."""
+    path = model_dirs[family]
+    overrides = ["model.dtype=bfloat16", "shadow.precision=bf16", "prefill.mini_batch=4"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=overrides) as cluster:
+        for prompt in [*PROMPTS, LONG_PROMPT]:
+            want_ids, want_logits = reference(path, prompt, dtype=torch.bfloat16, new_tokens=16)
+            got = cluster.client.generate(prompt, max_new_tokens=16, return_logits=True)
+            assert got.token_ids == want_ids, f"{family} bf16 diverged on {prompt!r}"
+            assert torch.equal(got.final_logits, want_logits)
+            assert (got.stats["recall"]["overall"] or 0) > 0, "the shadow predicted nothing in time"
 
 
 def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap_children):
