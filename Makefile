@@ -1,5 +1,5 @@
 PY ?= python
-.PHONY: help install proto proto-check lint test test-all cluster bench
+.PHONY: help install proto proto-check lint test test-all test-newest cluster bench
 SUITE ?= quick
 
 help:  ## list targets
@@ -23,6 +23,9 @@ test:  ## the default test suite (what CI runs)
 
 test-all:  ## everything, slow soak tests included
 	$(PY) -m pytest -m ""
+
+test-newest:  ## the tests against the newest versions pyproject's ranges allow, in a new venv (ARGS: pytest args)
+	.ci/test-newest $(ARGS)
 
 cluster:  ## a whole local cluster answering one prompt on the demo model (trained on first use)
 	odmoe-launch role=local
