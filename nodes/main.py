@@ -7,14 +7,15 @@ announce readiness, serve until SIGINT/SIGTERM.
 Two front doors, one queue: the gRPC API (odmoe.Client) and the OpenAI-compatible HTTP API
 (`odmoe/http_api.py`, `server.http`) both validate a request on the thread that receives it (bad
 input fails at once: INVALID_ARGUMENT / 400) and put it in the bounded `RequestQueue` (full:
-RESOURCE_EXHAUSTED / 429); a single engine thread serves requests in arrival order, because the
-workers' device slots and the ZeroMQ sockets are shared by every request. Each request has a
-deadline (`server.request_timeout_s`, or less if it asks) counted from its arrival.
+RESOURCE_EXHAUSTED / 429); a single engine thread runs them, up to `server.max_running` together
+(continuous batching, `odmoe/engine.py`: each request's tokens exactly those it gets alone), in
+arrival order, because the ZeroMQ sockets are its alone. Each request has a deadline
+(`server.request_timeout_s`, or less if it asks) counted from its arrival.
 
-Failover: the engine thread also keeps the membership (between requests and every
-`IDLE_MAINTAIN_S` while idle): lost workers are probed, announced ones (gRPC `Join`) checked and
-taken back, a re-announced shadow reconnected. A request whose client has gone (cancelled or
-disconnected) stops within one decode iteration, or is skipped if it had not started. A standby
+Failover: the engine thread also keeps the membership (between decode iterations and every
+`odmoe.engine.IDLE_WAIT_S` while idle): lost workers are probed, announced ones (gRPC `Join`)
+checked and taken back, a re-announced shadow reconnected. A request whose client has gone
+(cancelled or disconnected) stops at the next iteration boundary, or is skipped if not started. A standby
 main is just another main started with the same config: clients fail over to it and resume.
 
 Security (odmoe/security.py, on by default): gRPC is served over TLS and every call, Join and
@@ -42,12 +43,13 @@ from transformers import AutoTokenizer
 from odmoe.alignment import make_plan
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
-from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, MainEngine, TokenEvent
+from odmoe.engine import Batching, DoneEvent, GenerateRequest, InvalidRequest, MainEngine
 from odmoe.faults import FaultTrigger
 from odmoe.heartbeat import Heartbeat
 from odmoe.http_api import start_http
 from odmoe.main_model import build_main_model, resolve_dtype
 from odmoe.membership import Membership
+from odmoe.memory import parse_bytes
 from odmoe.metrics import ServerMetrics
 from odmoe.nodes.ready import announce_ready
 from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
@@ -60,7 +62,6 @@ from odmoe.substitution import Substituter
 from odmoe.trace import Tracer
 
 log = logging.getLogger("odmoe.main")
-IDLE_MAINTAIN_S = 0.2
 ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
 # Clients' keepalive pings (how they notice a frozen main) must be allowed, however often they come.
 SERVER_OPTIONS = [
@@ -130,11 +131,22 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.heartbeat = heartbeat
         # a random or speculative shadow is paced by main: it hears of every iteration
         pace = cfg.shadow.mode == "random" or cfg.alignment.mode == "speculative"
-        self.engine = MainEngine(
-            main, tokenizer, self.experts, lambda: make_plan(cfg.alignment), pace_shadow=pace
-        )
         self.requests = RequestQueue(cfg.server.max_waiting, cfg.server.request_timeout_s)
         self.metrics = ServerMetrics(self.requests)
+        batching = Batching(
+            max_running=cfg.server.max_running,
+            kv_cache_bytes=parse_bytes(cfg.server.kv_cache_memory),
+            chunk_tokens=cfg.prefill.chunk_tokens,
+        )
+        self.engine = MainEngine(
+            main,
+            tokenizer,
+            self.experts,
+            lambda: make_plan(cfg.alignment),
+            pace_shadow=pace,
+            batching=batching,
+            observer=self.metrics,
+        )
         self.model_name = cfg.server.model_name or Path(model_path).name
         self.tokenizer = tokenizer
         self.context_length = self.engine.max_positions
@@ -144,41 +156,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
     # -- the engine thread -------------------------------------------------------------------
     def run_engine(self) -> None:
         self.engine_started.set()
-        while not self.stopped.is_set():
-            ticket = self.requests.take(timeout=IDLE_MAINTAIN_S)  # cancelled or expired ones are skipped
-            self._maintain()
-            if ticket is not None:
-                try:
-                    self._serve(ticket)
-                finally:
-                    self.requests.done(ticket)
-
-    def _serve(self, ticket: Ticket) -> None:
-        request = ticket.request
-        events = self.engine.generate(request)
-        try:
-            for event in events:
-                if isinstance(event, TokenEvent):
-                    self.metrics.token(ticket)
-                else:
-                    self.metrics.finished(ticket, event.stats)
-                ticket.put(event)
-                if isinstance(event, DoneEvent):
-                    break
-                if ticket.cancelled.is_set():  # its client went away: stop within this iteration
-                    log.info("request %s cancelled by its client", request.request_id)
-                    self.metrics.ended(ticket, "cancelled")
-                    break
-                if ticket.expired():
-                    ticket.put(DeadlineExceeded(f"request {request.request_id} ran past its deadline"))
-                    self.metrics.ended(ticket, "deadline")
-                    break
-        except Exception as exc:  # reported to that client; the engine serves the next request
-            log.exception("request %s failed", request.request_id)
-            self.metrics.ended(ticket, "error")
-            ticket.put(exc)
-        finally:
-            events.close()  # a cancelled request's shadow and worker state go now
+        self.engine.serve(self.requests, self.stopped.is_set, between_ticks=self._maintain)
 
     # -- what both front doors call ----------------------------------------------------------
     def submit(self, request: GenerateRequest, timeout_s: float | None = None) -> Ticket:

@@ -2,17 +2,25 @@
 choices as predictions (OD-MoE "scaled emulative prediction", paper §3.2).
 
 Lifecycle: load the model at `shadow.precision`, bind a PULL socket (main's Begin/Align/End) and a
-PUB socket (predictions), announce readiness, then serve requests one after another:
+PUB socket (predictions), announce readiness, then serve every request main runs (several at once
+when main batches them, `odmoe.engine`):
   1) Begin: prefill its own cache from the prompt (no predictions: prefill spreads every expert);
-  2) each decode iteration n, `alignment.mode=wait` (the paper's): wait for main's alignment where
-     main said it would send one (the wait is the late departure), take main's token and/or overwrite
-     its newest K/V rows with main's, run the forward pass. `alignment.mode=speculative`: never wait
-     for alignment; run on from its own token and let main's reports catch up (odmoe.speculation):
-     a token that differs from what it fed rolls the cache back to that iteration, main's K/V rows
-     overwrite its own in place; at most `alignment.max_ahead` iterations ahead of main.
-     Either way a hook on each MoE layer's router publishes (request, n, layer, experts, hedges) the
-     moment the router has run, so later layers' predictions reach workers while main is earlier;
-  3) End (or a new Begin) stops it. A shadow that is wrong or late never changes main's output.
+  2) each decode iteration n of each request, `alignment.mode=wait` (the paper's): wait for main's
+     alignment where main said it would send one (the wait is the late departure), take main's
+     token and/or overwrite its newest K/V rows with main's, run the forward pass.
+     `alignment.mode=speculative`: never wait for alignment; run on from its own token and let
+     main's reports catch up (odmoe.speculation): a token that differs from what it fed rolls the
+     cache back to that iteration, main's K/V rows overwrite its own in place; at most
+     `alignment.max_ahead` iterations ahead of main;
+  3) End stops it. A shadow that is wrong or late never changes main's output.
+
+Several requests: iteration n of a request runs in main's tick `first_tick + n - 1` (its Begin
+says). The shadow steps every request due at the same tick together, one forward pass each in its
+own cache, interleaved at the routers (`odmoe.lockstep`): once each has chosen its experts for a
+layer it publishes one prediction for (stream, tick, layer), the union of their choices with each
+request's own listed, so the workers preload each expert once, and main counts recall per request.
+A request behind the others (just begun, rolled back) catches up alone, and the union for the ticks
+it re-runs is published again (a later prediction for a step supersedes the earlier one).
 
 `shadow.mode=random` publishes uniformly random experts instead (ablation case 5) and loads no model.
 
@@ -29,6 +37,7 @@ from __future__ import annotations
 import logging
 import random
 import time
+from dataclasses import dataclass, field
 
 import torch
 import zmq
@@ -45,6 +54,7 @@ from odmoe.families import family_of
 from odmoe.faults import FaultTrigger
 from odmoe.hedging import GroupLimit, shadow_hedges
 from odmoe.kv_rows import overwrite_newest_rows, overwrite_rows
+from odmoe.lockstep import Failed, Finished, Lockstep, Parked, park
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
     Align,
@@ -78,8 +88,48 @@ def topic(group: int) -> bytes:
     return f"g{group}".encode()
 
 
-class Interrupted(Exception):
-    """main ended this request, or began another, while the shadow was still on it."""
+@dataclass
+class _Run:
+    """One request at the shadow: its cache, the token it goes on from, how it aligns."""
+
+    begin: BeginRequest
+    cache: DynamicCache | None
+    own_token: int
+    next_wait: int  # wait mode: the next iteration main will align
+    spec: Speculation | None = None  # speculative mode
+    next_iteration: int = 1  # wait mode (speculative: spec.next_iteration)
+    aligns: dict[int, tuple[Align, list[torch.Tensor]]] = field(default_factory=dict)  # wait mode
+    rows: list = field(default_factory=list)  # speculative: main's K/V rows not placed yet
+    forward_s: float = 0.0
+    idle_since_us: float = 0.0  # when it last had to wait for main (alignment_wait_s)
+
+    @property
+    def request(self) -> str:
+        return self.begin.request
+
+    @property
+    def iteration(self) -> int:
+        return self.spec.next_iteration if self.spec is not None else self.next_iteration
+
+    @property
+    def tick(self) -> int:
+        """Main's tick of this request's next iteration."""
+        return self.begin.first_tick + self.iteration - 1
+
+    @property
+    def over(self) -> bool:
+        return self.iteration >= self.begin.max_new_tokens
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """What one request's router chose at one layer (a task parks with it)."""
+
+    layer: int
+    experts: list[int]
+    candidates: list[int]
+    probs: list[float]
+    hedges: list[int]
 
 
 class ShadowNode:
@@ -128,10 +178,14 @@ class ShadowNode:
             pub_port = self.pub.bind_to_random_port(f"tcp://{host}")
         self.address, self.pub_address = f"tcp://{host}:{port}", f"tcp://{host}:{pub_port}"
         self.rng = random.Random(self.scfg.seed)
-        self.step = ("", 0)  # (request, iteration) the router hooks label predictions with
+        self.runs: dict[str, _Run] = {}  # the requests main runs, in the order they began
+        self.stream = ""  # main's decode stream (the busy period's name)
+        # (tick, layer) -> request -> its choice: what the union published for that step is made of
+        self.choices: dict[tuple[int, int], dict[str, _Choice]] = {}
+        self.tasks = Lockstep()
+        self._running: _Run | None = None  # the request whose forward pass runs (the router hooks')
         self.tracer = Tracer("shadow", cfg.trace_dir)
         self._layer_since_us = 0.0  # when the current layer's computation began (timeline only)
-        self.pending: list = []  # control messages read ahead while waiting
         self.main_addresses = cfg.cluster.main_addresses
         self.where = cfg.cluster.where
         self.fault = FaultTrigger(cfg.fault, "shadow")
@@ -150,47 +204,57 @@ class ShadowNode:
             router.register_forward_hook(self._make_hook(layer, group_limit(router)))
 
     def _make_hook(self, layer: int, limit: GroupLimit | None):
-        """The router hook that publishes layer `layer`'s prediction (`limit`: the router's expert
-        groups, where it picks only from some: group hedges need them)."""
+        """The router hook: this request's choice at `layer` (`limit`: the router's expert groups,
+        where it picks only from some: group hedges need them), handed to the driver, which
+        publishes once every request of the tick has chosen."""
 
         def hook(module, _inputs, output):
-            request, iteration = self.step
-            if iteration < 1:
+            run = self._running
+            if run is None or run.iteration < 1:
                 return  # prefill: nothing to predict
-            self.fault.at(request, iteration, layer)
+            self.fault.at(run.request, run.iteration, layer)
             unmasked = unmasked_choice_scores(module, output[0][-1])  # the newest token's, [E]
             scores = mask_groups(unmasked, limit)  # what the router ranks by: its choice_scores
             probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
-            experts = output[2][-1].tolist()
+            experts = self._inject(output[2][-1].tolist())
             candidates, probs = candidates.tolist(), probs.tolist()
             margin = self.scfg.hedge_margin
             every = unmasked.tolist() if limit and margin > 0 else None  # group hedges rank groups by it
             hedges = shadow_hedges(candidates, probs, self.top_k, margin, every, limit)
-            self.publish(layer, iteration, request, experts, candidates, probs, hedges)
-            if self.tracer.enabled:
-                now = now_us()
-                self.tracer.span(
-                    "shadow", f"L{layer}", self._layer_since_us, now, iteration=iteration, experts=experts
-                )
-                self._layer_since_us = now
+            park(_Choice(layer, experts, candidates, probs, [h for h in hedges if h not in experts]))
+            self._running = run
 
         return hook
 
-    def publish(
-        self,
-        layer: int,
-        iteration: int,
-        request: str,
-        experts: list[int],
-        candidates: list[int],
-        probs: list[float],
-        hedges: list[int] = (),
-    ) -> None:
-        experts = self._inject(experts)
-        hedges = [h for h in hedges if h not in experts]
-        message = Prediction(Step(request, iteration, layer), experts, candidates, probs, hedges)
-        frames = to_frames(message)
-        self.pub.send_multipart([topic(self.topology.group_of_layer(layer)), *frames])
+    def _choose(self, tick: int, layer: int, request: str, choice: _Choice) -> None:
+        self.choices.setdefault((tick, layer), {})[request] = choice
+
+    def publish(self, tick: int, layer: int) -> None:
+        """The union of every request's choice at (tick, layer), each request's own listed."""
+        chosen = self.choices.get((tick, layer), {})
+        if not chosen:
+            return
+        experts: list[int] = []
+        for choice in chosen.values():  # the first request's in its router's order, then the others'
+            experts += [e for e in choice.experts if e not in experts]
+        hedges = sorted({h for c in chosen.values() for h in c.hedges} - set(experts))
+        first = next(iter(chosen.values()))
+        message = Prediction(
+            Step(self.stream, tick, layer),
+            experts,
+            first.candidates,
+            first.probs,
+            hedges,
+            requests=list(chosen),
+            request_experts=[c.experts for c in chosen.values()],
+        )
+        self.pub.send_multipart([topic(self.topology.group_of_layer(layer)), *to_frames(message)])
+        if self.tracer.enabled:
+            now = now_us()
+            self.tracer.span(
+                "shadow", f"L{layer}", self._layer_since_us, now, iteration=tick, experts=experts
+            )
+            self._layer_since_us = now
 
     def _inject(self, experts: list[int]) -> list[int]:
         """Fault injection: replace each predicted expert, with probability inject_wrong, by a wrong one."""
@@ -207,8 +271,6 @@ class ShadowNode:
     # -- control -----------------------------------------------------------------------------
     def _next_control(self, block: bool):
         """The next control message (Begin / Align / End); frames that are not one are dropped."""
-        if self.pending:
-            return self.pending.pop(0)
         while block or self.control.poll(0):
             try:
                 message, tensors = from_frames(self.control.recv_multipart(copy=False))
@@ -220,28 +282,82 @@ class ShadowNode:
             self.dropped.drop(f"{message.kind} is not a control message")
         return None
 
-    def _await_align(self, request: str, iteration: int) -> tuple[Align, list[torch.Tensor]]:
-        while True:
-            message, tensors = self._next_control(block=True)
-            if isinstance(message, Align) and message.request == request:
-                if message.iteration == iteration:
-                    return message, tensors
-                if message.iteration > iteration:  # main is ahead of us: keep it for later
-                    self.pending.insert(0, (message, tensors))
-                    raise Interrupted
-                continue
-            if isinstance(message, BeginRequest | EndRequest):
-                self.pending.insert(0, (message, tensors))
-                raise Interrupted
+    def _take_control(self, block: bool) -> None:
+        """Read main's messages (waiting for one when `block`) and apply each to its request."""
+        item = self._next_control(block)
+        while item is not None:
+            message, tensors = item
+            try:
+                if isinstance(message, BeginRequest):
+                    self._begin(message)
+                elif isinstance(message, EndRequest):
+                    self._end(message.request)
+                elif message.request in self.runs:
+                    self._align(self.runs[message.request], message, tensors)
+            except Exception as exc:  # a bad Begin or Align: abandon that request, keep serving
+                request = getattr(message, "request", "")
+                self.dropped.drop(f"request {request!r:.40} abandoned: {type(exc).__name__}: {exc}")
+                self.runs.pop(request, None)
+            item = self._next_control(False)
 
-    def _check_interrupt(self, request: str) -> None:
-        item = self._next_control(block=False)
-        if item is None:
+    def _begin(self, begin: BeginRequest) -> None:
+        self._check_begin(begin)
+        stream = begin.stream or begin.request
+        if stream != self.stream:  # main's new busy period: what was kept for the old one is no use
+            self.stream, self.choices = stream, {}
+            for request in list(self.runs):
+                self._end(request)
+        begin = BeginRequest(begin.request, begin.prompt_ids, begin.max_new_tokens, stream, begin.first_tick)
+        cache, own = None, -1
+        if self.model is not None:  # 1) its own prefill (nothing to predict)
+            cache = DynamicCache(config=self.model.config)
+            ids = torch.tensor([begin.prompt_ids], device=self.scfg.device)
+            self._running = None
+            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            own = int(out.logits[0, -1].argmax())
+        spec = None
+        if self.alignment.mode == "speculative" and self.model is not None:
+            spec = Speculation(len(begin.prompt_ids), self.alignment.max_ahead)
+        self.runs[begin.request] = _Run(begin, cache, own, self.first_wait, spec)
+
+    def _end(self, request: str) -> None:
+        """Main is done with it: every prediction for it went out before this word (in order)."""
+        self.runs.pop(request, None)
+        for chosen in self.choices.values():
+            chosen.pop(request, None)
+        self.pub.send_multipart([b"main", *to_frames(ShadowEnded(request))])
+
+    def _align(self, run: _Run, align: Align, tensors: list[torch.Tensor]) -> None:
+        if run.cache is None:  # random mode: an Align only paces it
+            run.aligns[align.iteration] = (align, [])
             return
-        if isinstance(item[0], BeginRequest | EndRequest):
-            self.pending.insert(0, item)
-            raise Interrupted
-        self.pending.append(item)  # an Align for a later iteration
+        if align.kv:
+            self._check_rows(tensors, run.cache)
+        if run.spec is None:  # wait mode (or random): kept for the iteration it is for
+            if align.iteration >= run.next_iteration:
+                run.aligns[align.iteration] = (align, tensors)
+            return
+        spec = run.spec
+        if align.kv:
+            start, end = spec.rows_span(align.iteration, tensors[0].shape[2])
+            if start < 0:
+                raise ValueError(f"an Align's {end - start} K/V rows do not fit its iteration")
+            run.rows.append((start, end, tensors[0], tensors[1]))
+        back = spec.on_main(align.iteration, align.token)
+        if back is not None:
+            run.cache.crop(spec.keep_length(back) - run.cache.get_seq_length())
+            spec.roll_back(back)
+            log.debug("request %s: main's token differs at iteration %d: rolled back", run.request, back)
+        self._place_rows(run.cache, run.rows)
+
+    def _runnable(self, run: _Run) -> bool:
+        if run.over:
+            return False
+        if run.spec is not None:
+            return run.spec.may_run()
+        if self.model is None:  # random: paced by main, one Align per iteration
+            return run.next_iteration in run.aligns
+        return run.next_iteration != run.next_wait or run.next_iteration in run.aligns
 
     # -- the loop ----------------------------------------------------------------------------
     def serve(self, ready_file: str | None = None) -> None:
@@ -263,22 +379,16 @@ class ShadowNode:
         log.info(
             "shadow (%s) serving: control %s, predictions %s", self.scfg.mode, self.address, self.pub_address
         )
-        while True:
-            message, _ = self._next_control(block=True)
-            if isinstance(message, BeginRequest):
-                try:
-                    self._check_begin(message)
-                    self.run_request(message)
-                except Interrupted:
-                    pass
-                except Exception as exc:  # a bad Begin or Align: abandon that request, keep serving
-                    self.dropped.drop(
-                        f"request {message.request!r:.40} abandoned: {type(exc).__name__}: {exc}"
-                    )
-                self.step = ("", 0)
-                self.tracer.flush()
-            elif isinstance(message, EndRequest):  # after its request's last prediction, in order
-                self.pub.send_multipart([b"main", *to_frames(ShadowEnded(message.request))])
+        with torch.inference_mode():  # every cache is made, cropped and overwritten under it
+            while True:
+                runnable = [r for r in self.runs.values() if self._runnable(r)]
+                self._take_control(block=not runnable)
+                runnable = [r for r in self.runs.values() if self._runnable(r)]
+                if not runnable:
+                    self.tracer.flush()
+                    continue
+                tick = min(r.tick for r in runnable)
+                self.run_tick(tick, [r for r in runnable if r.tick == tick])
 
     def _check_begin(self, begin: BeginRequest) -> None:
         ids = begin.prompt_ids
@@ -288,114 +398,132 @@ class ShadowNode:
             self.max_positions and len(ids) + begin.max_new_tokens > self.max_positions
         ):
             raise ValueError(f"max_new_tokens={begin.max_new_tokens} does not fit the context")
+        if begin.first_tick < 1:
+            raise ValueError(f"first_tick={begin.first_tick} is before the first decode tick")
 
-    @torch.inference_mode()
-    def run_request(self, begin: BeginRequest) -> None:
-        request = begin.request
+    def run_tick(self, tick: int, runs: list[_Run]) -> None:
+        """2) One iteration of every request in `runs` (all due at `tick`), their routers in step."""
+        tokens = {}
+        for run in runs:
+            tokens[run.request] = self._depart(run)
+        self._layer_since_us = now_us()
         if self.model is None:
-            return self.run_random(begin)
-        cache = DynamicCache(config=self.model.config)
-        self.step = (request, 0)
-        ids = torch.tensor([begin.prompt_ids], device=self.scfg.device)
-        logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits
-        own_token = int(logits[0, -1].argmax())
-        if self.alignment.mode == "speculative":
-            return self.run_speculative(begin, cache, own_token)
-        forward_s, next_wait = 0.0, self.first_wait
-        for iteration in range(1, begin.max_new_tokens):
-            waited_us = now_us()
-            token, main_started_us, received_us = own_token, 0.0, waited_us
-            if iteration == next_wait:
-                align, tensors = self._await_align(request, iteration)
-                received_us, main_started_us = now_us(), align.sent_at_us
-                next_wait = align.next_align if align.next_align > iteration else 0
+            self._run_random(tick, runs)
+            return
+        parked: dict[str, _Choice] = {}
+        for run in runs:
+            start = time.perf_counter()
+            self._running = run
+            self._settle(
+                run, self.tasks.start(run.request, self._forward, tokens[run.request], run), parked, tick
+            )
+            run.forward_s += time.perf_counter() - start
+        while parked:
+            layer = min(c.layer for c in parked.values())
+            group = [k for k, c in parked.items() if c.layer == layer]
+            for request in group:
+                self._choose(tick, layer, request, parked.pop(request))
+            self.publish(tick, layer)
+            for request in group:
+                run = self.runs.get(request)
+                start = time.perf_counter()
+                self._running = run
+                self._settle(run, self.tasks.resume(request), parked, tick)
+                if run is not None:
+                    run.forward_s += time.perf_counter() - start
+        self._running = None
+        self._forget_before(tick)
+
+    def _forget_before(self, tick: int) -> None:
+        """Choices of ticks no request can run again (a rollback goes back at most max_ahead + 1)."""
+        oldest = min((r.tick for r in self.runs.values()), default=tick) - self.alignment.max_ahead - 2
+        for key in [k for k in self.choices if k[0] < oldest]:
+            del self.choices[key]
+
+    def _settle(self, run: _Run, outcome, parked: dict[str, _Choice], tick: int) -> None:
+        if isinstance(outcome, Parked):
+            parked[outcome.key] = outcome.payload
+        elif isinstance(outcome, Finished):
+            self._ran(run, outcome.value)
+        elif isinstance(outcome, Failed):
+            self.dropped.drop(
+                f"request {outcome.key!r:.40} abandoned: {type(outcome.error).__name__}: {outcome.error}"
+            )
+            self.runs.pop(outcome.key, None)
+
+    def _depart(self, run: _Run) -> int:
+        """Before a request's iteration: its alignment (wait mode: the token and/or K/V rows main
+        sent for it), its ShadowIteration report; the token it feeds."""
+        iteration = run.iteration
+        token, main_started_us = run.own_token, 0.0
+        if run.spec is not None:
+            self._place_rows(run.cache, run.rows)
+            token = run.spec.token_for(run.own_token)
+        else:
+            aligned = run.aligns.pop(iteration, None)
+            run.aligns = {n: a for n, a in run.aligns.items() if n > iteration}
+            if aligned is not None:
+                align, tensors = aligned
+                main_started_us = align.sent_at_us
+                run.next_wait = align.next_align if align.next_align > iteration else 0
                 if align.token >= 0:
                     token = align.token
-                if align.kv:
-                    self._check_rows(tensors, cache)
-                    overwrite_newest_rows(cache, tensors[0], tensors[1])
-            else:
-                self._check_interrupt(request)
-            self.step = (request, iteration)
-            self._layer_since_us = start_us = now_us()
-            # Late departure: how long after main began this iteration the shadow begins it.
-            late_us = max(start_us - main_started_us, 0.0) if main_started_us else 0.0
-            started = ShadowIteration(
-                request,
-                iteration,
-                late_departure_s=late_us / 1e6,
-                alignment_wait_s=(received_us - waited_us) / 1e6,
-                previous_forward_s=forward_s,
-                device_peak_bytes=device_peak_bytes(self.scfg.device),
-            )
-            self.pub.send_multipart([b"main", *to_frames(started)])
-            self.tracer.span("shadow", "waiting for alignment", waited_us, received_us, iteration=iteration)
-            if late_us:
-                self.tracer.span(
-                    "shadow", "late departure", start_us - late_us, start_us, iteration=iteration
+                if align.kv and run.cache is not None:
+                    overwrite_newest_rows(run.cache, tensors[0], tensors[1])
+        start_us = now_us()
+        late_us = max(start_us - main_started_us, 0.0) if main_started_us else 0.0
+        started = ShadowIteration(
+            run.request,
+            iteration,
+            late_departure_s=late_us / 1e6,
+            alignment_wait_s=(start_us - run.idle_since_us) / 1e6 if run.idle_since_us else 0.0,
+            previous_forward_s=run.forward_s,
+            ahead=run.spec.ahead if run.spec is not None else 0,
+            rollbacks=run.spec.rollbacks if run.spec is not None else 0,
+            device_peak_bytes=device_peak_bytes(self.scfg.device),
+        )
+        run.forward_s, run.idle_since_us = 0.0, 0.0
+        self.pub.send_multipart([b"main", *to_frames(started)])
+        if late_us:
+            self.tracer.span("shadow", "late departure", start_us - late_us, start_us, iteration=iteration)
+        return token
+
+    def _forward(self, token: int, run: _Run) -> tuple[int, int]:
+        """One decode step of the shadow's copy for one request (its routers' hooks park with their
+        choices): the token it fed and its own next one."""
+        logits = self.model(
+            input_ids=torch.tensor([[token]], device=self.scfg.device),
+            past_key_values=run.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits
+        own = int(logits[0, -1].argmax())
+        if self.scfg.inject_wrong_token > 0 and self.rng.random() < self.scfg.inject_wrong_token:
+            own = (own + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size  # any other
+        return (token, own)
+
+    def _ran(self, run: _Run, fed_and_own: tuple[int, int]) -> None:
+        fed, own = fed_and_own
+        run.own_token = own
+        if run.spec is not None:
+            run.spec.ran(fed)
+            self._place_rows(run.cache, run.rows)
+        else:
+            run.next_iteration += 1
+        if not self._runnable(run):
+            run.idle_since_us = now_us()  # waiting for main (its alignment, or to fall behind less)
+
+    def _run_random(self, tick: int, runs: list[_Run]) -> None:
+        """Ablation case 5: no model, a random guess per layer and request, paced by main."""
+        for layer in self.moe_layers:
+            for run in runs:
+                experts = self.rng.sample(range(self.num_experts), self.top_k)
+                self._choose(
+                    tick, layer, run.request, _Choice(layer, experts, experts, [0.0] * len(experts), [])
                 )
-            start = time.perf_counter()
-            own_token = self._forward(token, cache)
-            forward_s = time.perf_counter() - start
-
-    def run_speculative(self, begin: BeginRequest, cache: DynamicCache, own_token: int) -> None:
-        """Never wait for alignment: run from own tokens, roll back where main's token differs."""
-        request = begin.request
-        spec = Speculation(len(begin.prompt_ids), self.alignment.max_ahead)
-        rows: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []  # main's K/V rows not yet placed
-        forward_s = 0.0
-        while spec.next_iteration < begin.max_new_tokens:
-            waited_us = now_us()
-            self._take_alignments(request, spec, cache, rows, block=False)
-            while not spec.may_run():  # far enough ahead: wait for main to report progress
-                self._take_alignments(request, spec, cache, rows, block=True)
-            received_us = now_us()
-            token = spec.token_for(own_token)
-            iteration = spec.next_iteration
-            self.step = (request, iteration)
-            self._layer_since_us = now_us()
-            started = ShadowIteration(
-                request,
-                iteration,
-                late_departure_s=0.0,
-                alignment_wait_s=(received_us - waited_us) / 1e6,
-                previous_forward_s=forward_s,
-                ahead=spec.ahead,
-                rollbacks=spec.rollbacks,
-                device_peak_bytes=device_peak_bytes(self.scfg.device),
-            )
-            self.pub.send_multipart([b"main", *to_frames(started)])
-            if received_us - waited_us > 50:
-                self.tracer.span("shadow", "ahead: waiting", waited_us, received_us, iteration=iteration)
-            start = time.perf_counter()
-            own_token = self._forward(token, cache)
-            forward_s = time.perf_counter() - start
-            spec.ran(token)
-            self._place_rows(cache, rows)
-
-    def _take_alignments(self, request: str, spec: Speculation, cache: DynamicCache, rows: list, block: bool):
-        """Read main's reports (waiting for one when `block`): note its tokens, roll back on a
-        mismatch, keep its K/V rows until the cache has their positions."""
-        item = self._next_control(block)
-        while item is not None:
-            message, tensors = item
-            if isinstance(message, BeginRequest | EndRequest):
-                self.pending.insert(0, item)
-                raise Interrupted
-            if isinstance(message, Align) and message.request == request:
-                if message.kv:
-                    self._check_rows(tensors, cache)
-                    start, end = spec.rows_span(message.iteration, tensors[0].shape[2])
-                    if start < 0:
-                        raise ValueError(f"an Align's {end - start} K/V rows do not fit its iteration")
-                    rows.append((start, end, tensors[0], tensors[1]))
-                back = spec.on_main(message.iteration, message.token)
-                if back is not None:
-                    cache.crop(spec.keep_length(back) - cache.get_seq_length())
-                    spec.roll_back(back)
-                    log.debug("request %s: main's token differs at iteration %d: rolled back", request, back)
-            item = self._next_control(False)
-        self._place_rows(cache, rows)
+            self.publish(tick, layer)
+        for run in runs:
+            run.next_iteration += 1
 
     @staticmethod
     def _place_rows(cache: DynamicCache, rows: list) -> None:
@@ -406,26 +534,7 @@ class ShadowNode:
             rows.remove(item)
 
     def _check_rows(self, tensors: list[torch.Tensor], cache: DynamicCache) -> None:
+        if cache is None:
+            raise ValueError("K/V rows for a shadow without a model")
         if len(tensors) != 2 or any(t.dim() != 4 or t.shape[0] != len(cache.layers) for t in tensors):
             raise ValueError("an Align's K/V rows do not fit the cache")
-
-    def _forward(self, token: int, cache: DynamicCache) -> int:
-        """One decode step of the shadow's copy (its routers' hooks publish); its own next token."""
-        logits = self.model(
-            input_ids=torch.tensor([[token]], device=self.scfg.device),
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits
-        token = int(logits[0, -1].argmax())
-        if self.scfg.inject_wrong_token > 0 and self.rng.random() < self.scfg.inject_wrong_token:
-            token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size  # any other
-        return token
-
-    def run_random(self, begin: BeginRequest) -> None:
-        """Ablation case 5: no model, a random guess per layer, paced by main's iterations."""
-        for iteration in range(1, begin.max_new_tokens):
-            self._await_align(begin.request, iteration)
-            for layer in self.moe_layers:
-                experts = self.rng.sample(range(self.num_experts), self.top_k)
-                self.publish(layer, iteration, begin.request, experts, experts, [0.0] * len(experts))

@@ -54,8 +54,10 @@ from odmoe.main_model import resolve_dtype
 from odmoe.memory import parse_bytes, peak_rss_bytes
 from odmoe.messages import (
     ComputeExpert,
+    ComputeExperts,
     EndRequest,
     ExpertResult,
+    ExpertsResult,
     Membership,
     Ping,
     Pong,
@@ -234,7 +236,7 @@ class WorkerNode:
         reply = self._guarded(self.handle, message, tensors, peer.bytes)
         if reply is not None:  # a mini-batch that only completes a batch gets no answer of its own
             self.sock.send_multipart([peer, *reply], copy=False)
-        if isinstance(message, ComputeExpert) and message.release:  # main's last call here this layer
+        if isinstance(message, ComputeExpert | ComputeExperts) and message.release:  # main's last call here
             step = message.step
             self._guarded(self._finish, step.request, (step.iteration, step.layer))
 
@@ -268,6 +270,9 @@ class WorkerNode:
         if isinstance(message, ComputeExpert):
             self.fault.at(message.step.request, message.step.iteration, message.step.layer, message.part)
             return self.compute(message, tensors[0], peer)
+        if isinstance(message, ComputeExperts):
+            self.fault.at(message.step.request, message.step.iteration, message.step.layer)
+            return self.compute_many(message, tensors)
         raise CodecError(f"worker cannot handle {message.kind}")
 
     # -- predictions and preloading ----------------------------------------------------------
@@ -348,18 +353,24 @@ class WorkerNode:
             self.hedge_counts[0] += 1
 
     def _switch_request(self, request: str) -> None:
+        """Main's decode stream changed (a new busy period): nothing preloaded for the old one is
+        wanted. A prefill call's slot (iteration 0) is left to its own compute: its other parts
+        may still be on their way."""
         if request != self.request:
             self.request, self.done, self.preloads, self.served = request, (-1, -1), [], set()
             self.hedge_queue, self.hedge_counts = [], [0, 0, 0]
             for slot in self.slots.held():
-                self._evict(slot)
+                if slot.tag is None or slot.tag[1] >= 1:
+                    self._evict(slot)
 
     def _finish(self, request: str, position: Position) -> None:
         """main is done with this layer: drop preloads for it and anything earlier."""
         self._switch_request(request)
         self.done = max(self.done, position)
         for slot in self.slots.held():
-            if slot.tag is None or (slot.tag[1], slot.holds[0]) <= self.done:
+            if slot.tag is None or (
+                slot.tag[0] == self.request and (slot.tag[1], slot.holds[0]) <= self.done
+            ):
                 self._evict(slot)
         self.preloads = [p for p in self.preloads if (p[0], p[1]) > self.done]
         heapq.heapify(self.preloads)
@@ -418,7 +429,8 @@ class WorkerNode:
         if problem := self._check(request, hidden):
             return to_frames(self._result(request, 0.0, 0.0, 0, error=problem), [hidden[:0]])
         key, tag = (step.layer, request.expert), (step.request, step.iteration)
-        self._serving(step, request.expert)
+        if step.iteration >= 1:  # a prefill call belongs to one request, not to main's decode stream
+            self._serving(step, request.expert)
         self.tracer.message("compute", "compute", step, request.expert, sent=False)
         slot = self.slots.find(key, tag)
         preloaded = slot is not None and request.part == 0
@@ -480,6 +492,126 @@ class WorkerNode:
         result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s)
         self.tracer.message("compute", "result", step, request.expert, sent=True)
         return to_frames(result, [y])
+
+    def compute_many(self, request: ComputeExperts, tensors: list[torch.Tensor]) -> list:
+        """One decode layer's experts for every running request, in one message: each expert loaded
+        once (preloaded, or now) and evicted after use, each request's segment of its rows computed
+        on its own (the shape it has alone: bit-exact), the outputs in one answer."""
+        step = request.step
+        if problem := self._check_many(request, tensors):
+            return to_frames(self._many_result(request, error=problem), [])
+        for expert in request.experts:
+            self._serving(step, expert)
+        tag, n = (step.request, step.iteration), len(request.experts)
+        slots = [self.slots.find((step.layer, e), tag) for e in request.experts]
+        preloaded = [s is not None for s in slots]
+        # Misses load in the background (free slots permitting) while something else computes: the
+        # preloaded experts, else the first miss, loaded here (a lone miss gains nothing from a
+        # hand-off to the loader thread, which costs a wake-up).
+        misses = [i for i in range(n) if not preloaded[i]]
+        for i in misses[0 if len(misses) < n else 1 :]:
+            if self.slots.free:
+                slots[i] = self.slots.load_async((step.layer, request.experts[i]), tag=tag)
+        order = sorted(range(n), key=lambda i: (not preloaded[i], slots[i] is not None and not preloaded[i]))
+        outputs: list[torch.Tensor | None] = [None] * n
+        load_s, compute_s, nbytes, waited = [0.0] * n, [0.0] * n, [0] * n, [0.0] * n
+        for i in order:
+            arrived = time.perf_counter()
+            try:
+                if slots[i] is None:
+                    self._make_room()
+                    slots[i] = self.slots.load((step.layer, request.experts[i]), tag=tag)
+                slots[i].wait_filled()
+            except Exception as exc:  # a store without the expert, a corrupt chunk: say so to main
+                for j in order:
+                    if slots[j] is not None:
+                        self.slots.evict(slots[j])
+                return to_frames(self._many_result(request, error=f"loading failed: {exc}"), [])
+            waited[i] = time.perf_counter() - arrived
+            try:
+                outputs[i], compute_s[i], device_wait = self._compute_segments(
+                    request, i, slots[i], tensors[i], preloaded[i], waited[i]
+                )
+                waited[i] += device_wait
+                load_s[i], nbytes[i] = slots[i].load_s, slots[i].nbytes
+            finally:
+                self._evict(slots[i], used=True)
+        result = self._many_result(request, load_s, compute_s, nbytes, preloaded, waited)
+        return to_frames(result, outputs)
+
+    def _compute_segments(
+        self, request: ComputeExperts, i: int, slot: Slot, rows: torch.Tensor, preloaded: bool, waited: float
+    ) -> tuple[torch.Tensor, float, float]:
+        """Expert `request.experts[i]` on each request's segment of `rows` apart: output, compute s,
+        and how long the compute waited on the device for the load (CUDA)."""
+        step = request.step
+        start, start_us = time.perf_counter(), now_us()
+        with torch.inference_mode():
+            probe = self.slots.await_on_device(slot)
+            grouped = tuple(request.grouped_shape) or None
+            segments = request.segments[i]
+            parts = (
+                torch.split(self._on_device(rows), segments)
+                if len(segments) > 1
+                else (self._on_device(rows),)
+            )
+            ys = [
+                expert_forward(x, slot.gate_up, slot.down, self.hidden_act, request.kernel, grouped)
+                for x in parts
+            ]
+            y = ys[0] if len(ys) == 1 else torch.cat(ys)
+            y = y if self.on_host else y.cpu()
+        device_wait_s = self.slots.device_wait_s(slot, probe)
+        self.slots.settle(slot)
+        compute_s = time.perf_counter() - start - device_wait_s
+        if self.tracer.enabled:
+            self.tracer.span(
+                "compute",
+                f"compute L{step.layer} e{request.experts[i]}",
+                start_us,
+                start_us + compute_s * 1e6,
+                iteration=step.iteration,
+                rows=rows.shape[0],
+                requests=len(segments),
+                preloaded=preloaded,
+                waited_ms=(waited + device_wait_s) * 1e3,
+            )
+        return y, compute_s, device_wait_s
+
+    def _check_many(self, request: ComputeExperts, tensors: list[torch.Tensor]) -> str:
+        """What is wrong with a ComputeExperts, or "" (an untrusted peer may send anything)."""
+        n = len(request.experts)
+        if not n or len(tensors) != n or len(request.segments) != n or len(set(request.experts)) != n:
+            return f"{n} experts, {len(request.segments)} segment lists, {len(tensors)} tensors"
+        for expert, segments, rows in zip(request.experts, request.segments, tensors, strict=True):
+            one = ComputeExpert(request.step, expert, request.kernel, grouped_shape=request.grouped_shape)
+            if problem := self._check(one, rows):
+                return problem
+            if not segments or any(s < 1 for s in segments) or sum(segments) != rows.shape[0]:
+                return (
+                    f"segments {segments!r:.40} do not add up to the {rows.shape[0]} rows of expert {expert}"
+                )
+        return ""
+
+    def _many_result(
+        self, request: ComputeExperts, load_s=(), compute_s=(), nbytes=(), preloaded=(), waited=(), error=""
+    ):
+        n = 0 if error else len(request.experts)
+        return ExpertsResult(
+            step=request.step,
+            worker=self.index,
+            experts=list(request.experts),
+            load_s=list(load_s) or [0.0] * n,
+            compute_s=list(compute_s) or [0.0] * n,
+            bytes_loaded=list(nbytes) or [0] * n,
+            preloaded=list(preloaded) or [False] * n,
+            waited_s=list(waited) or [0.0] * n,
+            peak_rss=peak_rss_bytes(),
+            error=error,
+            hedges=list(self.hedge_counts) if request.step.request == self.request else [],
+            device_peak_bytes=device_peak_bytes(self.slots.device),
+            handled_s=time.perf_counter() - self.received,
+        )
 
     def _on_device(self, rows: torch.Tensor) -> torch.Tensor:
         # on the host, skip even a no-op .to(): each torch call costs a woken process tens of µs

@@ -106,6 +106,10 @@ SHADOW_MODES = ("emulate", "random")
 @dataclass
 class PrefillConfig:
     mini_batch: int = 0  # tokens per message of one expert's prompt batch (0: the whole batch at once)
+    # While other requests decode, a new prompt of T tokens prefills over ~T / chunk_tokens decode
+    # iterations, a share of its MoE layers each, so running streams wait for at most that share
+    # (0: a whole prompt in one iteration). Cut between layers, not tokens: bit-exact either way.
+    chunk_tokens: int = 0
     placement: str = "modulo"  # modulo (expert e on worker e mod N) | balanced (by token count)
     # Compute each mini-batch as it arrives. Faster, but NOT bit-exact (a matmul's rows depend on
     # how many rows it sees), so off by default: odmoe's output must equal the reference's.
@@ -164,7 +168,13 @@ class ServerConfig:
     http_host: str = ""  # "" = cluster.host
     http_port: int = 8000  # 0: any free port (LocalCluster's default, so tests never collide)
     model_name: str = ""  # the model id /v1/models lists and requests name ("" = the model directory's name)
-    max_waiting: int = 64  # requests queued behind the running one; beyond that 429 / RESOURCE_EXHAUSTED
+    # Continuous batching: up to this many requests decode together, one token each per iteration,
+    # every request's tokens exactly those it gets alone (odmoe.engine). 1: one request at a time.
+    max_running: int = 8
+    # K/V cache main may hold for running requests, e.g. "4GiB" ("" or 0: no bound): a request whose
+    # prompt + max_new_tokens would not fit waits; one that could never fit is refused (400).
+    kv_cache_memory: str = ""
+    max_waiting: int = 64  # requests queued beyond those running; beyond that 429 / RESOURCE_EXHAUSTED
     request_timeout_s: float = 600.0  # deadline from arrival (queueing included); a request may ask less
 
 
@@ -276,6 +286,10 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
     if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
+    if cfg.server.max_running < 1:
+        raise ValueError(f"server.max_running must be >= 1, got {cfg.server.max_running}")
+    if cfg.prefill.chunk_tokens < 0:
+        raise ValueError(f"prefill.chunk_tokens must be >= 0 (0: off), got {cfg.prefill.chunk_tokens}")
     if not 0 <= cfg.server.http_port < 65536:
         raise ValueError(f"server.http_port must lie in [0, 65535], got {cfg.server.http_port}")
     if cfg.worker.slots < 1:
@@ -289,6 +303,10 @@ def validate(cfg: OdmoeConfig) -> None:
         parse_bytes(cfg.worker.host_memory)
     except ValueError as exc:
         raise ValueError(f"worker.host_memory: {exc}") from None
+    try:
+        parse_bytes(cfg.server.kv_cache_memory)
+    except ValueError as exc:
+        raise ValueError(f"server.kv_cache_memory: {exc}") from None
     if cfg.worker.decompress_threads < 1:
         raise ValueError(f"worker.decompress_threads must be at least 1, got {cfg.worker.decompress_threads}")
     if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:

@@ -1,70 +1,70 @@
-"""The decode loop of the main node: prompt -> tokens, one request at a time.
+"""The decode loop of the main node: every running request advances one token per iteration.
 
-Contract: `MainEngine.generate(request)` yields `TokenEvent`s as tokens are chosen and ends with one
-`DoneEvent` carrying the request's stats. It knows nothing about gRPC; experts are computed wherever
-the `RemoteExperts` attached to the model sends them. Same inputs as `transformers`' `generate()`
-(DynamicCache, attention mask of ones, `logits_to_keep=1`, stop at EOS or `max_new_tokens`) and the
-same choice of each token (`odmoe/sampling.py`: greedy by default, or seeded sampling), so the tokens
-equal a single-process `generate()` with the same parameters. Stop strings (`odmoe/stop_strings.py`)
-end a request early; the text streamed never shows one, nor any part of one still undecided.
+Contract: `MainEngine.serve(requests, ...)` takes tickets from a `RequestQueue` and runs them to
+their end, putting each request's `TokenEvent`s and its one `DoneEvent` (or the exception that
+ended it) into its ticket; `generate(request)` runs one request alone and yields its events. The
+engine knows nothing about gRPC or HTTP; experts are computed wherever the `RemoteExperts` attached
+to the model sends them. Each request's inputs and choice of each token are those of a single-process
+`generate()` (`odmoe.request_run`), so its tokens equal transformers' whatever else runs beside it.
 
-Resuming (`resume_ids`: the tokens a client already received from a main that was lost): they are
-replayed one decode iteration each, exactly as they were first computed, and not streamed again;
-a one-shot prefill of prompt + resumed tokens would differ from the reference in the last bits.
-Whatever way a request ends (done, failed, cancelled by closing the generator), the shadow and the
-workers are told, so nothing stays loaded or running for it.
+Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* at a time:
+  1) admit: waiting requests join at the tick boundary while `max_running` and the K/V budget
+     allow; each begins with its prefill, and the shadow is told (which tick its decode starts at);
+  2) run: every running request's forward pass runs as a lockstep task (`odmoe.lockstep`), on this
+     thread, in its own shapes and cache, exactly as it would alone. At each MoE layer a decoding
+     request parks with its token's rows; once all have, their rows of that layer go out in one
+     exchange (`RemoteExperts.exchange_decode`: each expert loaded once for all of them, one message
+     per worker, every request's rows computed apart) and each gets back its own output. A request's
+     prefill exchanges its own layers, `prefill_quota` MoE layers per tick (`prefill.chunk_tokens`),
+     so running streams wait for at most that much of a long prompt: the prompt is still one forward
+     pass, cut between layers rather than between tokens, so its bits are one-shot prefill's;
+  3) choose: each request picks its token (`RequestRun.accept`), streams it, and tells the shadow;
+     one that finished, was cancelled or ran past its deadline leaves now.
+The tick counter names the decode exchanges `(stream, tick, layer)`: the stream is named after the
+request that opened the busy period, and one request alone has tick n = its iteration n, so the
+data plane of a lone request is what it was before batching.
+
+Whatever way a request ends (done, failed, cancelled), the shadow is told, and when no request is
+left the workers drop what they hold for the stream.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from odmoe.alignment import AlignmentPlan, AlignmentSchedule
-from odmoe.device_slots import device_peak_bytes
 from odmoe.kv_rows import newest_rows
+from odmoe.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main_model import MainModel
-from odmoe.memory import peak_rss_bytes
-from odmoe.remote_experts import RemoteExperts
-from odmoe.sampling import InvalidSampling, SamplingParams, TokenChooser
-from odmoe.stop_strings import MAX_STOPS, StopStrings
-from odmoe.trace import now_us
+from odmoe.remote_experts import DecodeRows, RemoteExperts
+from odmoe.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
+from odmoe.request_run import DoneEvent, GenerateRequest, InvalidRequest, RequestRun, TokenEvent
+from odmoe.run_stats import request_stats
+from odmoe.sampling import InvalidSampling
+from odmoe.stop_strings import MAX_STOPS
 
 log = logging.getLogger("odmoe.main")
-
-
-class InvalidRequest(ValueError):
-    """The request itself is wrong (empty prompt, too many tokens...): the client's to fix."""
-
-
-@dataclass(frozen=True)
-class GenerateRequest:
-    prompt: str = ""
-    token_ids: tuple[int, ...] = ()
-    max_new_tokens: int = 32
-    return_logits: bool = False  # send the last position's logits back (fidelity checks)
-    resume_ids: tuple[int, ...] = ()  # new tokens already sent by a main that was lost: replayed
-    sampling: SamplingParams = SamplingParams()  # greedy unless do_sample
-    stop: tuple[str, ...] = ()  # stop strings: the request ends where one appears, which is not shown
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+__all__ = ["Batching", "DoneEvent", "GenerateRequest", "InvalidRequest", "MainEngine", "TokenEvent"]
+IDLE_WAIT_S = 0.2  # an idle engine looks after the membership this often
+RECALL_WAIT_S = 1.0  # how long a finished request's paper recall waits for predictions in flight
 
 
 @dataclass(frozen=True)
-class TokenEvent:
-    token_id: int
-    text: str  # the new text this token completes (may be "" mid-way through a UTF-8 character)
+class Batching:
+    """How many requests run together (`server.max_running`), the K/V cache they may hold
+    (`server.kv_cache_bytes`, 0: no bound), and how much of a prompt one tick prefills
+    (`prefill.chunk_tokens`, 0: a whole prompt at once)."""
 
-
-@dataclass(frozen=True)
-class DoneEvent:
-    stats: dict  # stats["finish_reason"]: "stop" (EOS or a stop string) or "length" (max_new_tokens)
-    final_logits: torch.Tensor | None = None  # [vocab] fp32, when the request asked for it
+    max_running: int = 8
+    kv_cache_bytes: int = 0
+    chunk_tokens: int = 0
 
 
 class MainEngine:
@@ -75,17 +75,30 @@ class MainEngine:
         experts: RemoteExperts,
         make_plan: Callable[[], AlignmentPlan] | None = None,
         pace_shadow: bool = False,
+        batching: Batching = Batching(),
+        observer=None,
     ):
         self.main, self.tokenizer, self.experts = main, tokenizer, experts
         self.make_plan = make_plan or (lambda: AlignmentPlan(AlignmentSchedule()))
-        self.plan = self.make_plan()  # per request: a tuned plan learns within one request
         self.pace_shadow = pace_shadow  # send an Align every iteration even when nothing is aligned
+        self.batching = batching
+        # metrics (odmoe.metrics.ServerMetrics): token(ticket), finished(ticket, stats),
+        # ended(ticket, how), tick(running, decoding)
+        self.observer = observer or _NoObserver()
         main.attach(experts)
         config = main.model.config
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         eos = main.model.generation_config.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.moe_layers = len(main.moe_layers)
+        self.running: list[tuple[Ticket, RequestRun]] = []
+        self.finishing: list[tuple[Ticket, RequestRun, float, float]] = []  # Done held for the recall
+        self.tasks = Lockstep()
+        self.stream, self.tick = "", 0
+        self.kv_bytes_per_position = 0  # measured on the first prefill; 0 = not yet
+        self._queue: RequestQueue | None = None
 
+    # -- requests ------------------------------------------------------------------------------
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         if request.token_ids and request.prompt:
             raise InvalidRequest("give either a prompt or token_ids, not both")
@@ -117,252 +130,329 @@ class MainEngine:
                 f"{len(ids)} prompt tokens + max_new_tokens={request.max_new_tokens} exceed the model's "
                 f"context of {self.max_positions} positions"
             )
+        budget, per_position = self.batching.kv_cache_bytes, self.kv_bytes_per_position
+        if budget and per_position and (len(ids) + request.max_new_tokens) * per_position > budget:
+            raise InvalidRequest(
+                f"{len(ids)} prompt tokens + max_new_tokens={request.max_new_tokens} need more K/V cache "
+                f"than server.kv_cache_bytes={budget} holds"
+            )
         return ids
 
     @property
     def shadow(self):
         return self.experts.shadow
 
+    # -- the loop ------------------------------------------------------------------------------
     @torch.inference_mode()
-    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
-        start, start_us = time.perf_counter(), now_us()
-        # 1) tokens in: exactly tokenizer(prompt) (a chat template is the front door's business).
-        device = self.main.device  # tokens are chosen on the host (odmoe.sampling), computed here
-        ids = torch.tensor([self.prompt_ids(request)])
-        chooser = TokenChooser(self.main.model, request.sampling, ids[0].tolist())
-        stops, finish_reason = StopStrings(request.stop), "length"
-        prompt_len, resumed = ids.shape[1], list(request.resume_ids)
-        if len(resumed) == request.max_new_tokens or set(resumed[-1:]) & self.eos_ids:
-            # the lost main had streamed every token and died before its final reply
-            stats = {
-                "request_id": request.request_id,
-                "new_tokens": 0,
-                "resumed_tokens": len(resumed),
-                "finish_reason": "length" if len(resumed) == request.max_new_tokens else "stop",
-            }
-            yield DoneEvent(stats)
-            return
-        model, cache = self.main.model, DynamicCache(config=self.main.model.config)
-        self.experts.traffic = type(self.experts.traffic)()
-        new_ids: list[int] = []
-        text = _Detokenizer(self.tokenizer)
-        step_input, first_token_at = ids, 0.0
-        self.plan = self.make_plan()
-        if self.shadow is not None:
-            self.shadow.begin(request.request_id, ids[0].tolist(), request.max_new_tokens)
+    def serve(
+        self,
+        requests: RequestQueue,
+        stopped: Callable[[], bool],
+        between_ticks: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Serve `requests` until `stopped()`; `between_ticks` runs at every tick boundary (and while
+        idle): the membership upkeep, which owns the same sockets."""
+        self._queue = requests
         try:
-            # 2) prefill (iteration 0) then 3) one decode iteration per new token; the first
-            #    len(resumed) tokens are replayed as they were chosen before, not streamed again.
-            for iteration in range(request.max_new_tokens):
-                self.experts.begin(request.request_id, iteration)
-                mask = torch.ones(1, prompt_len + len(new_ids), dtype=torch.long, device=device)
-                logits = (
-                    model(
-                        input_ids=step_input.to(device),
-                        attention_mask=mask,
-                        past_key_values=cache,
-                        use_cache=True,
-                        logits_to_keep=1,
-                    )
-                    .logits[:, -1, :]
-                    .float()
-                    .cpu()
-                )
-                token = chooser.choose(logits)
-                replayed = iteration < len(resumed)
-                if replayed:
-                    if token != resumed[iteration]:
-                        log.warning(
-                            "request %s: resumed token %d is %d, this main would pick %d (is it the same "
-                            "model and dtype as the main that was lost?)",
-                            request.request_id,
-                            iteration,
-                            resumed[iteration],
-                            token,
-                        )
-                    token = resumed[iteration]
-                    chooser.replace_last(token)
-                new_ids.append(token)
-                if not replayed and not first_token_at:
-                    first_token_at = time.perf_counter()
-                piece, stopped = stops.feed(text.add(token))
-                finished = stopped or token in self.eos_ids or iteration + 1 == request.max_new_tokens
-                if stopped or token in self.eos_ids:
-                    finish_reason = "stop"
-                if not finished:
-                    self._align_shadow(iteration + 1, token, cache, rows=step_input.shape[1])
-                else:
-                    piece += stops.flush()  # held back for a stop string that never came
-                if not replayed:
-                    yield TokenEvent(token, piece)
-                if finished:
-                    break
-                step_input = torch.tensor([[token]])
-        finally:  # also when the client went away and the generator is closed mid-way
-            if self.shadow is not None:
-                self.shadow.end()
-            self.experts.end_request()
-        end = time.perf_counter()
-        self.experts.tracer.flush()
-        stats = self._stats(request, prompt_len, new_ids, start, first_token_at, end)
-        stats["resumed_tokens"] = len(resumed)
-        stats["finish_reason"] = finish_reason
-        stats["seed"] = chooser.seed if chooser.sampling else None
-        stats["failover"] = self._failover_stats(start_us)
-        stats["alignment"] = self.plan.report()
-        yield DoneEvent(stats, logits[0].clone() if request.return_logits else None)
+            while not stopped():
+                self._admit(requests)
+                between_ticks()
+                if self.running:
+                    self._tick()
+                    self._retire(requests)
+                self._finish_held(requests, wait=not self.running)
+        finally:
+            self._abandon(requests, RuntimeError("main is shutting down"))
 
-    def _failover_stats(self, since_us: float) -> dict:
-        events = [e for e in self.experts.members.events if e.at_us >= since_us]
-        return {
-            "live_workers": sorted(self.experts.members.live),
-            "resent_calls": self.experts.traffic.resent,
-            "events": [
-                {"worker": e.worker, "event": e.event, "at_us": e.at_us, "reason": e.reason} for e in events
-            ],
-        }
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
+        """One request alone, its events as they come (tests, tools; main's own front doors queue)."""
+        queue = self._queue = RequestQueue(max_waiting=1, default_timeout_s=1e9)
+        ticket = queue.submit(request)
+        events: list = []
+        ticket.put = events.append
+        with torch.inference_mode():
+            self._admit(queue)
+            try:
+                while self.running or self.finishing:
+                    if self.running:
+                        self._tick()
+                        self._retire(queue)
+                    self._finish_held(queue, wait=not self.running)
+                    while events:
+                        event = events.pop(0)
+                        if isinstance(event, Exception):
+                            raise event
+                        if event is not END:
+                            yield event
+            finally:
+                self._abandon(queue, RuntimeError("the caller stopped reading"))
 
-    def _align_shadow(self, iteration: int, token: int, cache: DynamicCache, rows: int) -> None:
+    # 1) admit ---------------------------------------------------------------------------------
+    def _admit(self, requests: RequestQueue) -> None:
+        idle = not self.running and not self.finishing
+        while len(self.running) < self.batching.max_running:
+            ticket = requests.take(timeout=IDLE_WAIT_S if idle and not self.running else 0.0, fits=self._fits)
+            if ticket is None:
+                break
+            self._start(ticket, requests)
+        requests.capacity = self.batching.max_running - len(self.running)
+
+    def _fits(self, ticket: Ticket) -> bool:
+        """Whether the K/V cache budget has room for this request (the first always fits)."""
+        budget = self.batching.kv_cache_bytes
+        if not budget or not self.running:
+            return True
+        if not self.kv_bytes_per_position:
+            return False  # not measured yet: one request at a time until the first prefill is done
+        held = sum(r.prompt_len + r.request.max_new_tokens for _, r in self.running)
+        try:
+            need = len(self.prompt_ids(ticket.request))
+        except InvalidRequest:
+            return True  # admitted only to be refused, with the reason
+        return (held + need + ticket.request.max_new_tokens) * self.kv_bytes_per_position <= budget
+
+    def _start(self, ticket: Ticket, requests: RequestQueue) -> None:
+        request = ticket.request
+        try:
+            ids = self.prompt_ids(request)
+        except InvalidRequest as exc:
+            ticket.put(exc)
+            requests.done(ticket)
+            return
+        if not self.running and not self.finishing:  # a new busy period: its stream is named after it
+            self.stream, self.tick = request.request_id, 0
+        quota = self._prefill_quota(len(ids))
+        run = RequestRun(
+            request,
+            ids,
+            self.main,
+            self.tokenizer,
+            self.eos_ids,
+            self.experts.context(request.request_id),
+            self.make_plan(),
+            self._sink(ticket),
+            first_tick=self.tick + math.ceil(self.moe_layers / quota),
+            prefill_quota=quota,
+        )
+        if run.already_over():
+            stats = _resumed_over_stats(run)
+            ticket.put(DoneEvent(stats))
+            self.observer.finished(ticket, stats)
+            requests.done(ticket)
+            return
+        if self.shadow is not None:
+            self.shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
+        self.running.append((ticket, run))
+
+    def _sink(self, ticket: Ticket):
+        """Where a run's events go: its ticket, each streamed token counted by the metrics."""
+
+        def put(event) -> None:
+            if isinstance(event, TokenEvent):
+                self.observer.token(ticket)
+            ticket.put(event)
+
+        return put
+
+    def _prefill_quota(self, prompt_tokens: int) -> int:
+        """MoE layers a prefill exchanges per tick: all of them, unless requests are decoding and
+        `chunk_tokens` cuts the prompt (a prompt of T tokens takes ~T / chunk_tokens ticks)."""
+        chunk, layers = self.batching.chunk_tokens, max(self.moe_layers, 1)
+        if chunk <= 0 or prompt_tokens <= chunk or not self.running:
+            return layers
+        return max(1, math.floor(layers * chunk / prompt_tokens))
+
+    # 2) run -----------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Every running request one iteration (a prefill: up to its quota of layers)."""
+        self.observer.tick(len(self.running), sum(r.decoding for _, r in self.running))
+        self.experts.stream, self.experts.tick = self.stream, self.tick
+        runs = {run.request_id: (ticket, run) for ticket, run in self.running}
+        decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer
+        prefill: list[str] = []  # parked before a prefill layer
+        for key, (_, run) in runs.items():
+            if key in self.tasks:  # a prefill parked across ticks
+                prefill.append(key)
+                run.prefill_layers = 0
+                continue
+            run.ctx.begin(run.iteration)
+            self._route(self._start_task(run), runs, decode, prefill)
+        while decode or prefill:
+            if decode:
+                layer = min(rows.layer for rows in decode.values())  # MoE layers in order
+                group = {k: r for k, r in decode.items() if r.layer == layer}
+                for key in group:
+                    del decode[key]
+                try:
+                    outputs = self.experts.exchange_decode(layer, list(group.values()))
+                except Exception as exc:  # every request of the exchange needed that layer
+                    for key in group:
+                        self._fail(runs[key], exc)
+                    continue
+                for key, out in zip(group, outputs, strict=True):
+                    self._route(self._resume(runs[key][1], out), runs, decode, prefill)
+                continue
+            for key in list(prefill):
+                prefill.remove(key)
+                run = runs[key][1]
+                if run.prefill_layers >= run.prefill_quota:
+                    continue  # its quota for this tick is spent: it goes on next tick
+                run.prefill_layers += 1
+                self._route(self._resume(run, None), runs, decode, prefill)
+        self.tick += 1
+
+    def _start_task(self, run: RequestRun):
+        self.experts.current = run.ctx
+        return self.tasks.start(run.request_id, run.forward)
+
+    def _resume(self, run: RequestRun, value):
+        self.experts.current = run.ctx
+        return self.tasks.resume(run.request_id, value)
+
+    def _route(self, outcome, runs, decode: dict, prefill: list) -> None:
+        """Where a task stands after it ran: parked at a decode layer, before a prefill layer, or done."""
+        key = outcome.key
+        ticket, run = runs[key]
+        if isinstance(outcome, Parked):
+            if isinstance(outcome.payload, DecodeRows):
+                decode[key] = outcome.payload
+            else:
+                prefill.append(key)
+        elif isinstance(outcome, Failed):
+            self._fail((ticket, run), outcome.error)
+        elif isinstance(outcome, Finished):
+            self._accept(ticket, run, outcome.value)
+
+    # 3) choose --------------------------------------------------------------------------------
+    def _accept(self, ticket: Ticket, run: RequestRun, logits: torch.Tensor) -> None:
+        if run.iteration == 0 and not self.kv_bytes_per_position:
+            self.kv_bytes_per_position = _cache_bytes(run.cache) // max(run.prompt_len, 1)
+        finished = run.accept(logits)
+        if not finished:
+            self._align_shadow(run)
+        run.next_iteration()
+
+    def _align_shadow(self, run: RequestRun) -> None:
         """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1,
         where the plan says; with the next iteration it will align, so a waiting shadow knows."""
         if self.shadow is None:
             return
-        wrong, predicted = self.experts.traffic.timely_recall.arrived.get(iteration - 1, (0, 0))
-        self.plan.observe(iteration - 1, wrong, predicted)
-        send_token, send_kv = self.plan.aligns(iteration)
+        iteration = run.iteration + 1
+        wrong, predicted = run.ctx.traffic.timely_recall.arrived.get(iteration - 1, (0, 0))
+        run.plan.observe(iteration - 1, wrong, predicted)
+        send_token, send_kv = run.plan.aligns(iteration)
         if not (send_token or send_kv or self.pace_shadow):
             return
         keys = values = None
         if send_kv:
-            keys, values = newest_rows(cache, rows)  # [L, heads, rows, D]
-        self.plan.sent(iteration, send_token, send_kv)
-        next_align = self.plan.next_after(iteration)
-        self.shadow.align(iteration, token if send_token else -1, keys, values, next_align)
+            keys, values = newest_rows(run.cache, run.rows_last_iteration)  # [L, heads, rows, D]
+        run.plan.sent(iteration, send_token, send_kv)
+        token = run.new_ids[-1]
+        next_align = run.plan.next_after(iteration)
+        self.shadow.align(run.request_id, iteration, token if send_token else -1, keys, values, next_align)
 
-    def _stats(self, request, prompt_len, new_ids, start, first_token_at, end) -> dict:
-        traffic = self.experts.traffic
-        new_ids = new_ids[len(request.resume_ids) :]  # what this main streamed
-        decode_tokens = len(new_ids) - 1
-        decode_s = end - first_token_at
-        return {
-            "request_id": request.request_id,
-            "prompt_tokens": prompt_len,
-            "new_tokens": len(new_ids),
-            "ttft_s": first_token_at - start,
-            "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
-            "total_s": end - start,
-            "experts_loaded": traffic.experts_loaded,
-            "bytes_loaded": traffic.bytes_loaded,
-            "worker_load_s": traffic.load_s,
-            "worker_compute_s": traffic.compute_s,
-            "main_wait_on_workers_s": traffic.wait_s,
-            "peak_rss_bytes": {
-                "main": peak_rss_bytes(),
-                **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
-            },
-            # the paper's GPU memory: main's weights (KV cache aside), each worker's expert slots
-            "device_bytes": {
-                "main": self.main.device_bytes,
-                **{f"worker{w}": b for w, b in sorted(self.experts.device_bytes.items())},
-            },
-            # CUDA's own counter (max_memory_allocated) per node process; 0 for a node on a CPU
-            "device_peak_bytes": {
-                "main": device_peak_bytes(self.main.device),
-                "shadow": self.shadow.seen.device_peak_bytes if self.shadow is not None else 0,
-                **{f"worker{w}": b for w, b in sorted(traffic.worker_device_peak.items())},
-            },
-            "decode": {**traffic.decode, "seconds": decode_s, "tokens": decode_tokens},
-            "emulated_link": {
-                f"worker{w}": {"bandwidth_gbps": bw, "latency_ms": ms}
-                for w, (bw, ms) in self.experts.emulated_links.items()
-            }
-            or None,
-            "prefill": self._prefill_stats(first_token_at - start),
-            "recall": self.experts.recall().report(),
-            "timely_recall": traffic.timely_recall.report(),
-            "per_worker": {f"worker{w}": row for w, row in sorted(traffic.per_worker.items())},
-            "preloaded": traffic.preloaded,
-            "reloads": traffic.reloads,
-            "stall_s": sum(traffic.stall_s_per_layer.values()),
-            "stall_s_per_layer": dict(sorted(traffic.stall_s_per_layer.items())),
-            # a lossy miss policy computed a resident expert in place of a missed one: not the model's output
-            "exact": not traffic.substitutions_per_layer,
-            "substitutions": sum(traffic.substitutions_per_layer.values()),
-            "substitutions_per_layer": dict(sorted(traffic.substitutions_per_layer.items())),
-            "substituted": [list(s) for s in traffic.substituted],  # [iteration, layer, missing, computed]
-            "hedging": self._hedging_stats(),
-            **self._shadow_stats(),
-        }
+    def _retire(self, requests: RequestQueue) -> None:
+        """Requests over, cancelled or past their deadline leave now (at the tick boundary)."""
+        keep = []
+        for ticket, run in self.running:
+            if run.done:
+                self._end(ticket, run)
+                self.finishing.append((ticket, run, time.perf_counter(), time.monotonic() + RECALL_WAIT_S))
+            elif ticket.cancelled.is_set():  # its client went away
+                log.info("request %s cancelled by its client", run.request_id)
+                self._end(ticket, run)
+                self.observer.ended(ticket, "cancelled")
+                requests.done(ticket)
+            elif ticket.expired():
+                self._end(ticket, run)
+                ticket.put(DeadlineExceeded(f"request {run.request_id} ran past its deadline"))
+                self.observer.ended(ticket, "deadline")
+                requests.done(ticket)
+            else:
+                keep.append((ticket, run))
+        self.running = keep
+        if not self.running and not self.finishing and self.stream:
+            self.experts.end_stream(self.stream)
+            self.stream = ""
 
-    def _hedging_stats(self) -> dict:
-        """Hedged prefetch: what the hedges cost (bytes loaded) against what they saved (hits).
-        Counted by the workers as of their last answer in this request, so a hedge loaded after a
-        worker's last answer is missing (at most one layer's)."""
-        t = self.experts.traffic
-        loads, used, nbytes = (sum(row[i] for row in t.hedging.values()) for i in range(3))
-        timely = t.timely_recall.report()
-        activated, hits = timely["activated"], (timely["overall"] or 0.0) * timely["activated"]
-        return {
-            "hedge_loads": loads,
-            "hedges_used": used,
-            "hedge_bytes": nbytes,
-            "hedge_bytes_fraction": nbytes / t.bytes_loaded if t.bytes_loaded else 0.0,
-            "hedge_hits": t.hedge_hits,
-            "timely_recall_with_hedges": (hits + t.hedge_hits) / activated if activated else None,
-        }
+    def _finish_held(self, requests: RequestQueue, wait: bool) -> None:
+        """Finished requests get their DoneEvent once the shadow has sent every prediction for them
+        (the paper's recall counts those that came late too), or after RECALL_WAIT_S."""
+        held = []
+        for ticket, run, ended_at, deadline in self.finishing:
+            shadow = self.shadow
+            ready = shadow is None or shadow.ended(run.request_id) or time.monotonic() >= deadline
+            if not ready and wait:
+                shadow.wait_ended(run.request_id, deadline)
+                ready = True
+            if not ready:
+                held.append((ticket, run, ended_at, deadline))
+                continue
+            recall = self.experts.recall(run.ctx, wait_s=0.0)
+            stats = request_stats(run, self.experts, self.main, recall, ended_at)
+            if self.shadow is not None:
+                self.shadow.forget(run.request_id)
+            self.observer.finished(ticket, stats)
+            ticket.put(DoneEvent(stats, run.logits[0].clone() if run.request.return_logits else None))
+            requests.done(ticket)
+        self.finishing = held
+        if not self.running and not self.finishing and self.stream:
+            self.experts.end_stream(self.stream)
+            self.stream = ""
 
-    def _prefill_stats(self, ttft: float) -> dict:
-        """TTFT split: main's own work, and the time it waited on workers split into the busiest
-        worker's loading + computing (the critical path) and the rest (transfer and queueing)."""
-        p = self.experts.traffic.prefill
-        per_layer = p["experts_per_layer"]
-        return {
-            "main_s": ttft - p["wait_s"],
-            "wait_on_workers_s": p["wait_s"],
-            "critical_load_compute_s": p["critical_s"],
-            "transfer_s": max(p["wait_s"] - p["critical_s"], 0.0),
-            "load_s": p["load_s"],
-            "compute_s": p["compute_s"],
-            "experts_per_layer": per_layer,
-            "experts_per_layer_mean": sum(per_layer.values()) / len(per_layer) if per_layer else 0.0,
-        }
+    def _end(self, ticket: Ticket, run: RequestRun) -> None:
+        """The run leaves: its task (a prefill parked across ticks) ends, the shadow stops on it."""
+        self.tasks.cancel(run.request_id)
+        if self.shadow is not None:
+            self.shadow.end(run.request_id)
 
-    def _shadow_stats(self) -> dict:
-        if self.shadow is not None and self.shadow.lost_at_us:
-            lost = {"shadow_lost_at_us": self.shadow.lost_at_us}
-        else:
-            lost = {}
-        if self.shadow is None or not self.shadow.active:
-            return {"shadow": False, **lost}
-        seen = self.shadow.seen
-        ahead, late, forward = seen.lookahead_layers, seen.late_departure_s, seen.forward_s
-        idle, layers = seen.alignment_wait_s, max(len(self.shadow.order), 1)
-        return {
-            "shadow": True,
-            "shadow_forward_s_mean": sum(forward.values()) / len(forward) if forward else None,
-            "shadow_alignment_wait_s_mean": sum(idle.values()) / len(idle) if idle else None,
-            "lookahead_layers_mean": sum(ahead) / len(ahead) if ahead else None,
-            # the same lookahead in decode iterations (MoE layers per iteration)
-            "lookahead_iterations_mean": sum(ahead) / len(ahead) / layers if ahead else None,
-            # speculative: iterations ahead of main's newest report when it started one; rollbacks
-            "shadow_ahead_mean": sum(seen.ahead.values()) / len(seen.ahead) if seen.ahead else None,
-            "shadow_rollbacks": seen.rollbacks,
-            "late_departure_s": sum(late.values()),
-            "late_departure_s_mean": sum(late.values()) / len(late) if late else None,
-            **lost,
-        }
+    def _fail(self, entry: tuple[Ticket, RequestRun], error: BaseException) -> None:
+        ticket, run = entry
+        if isinstance(error, Exception) and not isinstance(error, InvalidRequest):
+            log.error("request %s failed: %s: %s", run.request_id, type(error).__name__, error)
+        self._end(ticket, run)
+        self.running = [(t, r) for t, r in self.running if r is not run]
+        ticket.put(error if isinstance(error, Exception) else RuntimeError(str(error)))
+        self._queue.done(ticket)
+        self.observer.ended(ticket, "error")
+
+    def _abandon(self, requests: RequestQueue, reason: Exception) -> None:
+        for ticket, run in self.running:
+            self._end(ticket, run)
+            ticket.put(reason)
+            self.observer.ended(ticket, "error")
+            requests.done(ticket)
+        for ticket, _, _, _ in self.finishing:
+            ticket.put(reason)
+            self.observer.ended(ticket, "error")
+            requests.done(ticket)
+        self.running, self.finishing = [], []
+        if self.stream:
+            self.experts.end_stream(self.stream)
+            self.stream = ""
 
 
-class _Detokenizer:
-    """Streams text: each token yields the text it completes, holding back half a UTF-8 character."""
+class _NoObserver:
+    def token(self, ticket) -> None: ...
+    def finished(self, ticket, stats: dict) -> None: ...
+    def ended(self, ticket, how: str) -> None: ...
+    def tick(self, running: int, decoding: int) -> None: ...
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase):
-        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
 
-    def add(self, token: int) -> str:
-        self.ids.append(token)
-        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        if full.endswith("\ufffd"):
-            return ""
-        piece, self.emitted = full[len(self.emitted) :], full
-        return piece
+def _cache_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _resumed_over_stats(run: RequestRun) -> dict:
+    return {
+        "request_id": run.request_id,
+        "new_tokens": 0,
+        "resumed_tokens": len(run.resumed),
+        "finish_reason": "length" if len(run.resumed) == run.request.max_new_tokens else "stop",
+    }

@@ -50,6 +50,47 @@ class ComputeExpert:
 
 
 @dataclass(frozen=True)
+class ComputeExperts:
+    """main -> worker, one decode layer: every running request's rows of the experts main placed on
+    this worker, in one message (tensor i: expert `experts[i]`'s rows, the requests' segments one
+    after another, `segments[i]` their row counts). The worker loads each expert once and computes
+    each segment on its own, in the shape it has when its request runs alone (a matmul's result for a
+    row may depend on the rows around it), so every request gets the bits it would get alone.
+    `step` names the batch: (stream, tick, layer) (`odmoe.engine`)."""
+
+    step: Step
+    experts: list[int]
+    segments: list[list[int]]
+    kernel: str
+    # [rows, experts] of each request's reference grouped_mm call (T*k, E; the same for every
+    # request of a decode batch, T = 1); [] = none (see ComputeExpert)
+    grouped_shape: list[int] = field(default_factory=list)
+    release: bool = False  # as ComputeExpert.release: main asks this worker nothing more this layer
+    kind: str = "compute_experts"
+
+
+@dataclass(frozen=True)
+class ExpertsResult:
+    """worker -> main: the answer to one ComputeExperts (tensor i: expert `experts[i]`'s unweighted
+    outputs, segment by segment as sent), with each expert's costs."""
+
+    step: Step
+    worker: int
+    experts: list[int]
+    load_s: list[float]
+    compute_s: list[float]
+    bytes_loaded: list[int]
+    preloaded: list[bool]
+    waited_s: list[float]
+    peak_rss: int
+    error: str = ""
+    hedges: list[int] = field(default_factory=list)  # as ExpertResult.hedges
+    device_peak_bytes: int = 0
+    handled_s: float = 0.0  # as ExpertResult.handled_s
+    kind: str = "experts_result"
+
+
+@dataclass(frozen=True)
 class ExpertResult:
     """worker -> main: the unweighted expert output (tensor 0: [n, H]) and what it cost."""
 
@@ -96,6 +137,11 @@ class Prediction:
     asks to preload at low priority, because they nearly tie with a predicted one
     (`odmoe.hedging`). A later prediction for the same step (after a speculative shadow rolled
     back) supersedes this one.
+
+    With several requests running, `step` is (stream, tick, layer), `experts` the union of every
+    running request's choice for that layer (what the workers preload: each once), and
+    `requests[i]` chose `request_experts[i]` (main counts recall per request). `candidates`/`probs`
+    are then the first request's. One request alone: `requests` is [] and `experts` its own choice.
     """
 
     step: Step
@@ -103,6 +149,8 @@ class Prediction:
     candidates: list[int]
     probs: list[float]
     hedges: list[int] = field(default_factory=list)
+    requests: list[str] = field(default_factory=list)
+    request_experts: list[list[int]] = field(default_factory=list)
     kind: str = "prediction"
 
 
@@ -137,11 +185,15 @@ class ShadowEnded:
 
 @dataclass(frozen=True)
 class BeginRequest:
-    """main -> shadow: a new request; the shadow prefills its own copy from these tokens."""
+    """main -> shadow: a new request; the shadow prefills its own copy from these tokens. Its decode
+    iteration n runs in main's batch `stream` at tick `first_tick + n - 1` (one request alone: the
+    stream is its own id and iteration n is tick n), which names its predictions."""
 
     request: str
     prompt_ids: list[int]
     max_new_tokens: int
+    stream: str = ""  # "" = the request's own id
+    first_tick: int = 1
     kind: str = "begin"
 
 
@@ -191,7 +243,9 @@ class Membership:
 
 _ALL = (
     ComputeExpert,
+    ComputeExperts,
     ExpertResult,
+    ExpertsResult,
     Ping,
     Pong,
     Release,
@@ -206,7 +260,9 @@ _ALL = (
 _KINDS = {cls.kind: cls for cls in _ALL}
 Message = (
     ComputeExpert
+    | ComputeExperts
     | ExpertResult
+    | ExpertsResult
     | Ping
     | Pong
     | Release

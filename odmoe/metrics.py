@@ -51,8 +51,20 @@ class ServerMetrics:
         self.running = Gauge("odmoe:num_requests_running", "Requests being decoded", registry=r)
         self.waiting = Gauge("odmoe:num_requests_waiting", "Requests queued", registry=r)
         if queue is not None:
-            self.running.set_function(lambda: int(queue.running is not None))
+            self.running.set_function(lambda: len(queue.running))
             self.waiting.set_function(lambda: queue.waiting)
+        self.batch_size = Histogram(
+            "odmoe:batch_size",
+            "Requests running together, per decode iteration (continuous batching)",
+            registry=r,
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+        )
+        self.bytes_per_token = Gauge(
+            "odmoe:expert_bytes_per_token",
+            "Expert bytes loaded per generated token, over the requests finished so far",
+            registry=r,
+        )
+        self._bytes, self._generated = 0.0, 0
         self.experts_loaded = Counter(
             "odmoe:experts_loaded", "Experts loaded into a worker's device slot", ["worker"], registry=r
         )
@@ -98,6 +110,10 @@ class ServerMetrics:
         self.requests.labels(stats.get("finish_reason", "stop")).inc()
         self.prompt_tokens.inc(stats.get("prompt_tokens", 0))
         self.generation_tokens.inc(stats.get("new_tokens", 0))
+        self._bytes += stats.get("bytes_loaded", 0)
+        self._generated += stats.get("new_tokens", 0)
+        if self._generated:
+            self.bytes_per_token.set(self._bytes / self._generated)
         for worker, row in (stats.get("per_worker") or {}).items():
             self.experts_loaded.labels(worker).inc(row["experts"])
             self.bytes_loaded.labels(worker).inc(row["bytes_loaded"])
@@ -110,6 +126,11 @@ class ServerMetrics:
             value = (stats.get(key) or {}).get("overall")
             if value is not None:
                 gauge.set(value)
+
+    def tick(self, running: int, decoding: int) -> None:
+        """One engine iteration with `running` requests of which `decoding` decode a token."""
+        if decoding:
+            self.batch_size.observe(decoding)
 
     def ended(self, ticket, how: str) -> None:
         """A request that ended without stats: cancelled, error, deadline, rejected."""

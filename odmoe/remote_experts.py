@@ -3,22 +3,38 @@
 Contract: `RemoteExperts.__call__(layer, hidden[T, H], top_k_index[T, k], top_k_weights[T, k])`
 returns exactly what transformers' experts module would have returned, computed by the workers.
 It is attached to the main model (main_model.MainModel.attach) and called once per MoE layer of
-every forward pass; `begin(request, iteration)` labels the calls that follow.
+every forward pass, for the request whose `RunContext` is `current` (the engine sets it before it
+runs that request's forward pass).
 
-Failure policy: every call is self-contained (rows + the name `(request, iteration, layer,
-expert)`), so a call outstanding on a worker that is lost (Membership reports it, or it stays
-silent past `reply_timeout_s`: the per-call deadline for a frozen process) is re-sent, rows and
-all, to a live worker that stores the layer, placed by the same pure rules over the live workers.
-An answer is taken only from the worker the call is currently placed on, once per part, so a late
-or duplicated answer is never combined twice. When no live worker stores the layer the request
-fails at once with `WorkerUnavailable` naming the layer; a worker that answers with an error
-(e.g. it lacks that expert) raises `WorkerFailed`. Frames that do not decode are dropped.
+Two exchanges:
+- prefill (a request's iteration 0): the request's own, as soon as it is called: every expert its
+  prompt hits is spread over the live workers storing the layer, one ComputeExpert per expert
+  (prompt mini-batches as several), named `(request, 0, layer)`.
+- decode: inside the engine's lockstep (`odmoe.lockstep`) the call parks with the request's
+  `DecodeRows` and the engine hands every running request's rows of that layer to
+  `exchange_decode` at once, named `(stream, tick, layer)`: each expert any of them needs is placed
+  once (where the shadow's prediction, the union over the requests, preloaded it), every worker gets
+  one ComputeExperts with all its experts' rows, request by request in segments it computes apart,
+  and each request's output is combined from its own rows exactly as when it runs alone. A call
+  outside a lockstep task (one request alone) makes the same exchange with one request.
+
+Failure policy: every call is self-contained (rows + its name), so a call outstanding on a worker
+that is lost (Membership reports it, or it stays silent past `reply_timeout_s`: the per-call
+deadline for a frozen process) is re-sent, rows and all, to a live worker that stores the layer,
+placed by the same pure rules over the live workers. An answer is taken only from the worker the
+call is currently placed on, once per part, so a late or duplicated answer is never combined twice.
+When no live worker stores the layer the exchange fails at once with `WorkerUnavailable` naming the
+layer; a worker that answers with an error (e.g. it lacks that expert) raises `WorkerFailed`.
+Frames that do not decode are dropped.
 
 Misses: by default a missed expert is loaded and waited for (lossless). With a lossy miss policy
 (`odmoe.substitution`, opt-in) a decode miss may instead be computed by a resident expert, the
 predicted one its worker preloaded: main asks that worker for the resident expert by name, so the
 worker computes exactly what main combines, and the result takes the missing expert's gate weight.
-Each substitution is counted per layer (`ExpertTraffic.substitutions_per_layer`).
+Each substitution is counted per layer (`ExpertTraffic.substitutions_per_layer`) of its request.
+
+Accounting is per request (`RunContext.traffic`): what several requests shared (an expert loaded
+once for all of them) is split between them, so the requests' sums are the cluster's totals.
 """
 
 from __future__ import annotations
@@ -32,19 +48,24 @@ import torch
 from odmoe.codec import CodecError
 from odmoe.config import PrefillConfig
 from odmoe.dropped import DropLog
-from odmoe.expert_math import combine, split_by_expert
+from odmoe.expert_math import ExpertRows, combine, split_by_expert
 from odmoe.faults import FaultTrigger
+from odmoe.lockstep import in_task, park
 from odmoe.membership import Membership, WorkerUnavailable
 from odmoe.messages import (
     ComputeExpert,
+    ComputeExperts,
     EndRequest,
     ExpertResult,
+    ExpertsResult,
     Pong,
+    Prediction,
     Release,
     Step,
     from_frames,
     to_frames,
 )
+from odmoe.miss_policy import TokenBudget
 from odmoe.placement import LayerUnavailable
 from odmoe.recall import RecallCounter
 from odmoe.shadow_link import ShadowLink
@@ -52,7 +73,7 @@ from odmoe.substitution import Substituter
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.main")
-__all__ = ["ExpertTraffic", "RemoteExperts", "WorkerFailed", "WorkerUnavailable"]
+__all__ = ["DecodeRows", "ExpertTraffic", "RemoteExperts", "RunContext", "WorkerFailed", "WorkerUnavailable"]
 
 
 class WorkerFailed(RuntimeError):
@@ -141,27 +162,48 @@ class ExpertTraffic:
         self._layer_busy = {}
 
     def add(self, result: ExpertResult) -> None:
-        if result.step.iteration >= 1:
-            d = self.decode
-            d["experts"] += 1
-            d["compute_s"] += result.compute_s
-            d["loads"] += result.bytes_loaded > 0
-            d["load_s"] += result.load_s
+        """One prefill answer (a ComputeExpert's)."""
         if result.step.iteration == 0:
             self.prefill["load_s"] += result.load_s
             self.prefill["compute_s"] += result.compute_s
             busy = self._layer_busy
             busy[result.worker] = busy.get(result.worker, 0.0) + result.load_s + result.compute_s
-        self.worker_peak_rss[result.worker] = max(self.worker_peak_rss.get(result.worker, 0), result.peak_rss)
-        peak = self.worker_device_peak
-        peak[result.worker] = max(peak.get(result.worker, 0), result.device_peak_bytes)
-        w = self.per_worker.setdefault(
-            result.worker, {"experts": 0, "bytes_loaded": 0, "load_s": 0.0, "compute_s": 0.0}
+        else:
+            self._add_decode(result.load_s, result.compute_s, result.bytes_loaded)
+        self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
+        self._add_expert(
+            result.worker, result.part == 0, result.bytes_loaded, result.load_s, result.compute_s
         )
-        w["experts"] += result.part == 0
-        w["bytes_loaded"] += result.bytes_loaded
-        w["load_s"] += result.load_s
-        w["compute_s"] += result.compute_s
+
+    def add_share(self, result: ExpertsResult, i: int, share: int, of: int) -> None:
+        """This request's `share` of `of` segments of expert `result.experts[i]` (a decode answer):
+        what loading and computing it cost, split by segments so the requests' sums are the totals."""
+        part = share / of if of > 1 else share  # an int when nothing is shared: a lone request's stats
+        load_s, compute_s = result.load_s[i] * part, result.compute_s[i] * part
+        nbytes = result.bytes_loaded[i] * part
+        self._add_decode(load_s, compute_s, nbytes, part)
+        self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
+        self._add_expert(result.worker, part, nbytes, load_s, compute_s)
+
+    def _add_decode(self, load_s: float, compute_s: float, nbytes: float, count: float = 1) -> None:
+        d = self.decode
+        d["experts"] += count
+        d["compute_s"] += compute_s
+        d["loads"] += count if nbytes > 0 else 0
+        d["load_s"] += load_s
+
+    def _add_worker(self, worker: int, peak_rss: int, device_peak: int) -> None:
+        self.worker_peak_rss[worker] = max(self.worker_peak_rss.get(worker, 0), peak_rss)
+        self.worker_device_peak[worker] = max(self.worker_device_peak.get(worker, 0), device_peak)
+
+    def _add_expert(self, worker: int, count: float, nbytes: float, load_s: float, compute_s: float) -> None:
+        w = self.per_worker.setdefault(
+            worker, {"experts": 0, "bytes_loaded": 0, "load_s": 0.0, "compute_s": 0.0}
+        )
+        w["experts"] += count
+        w["bytes_loaded"] += nbytes
+        w["load_s"] += load_s
+        w["compute_s"] += compute_s
 
 
 @dataclass
@@ -197,6 +239,64 @@ class _Call:
         return len(self.parts) == self.expected
 
 
+@dataclass
+class RunContext:
+    """One running request as the data plane sees it: its name, the iteration its forward pass is
+    computing (0: prefill), and what its exchanges cost it."""
+
+    request: str
+    iteration: int = 0
+    traffic: ExpertTraffic = field(default_factory=ExpertTraffic)
+    budget: TokenBudget | None = None  # lossy miss policy: substitutions left to this token
+
+    def begin(self, iteration: int) -> None:
+        self.iteration = iteration
+        if self.budget is not None:
+            self.budget.reset()
+
+
+@dataclass
+class DecodeRows:
+    """One request's share of a decode layer: its token's row, its router's choice, its groups."""
+
+    ctx: RunContext
+    layer: int
+    hidden: torch.Tensor  # [1, H]
+    top_k_index: torch.Tensor  # [1, k]
+    top_k_weights: torch.Tensor  # [1, k]
+    groups: list[ExpertRows]  # the experts it routes to, ascending
+    stand_in: dict[int, int]  # lossy only: missing expert -> the resident one computed instead
+    entered: float = 0.0  # perf_counter when its call began
+
+    @property
+    def experts(self) -> list[int]:
+        return [rows.expert for rows in self.groups]
+
+    def computed(self, expert: int) -> int:
+        return self.stand_in.get(expert, expert)
+
+
+@dataclass(frozen=True)
+class PrefillLayer:
+    """A request's prefill parked before exchanging this MoE layer (the engine meters prefills)."""
+
+    layer: int
+
+
+@dataclass
+class _BatchCall:
+    """One ComputeExperts: the experts placed on one worker for a decode layer, and its answer."""
+
+    worker: int
+    experts: list[int]
+    releases: bool = False  # it says the layer is over for its worker (re-sent calls never do)
+    answer: tuple[ExpertsResult, list[torch.Tensor]] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.answer is not None
+
+
 def owed_calls(calls: dict[int, _Call], lost: set[int]) -> dict[int, int]:
     """Pure: expert -> the lost worker it was placed on, for every call not fully answered yet.
     A call whose answer is in is kept, even from a worker lost since (it is correct)."""
@@ -220,14 +320,19 @@ class RemoteExperts:
         self.shadow = shadow
         self.prefill = prefill or PrefillConfig()
         self.timeout_s = reply_timeout_s
-        self.request, self.iteration = "", 0
-        self.traffic = ExpertTraffic()
+        self.current = RunContext("")  # the request whose forward pass is running (the engine sets it)
+        self.stream, self.tick = "", 0  # the decode batch's name and iteration (the engine sets them)
         self.tracer = tracer or Tracer("main")
         self.substituter = substituter  # None: every miss is reloaded (lossless)
         self.fault: FaultTrigger | None = None  # fault injection at a chosen layer (tests, benchmarks)
         self.dropped = DropLog(log, "main")
         self._main_since_us = 0.0  # when main last got its rows back (its own work runs from there)
-        self._grouped_shape: list[int] = []  # this layer's [T*k, E] for grouped_mm (see __call__)
+        self._resent: dict[int, int] = {}  # this decode layer: request (batch index) -> calls re-sent
+
+    @property
+    def traffic(self) -> ExpertTraffic:
+        """The current request's (a lone request's, in tests and benchmarks)."""
+        return self.current.traffic
 
     @property
     def emulated_links(self) -> dict[int, list[float]]:
@@ -240,122 +345,319 @@ class RemoteExperts:
         return {w: p.device_bytes for w, p in sorted(self.members.pongs.items())}
 
     def begin(self, request: str, iteration: int) -> None:
-        now = now_us()
-        if self.tracer.enabled and request == self.request and self._main_since_us:
-            self.tracer.span(
-                "main", "lm_head, next token", self._main_since_us, now, iteration=self.iteration
-            )
-        self.request, self.iteration = request, iteration
-        self._main_since_us = now
-        if self.substituter is not None:
-            self.substituter.begin_token()
+        """One request alone (no engine batch): its `iteration` runs next, in its own stream."""
+        if request != self.current.request:
+            self.current = RunContext(request, budget=self._budget())
+        self.current.begin(iteration)
+        self.stream, self.tick = request, iteration
 
-    def end_request(self) -> None:
-        """The request is over (finished, failed or cancelled): workers drop what they hold for it."""
-        message = to_frames(EndRequest(self.request))
+    def context(self, request: str) -> RunContext:
+        return RunContext(request, budget=self._budget())
+
+    def _budget(self) -> TokenBudget | None:
+        return TokenBudget(self.substituter.cfg.budget) if self.substituter is not None else None
+
+    def end_stream(self, stream: str) -> None:
+        """Main's decode stream is over (no request runs): workers drop what they hold for it."""
+        message = to_frames(EndRequest(stream))
         for worker in self.members.live:
             self.members.send(worker, message)
 
+    def end_request(self) -> None:
+        """A lone request is over (finished, failed or cancelled)."""
+        self.end_stream(self.stream)
+
+    # -- a layer's call ------------------------------------------------------------------------
     def __call__(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        entered = time.perf_counter()
-        step = Step(self.request, self.iteration, layer)
+        ctx = self.current
         if self.fault is not None:
-            self.fault.at(step.request, step.iteration, layer)
-        entered_us = 0.0
-        if self.tracer.enabled:
-            entered_us = now_us()
-            self.tracer.span("main", f"L{layer}", self._main_since_us, entered_us, iteration=self.iteration)
-        groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
-        experts = [rows.expert for rows in groups]
-        decode = self.iteration >= 1
-        predicted, hedges = None, []
-        if decode:
-            prediction = self.shadow.prediction(step) if self.shadow is not None else None
-            predicted = prediction.experts if prediction is not None else None
-            self.traffic.timely_recall.add(self.iteration, layer, predicted, experts)
-            self.traffic.activated[(self.iteration, layer)] = experts
-            if prediction is not None and prediction.hedges:
-                hedges = prediction.hedges
-                self.traffic.hedge_hits += len((set(hedges) - set(predicted)) & set(experts))
-        # lossy policy only: missing expert -> the resident expert computed in its place
-        stand_in = self._stand_ins(layer, top_k_index, top_k_weights, predicted) if decode else {}
-        computed = [stand_in.get(e, e) for e in experts]
-        placement = self._place(step, computed, hidden.shape[0], predicted, groups, hedges)
-        start = time.perf_counter()
-        # one token (decode): every expert's rows are that token's row, `hidden` itself
-        rows_of = {
-            stand_in.get(rows.expert, rows.expert): (
-                hidden if hidden.shape[0] == rows.token_idx.shape[0] == 1 else hidden[rows.token_idx]
-            )
-            for rows in groups
-        }
-        # the reference's grouped call covers every (token, slot) pair over all E experts (expert_math)
-        self._grouped_shape = [top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
-        clock = _LayerClock()
-        # what the group preloaded for this layer and did not use is stale once main is past it: each
-        # worker's last call of the layer says so itself (a Release goes only to the group's others).
-        # Without a shadow nothing is ever preloaded: no releasing at all.
-        releasing = decode and self.shadow is not None
-        outputs, released = self._exchange(step, rows_of, placement, clock, releasing)
-        if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
-            outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
-        gathered = time.perf_counter()
-        waited = gathered - start
-        self.traffic.wait_s += waited
-        if self.tracer.enabled:
-            self._main_since_us = now_us()
-            self.tracer.span(
-                "main", f"wait L{layer}", entered_us, self._main_since_us, iteration=self.iteration
-            )
-        if decode:
-            self.traffic.decode["wait_s"] += waited
-            self.traffic.decode["layers"] += 1
-            if releasing:
-                unreleased = [w for w in self._serving(layer) if w not in released]
-                if unreleased:
-                    release = to_frames(Release(step))
-                    for worker in unreleased:
-                        self.members.send(worker, release)
-        else:
-            self.traffic.note_prefill_layer(layer, waited, len(groups))
-        parts = [(rows, outputs[stand_in.get(rows.expert, rows.expert)]) for rows in groups]
-        out = combine(hidden, parts, top_k_weights, self.kernel)
-        if decode:
-            clock.note(self.traffic.decode, entered, gathered, time.perf_counter())
-        return out
+            self.fault.at(ctx.request, ctx.iteration, layer)
+        if ctx.iteration == 0:
+            if in_task():
+                park(PrefillLayer(layer))  # the engine resumes it when its prefill may go on this tick
+                self.current = ctx
+            return self._prefill_layer(ctx, layer, hidden, top_k_index, top_k_weights)
+        rows = DecodeRows(
+            ctx,
+            layer,
+            hidden,
+            top_k_index,
+            top_k_weights,
+            split_by_expert(top_k_index, self.num_experts, self.kernel),
+            {},
+            time.perf_counter(),
+        )
+        if self.substituter is not None:  # its router's scores are this request's now (the tap's latest)
+            self.substituter.budget = ctx.budget
+            rows.stand_in = self._stand_ins(ctx, layer, top_k_index, top_k_weights)
+        if in_task():
+            return park(rows)  # the engine exchanges every running request's rows of this layer at once
+        return self.exchange_decode(layer, [rows])[0]
 
-    def _stand_ins(
-        self, layer: int, top_k_index, top_k_weights, predicted: list[int] | None
-    ) -> dict[int, int]:
-        if self.substituter is None:
-            return {}
+    def _stand_ins(self, ctx: RunContext, layer: int, top_k_index, top_k_weights) -> dict[int, int]:
+        """Lossy policy only: missing expert -> the resident one computed in its place, decided on
+        the prediction as it stands now (what the workers preloaded)."""
+        prediction = self.shadow.prediction(Step(self.stream, self.tick, layer)) if self.shadow else None
+        predicted = prediction.experts if prediction is not None else None
         chosen = self.substituter.decide(layer, top_k_index, top_k_weights, predicted)
         if chosen:
-            subs = self.traffic.substitutions_per_layer
-            subs[layer] = subs.get(layer, 0) + len(chosen)
-            self.traffic.substituted += [(self.iteration, layer, e, p) for e, p in sorted(chosen.items())]
-            log.debug("iteration %d layer %d: missing -> stand-in %s", self.iteration, layer, chosen)
+            t = ctx.traffic
+            t.substitutions_per_layer[layer] = t.substitutions_per_layer.get(layer, 0) + len(chosen)
+            t.substituted += [(ctx.iteration, layer, e, p) for e, p in sorted(chosen.items())]
+            log.debug("iteration %d layer %d: missing -> stand-in %s", ctx.iteration, layer, chosen)
         return chosen
 
-    def _place(
-        self, step: Step, experts: list[int], tokens: int, predicted: list[int] | None, groups, hedges=()
-    ) -> dict[int, int]:
-        """Decode: where the shadow's prediction (and its hedges) preloaded, repairing the misses;
-        prefill: spread over every live worker storing the layer; all over the live workers only."""
+    # -- prefill: one request's exchange -------------------------------------------------------
+    def _prefill_layer(self, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        step = Step(ctx.request, 0, layer)
+        entered_us = now_us() if self.tracer.enabled else 0.0
+        groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
+        placement = self._prefill_place(step, hidden.shape[0], groups)
+        start = time.perf_counter()
+        one = hidden.shape[0] == 1
+        rows_of = {rows.expert: hidden if one else hidden[rows.token_idx] for rows in groups}
+        # the reference's grouped call covers every (token, slot) pair over all E experts (expert_math)
+        grouped = [top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
+        outputs = self._exchange(ctx, step, rows_of, placement, _LayerClock(), grouped)
+        if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
+            outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
+        waited = time.perf_counter() - start
+        ctx.traffic.wait_s += waited
+        ctx.traffic.note_prefill_layer(layer, waited, len(groups))
+        if self.tracer.enabled:
+            self.tracer.span("main", f"prefill L{layer}", entered_us, now_us(), iteration=0)
+        return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
+
+    def _prefill_place(self, step: Step, tokens: int, groups) -> dict[int, int]:
+        """Prefill: spread over every live worker storing the layer (a one-token prompt: its group)."""
         live, layer = self.members.live, step.layer
         try:
-            if step.iteration >= 1:
-                return self.topology.repair_placement(layer, predicted or [], experts, live, hedges)
             if tokens > 1:
                 counts = {rows.expert: len(rows.token_idx) for rows in groups}
                 return self.topology.prefill_placement(
                     counts, self.prefill.placement, self.topology.live_holders(layer, live)
                 )
-            return self.topology.decode_placement(layer, experts, live)
+            return self.topology.decode_placement(layer, [rows.expert for rows in groups], live)
         except LayerUnavailable as exc:
             raise WorkerUnavailable(str(exc)) from None
+
+    # -- decode: every running request's rows of a layer at once --------------------------------
+    def exchange_decode(self, layer: int, batch: list[DecodeRows]) -> list[torch.Tensor]:
+        """Each request's experts output for this layer (in `batch` order), from one exchange: the
+        union of their experts placed once, one ComputeExperts per worker."""
+        step = Step(self.stream, self.tick, layer)
+        entered, entered_us = time.perf_counter(), now_us() if self.tracer.enabled else 0.0
+        if self.tracer.enabled:
+            self.tracer.span("main", f"L{layer}", self._main_since_us, entered_us, iteration=self.tick)
+        prediction = self.shadow.prediction(step) if self.shadow is not None else None
+        hedges = prediction.hedges if prediction is not None else []
+        for rows in batch:
+            self._note_prediction(rows, layer, prediction)
+        # expert -> [(request index, its rows of that expert)], requests in batch order
+        users: dict[int, list[tuple[int, torch.Tensor]]] = {}
+        for b, rows in enumerate(batch):
+            one = rows.hidden.shape[0] == 1
+            for group in rows.groups:
+                x = rows.hidden if one else rows.hidden[group.token_idx]
+                users.setdefault(rows.computed(group.expert), []).append((b, x))
+        experts = sorted(users)
+        placement = self._decode_place(step, experts, prediction, hedges)
+        grouped = [batch[0].top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
+        clock = _LayerClock()
+        start = time.perf_counter()
+        # each worker's last (only) call says the layer is over for it; without a shadow nothing
+        # is ever preloaded, so nothing to release
+        releasing = self.shadow is not None
+        calls = self._exchange_many(step, users, placement, grouped, clock, releasing)
+        gathered = time.perf_counter()
+        outputs = self._split_answers(calls, users, batch)
+        if self.tracer.enabled:
+            self._main_since_us = now_us()
+            self.tracer.span("main", f"wait L{layer}", entered_us, self._main_since_us, iteration=self.tick)
+        if releasing:
+            called = {c.worker for c in calls if c.done and c.releases}
+            release = to_frames(Release(step))
+            for worker in [w for w in self._serving(layer) if w not in called]:
+                self.members.send(worker, release)
+        out = []
+        for b, rows in enumerate(batch):
+            parts = [(group, outputs[b][rows.computed(group.expert)]) for group in rows.groups]
+            if rows.hidden.device.type != "cpu":
+                parts = [(g, y.to(rows.hidden.device)) for g, y in parts]
+            out.append(combine(rows.hidden, parts, rows.top_k_weights, self.kernel))
+        combined = time.perf_counter()
+        stall = max((max(r.waited_s, default=0.0) for r, _ in (c.answer for c in calls)), default=0.0)
+        for rows in batch:
+            t = rows.ctx.traffic
+            t.wait_s += gathered - start
+            t.decode["wait_s"] += gathered - start
+            t.decode["layers"] += 1
+            t.stall_s_per_layer[layer] = t.stall_s_per_layer.get(layer, 0.0) + stall
+            clock.note(t.decode, entered, gathered, combined)
+        return out
+
+    def _note_prediction(self, rows: DecodeRows, layer: int, prediction: Prediction | None) -> None:
+        """Timely recall, as the paper counts it, for this request at this layer."""
+        t, experts = rows.ctx.traffic, rows.experts
+        predicted = _requests_choice(prediction, rows.ctx.request)
+        t.timely_recall.add(rows.ctx.iteration, layer, predicted, experts)
+        t.activated[(rows.ctx.iteration, layer)] = experts
+        if prediction is not None and prediction.hedges and predicted is not None:
+            t.hedge_hits += len((set(prediction.hedges) - set(prediction.experts)) & set(experts))
+
+    def _decode_place(self, step: Step, experts: list[int], prediction, hedges) -> dict[int, int]:
+        """Where the shadow's (union) prediction preloaded, the misses repaired (Topology)."""
+        predicted = prediction.experts if prediction is not None else []
+        try:
+            return self.topology.repair_placement(step.layer, predicted, experts, self.members.live, hedges)
+        except LayerUnavailable as exc:
+            raise WorkerUnavailable(str(exc)) from None
+
+    def _exchange_many(
+        self,
+        step: Step,
+        users: dict[int, list[tuple[int, torch.Tensor]]],
+        placement: dict[int, int],
+        grouped: list[int],
+        clock: _LayerClock,
+        releasing: bool,
+    ) -> list[_BatchCall]:
+        """One ComputeExperts per worker, gathered; what a lost worker owed is re-sent elsewhere."""
+        by_worker: dict[int, list[int]] = {}
+        for expert in sorted(users):
+            by_worker.setdefault(placement[expert], []).append(expert)
+        # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
+        # threads), which on a machine with few cores can take main's core at once; the next call
+        # would then leave only after that worker's whole computation.
+        messages = {w: self._encode_many(step, es, users, grouped, releasing) for w, es in by_worker.items()}
+        clock.sending = time.perf_counter()
+        calls = [
+            self._send_many(step, w, es, users, grouped, messages[w], releasing)
+            for w, es in by_worker.items()
+        ]
+        deadline = time.monotonic() + self.timeout_s
+        while owing := [c for c in calls if not c.done and c.worker >= 0]:
+            received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
+            for worker, frames in received:
+                arrived = time.perf_counter()
+                result = self._take_many(step, calls, worker, frames)
+                clock.take_s += time.perf_counter() - arrived
+                if result is not None:
+                    clock.answered, clock.worker_s = arrived, result.handled_s
+            if lost:
+                calls += self._resend_many(step, calls, set(lost), users, grouped)
+            elif time.monotonic() >= deadline and any(not c.done for c in owing):
+                # the per-call deadline: alive by heartbeat, yet silent (a frozen process)
+                silent = {c.worker for c in owing if not c.done}
+                for worker in silent:
+                    self.members.mark_lost(
+                        worker, f"no answer for layer {step.layer} within {self.timeout_s:g}s"
+                    )
+                calls += self._resend_many(step, calls, silent, users, grouped)
+                deadline = time.monotonic() + self.timeout_s
+        return [c for c in calls if c.done]
+
+    def _encode_many(self, step: Step, experts: list[int], users, grouped: list[int], release: bool) -> list:
+        rows = [torch.cat([x for _, x in users[e]]) if len(users[e]) > 1 else users[e][0][1] for e in experts]
+        segments = [[x.shape[0] for _, x in users[e]] for e in experts]
+        return to_frames(ComputeExperts(step, experts, segments, self.kernel, grouped, release), rows)
+
+    def _send_many(
+        self, step: Step, worker: int, experts: list[int], users, grouped, frames=None, releases: bool = False
+    ) -> _BatchCall:
+        """Send one worker its experts' rows. A worker that cannot take them is lost, and they go to
+        its replacement (as one call: the replacement is one worker)."""
+        frames = frames or self._encode_many(step, experts, users, grouped, False)
+        while not self.members.send(worker, frames, copy=False):
+            self.members.mark_lost(worker, "cannot take messages")
+            worker = self._replacement(step, dict.fromkeys(experts, worker))[experts[0]]
+            frames, releases = self._encode_many(step, experts, users, grouped, False), False
+        for expert in experts:
+            self.tracer.message("main", "compute", step, expert, sent=True)
+        return _BatchCall(worker, list(experts), releases)
+
+    def _resend_many(
+        self, step: Step, calls: list[_BatchCall], lost: set[int], users, grouped
+    ) -> list[_BatchCall]:
+        """Re-place and re-send the experts of every unanswered call on a lost worker; a re-sent
+        call never releases (its new worker gets a Release after the layer if it got no call)."""
+        owed = {e: c.worker for c in calls if not c.done and c.worker in lost for e in c.experts}
+        if not owed:
+            return []
+        for c in calls:
+            if not c.done and c.worker in lost:
+                c.worker = -1  # abandoned: an answer from the lost worker is never taken
+        new = self._replacement(step, owed)
+        by_worker: dict[int, list[int]] = {}
+        for expert in sorted(owed):
+            by_worker.setdefault(new[expert], []).append(expert)
+        resent = [self._send_many(step, w, es, users, grouped) for w, es in by_worker.items()]
+        for b in {b for e in owed for b, _ in users[e]}:  # every request whose rows went again
+            self._resent[b] = self._resent.get(b, 0) + 1
+        log.info(
+            "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
+        )
+        return resent
+
+    def _take_many(self, step: Step, calls: list[_BatchCall], worker: int, frames) -> ExpertsResult | None:
+        """Record one answer if it is one this layer waits for, from the worker its call is on."""
+        try:
+            result, tensors = from_frames(frames)
+        except CodecError as exc:
+            self.dropped.drop(f"from worker {worker}: {exc}")
+            return None
+        if not isinstance(result, ExpertsResult) or result.step != step or result.worker != worker:
+            return None  # a Pong, or a late answer to an earlier, abandoned step
+        call = next(
+            (c for c in calls if c.worker == worker and c.experts == result.experts and not c.done), None
+        )
+        if call is None:
+            return None  # re-sent elsewhere since, or a duplicate
+        if result.error:
+            raise WorkerFailed(f"worker {worker} failed on layer {step.layer}: {result.error}")
+        n = len(call.experts)
+        stats = (result.load_s, result.compute_s, result.bytes_loaded, result.preloaded, result.waited_s)
+        if (
+            len(tensors) != n
+            or any(len(column) != n for column in stats)
+            or any(t.dim() != 2 for t in tensors)
+        ):
+            self.dropped.drop(f"worker {worker} answered experts {call.experts} with malformed rows")
+            return None
+        for expert in call.experts:
+            self.tracer.message("main", "result", step, expert, sent=False)
+        call.answer = (result, tensors)
+        return result
+
+    def _split_answers(
+        self, calls: list[_BatchCall], users, batch: list[DecodeRows]
+    ) -> list[dict[int, torch.Tensor]]:
+        """Each request's outputs by expert, cut from the answers' segments; its share of each
+        expert's cost goes to its traffic."""
+        outputs: list[dict[int, torch.Tensor]] = [{} for _ in batch]
+        for b, count in self._resent.items():
+            batch[b].ctx.traffic.resent += count
+        self._resent = {}
+        for call in calls:
+            result, tensors = call.answer
+            for i, expert in enumerate(result.experts):
+                segments = users[expert]
+                sizes = [x.shape[0] for _, x in segments]
+                if tensors[i].shape[0] != sum(sizes):
+                    got = tensors[i].shape[0]
+                    raise WorkerFailed(f"worker {call.worker} answered expert {expert} with {got} rows")
+                pieces = torch.split(tensors[i], sizes) if len(sizes) > 1 else (tensors[i],)
+                for (b, _), y in zip(segments, pieces, strict=True):
+                    outputs[b][expert] = y
+                    t = batch[b].ctx.traffic
+                    t.add_share(result, i, 1, len(segments))
+                    t.preloaded += result.preloaded[i]
+                    t.reloads += not result.preloaded[i]
+                    if len(result.hedges) == 3:
+                        t.hedging[call.worker] = result.hedges
+        return outputs
 
     def _serving(self, layer: int) -> list[int]:
         try:
@@ -363,38 +665,28 @@ class RemoteExperts:
         except LayerUnavailable:
             return []
 
+    # -- prefill's per-expert calls --------------------------------------------------------------
     def _exchange(
         self,
+        ctx: RunContext,
         step: Step,
         rows: dict[int, torch.Tensor],
         placement: dict[int, int],
         clock: _LayerClock,
-        releasing: bool = False,
-    ) -> tuple[dict[int, torch.Tensor], set[int]]:
-        """Send every expert's rows, gather the answers; re-send what a lost worker owed. With
-        `releasing`, each worker's last call (in send order, the order it handles them) carries
-        `release`; returns the outputs and the workers whose releasing call they answered."""
-        last_call = {placement[e]: e for e in rows} if releasing else {}
-        # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
-        # threads), which on a machine with few cores can take main's core at once; the next call
-        # would then leave only after that worker's whole computation, and the workers of a layer
-        # would compute one after the other instead of together.
-        messages = {e: self._encode(step, e, x, last_call.get(placement[e]) == e) for e, x in rows.items()}
+        grouped: list[int],
+    ) -> dict[int, torch.Tensor]:
+        """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
+        # Every call is encoded before the first one leaves (see _exchange_many).
+        messages = {e: self._encode(step, e, x, grouped) for e, x in rows.items()}
         clock.sending = time.perf_counter()
-        calls = {e: self._send(step, e, x, placement[e], messages[e]) for e, x in rows.items()}
-        layer_stall = 0.0  # workers load in parallel: the slowest wait is what main waited for
+        calls = {e: self._send(step, e, x, placement[e], grouped, messages[e]) for e, x in rows.items()}
         deadline = time.monotonic() + self.timeout_s
         while not all(c.done for c in calls.values()):
             received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
             for worker, frames in received:
-                arrived = time.perf_counter()
-                result = self._take(step, calls, worker, frames)
-                clock.take_s += time.perf_counter() - arrived
-                if result is not None:
-                    clock.answered, clock.worker_s = arrived, result.handled_s
-                    layer_stall = max(layer_stall, result.waited_s)
+                self._take(ctx, step, calls, worker, frames)
             if lost:
-                self._resend(step, calls, set(lost))
+                self._resend(ctx, step, calls, set(lost), grouped)
             if time.monotonic() >= deadline and not all(c.done for c in calls.values()):
                 # the per-call deadline: alive by heartbeat, yet silent (a frozen process)
                 silent = {c.worker for c in calls.values() if not c.done}
@@ -402,21 +694,16 @@ class RemoteExperts:
                     self.members.mark_lost(
                         worker, f"no answer for layer {step.layer} within {self.timeout_s:g}s"
                     )
-                self._resend(step, calls, silent)
+                self._resend(ctx, step, calls, silent, grouped)
                 deadline = time.monotonic() + self.timeout_s
-        if step.iteration >= 1:
-            stall = self.traffic.stall_s_per_layer
-            stall[step.layer] = stall.get(step.layer, 0.0) + layer_stall
-        outputs = {
+        return {
             e: torch.cat([c.parts[i] for i in sorted(c.parts)]) if len(c.parts) > 1 else c.parts[0]
             for e, c in calls.items()
         }
-        # a re-sent call never releases: its new worker gets a Release after the layer
-        return outputs, {w for w, e in last_call.items() if calls[e].worker == w}
 
-    def _encode(self, step: Step, expert: int, x: torch.Tensor, release: bool = False) -> list[list]:
+    def _encode(self, step: Step, expert: int, x: torch.Tensor, grouped: list[int]) -> list[list]:
         """One expert's rows as the frames of each message: one message, or prefill mini-batches."""
-        size = self.prefill.mini_batch if step.iteration == 0 and self.prefill.mini_batch > 0 else x.shape[0]
+        size = self.prefill.mini_batch if self.prefill.mini_batch > 0 else x.shape[0]
         chunks = torch.split(x, max(size, 1)) if x.shape[0] > size else (x,)
         per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
         return [
@@ -428,8 +715,7 @@ class RemoteExperts:
                     part=part,
                     parts=len(chunks),
                     per_part=per_part,
-                    grouped_shape=self._grouped_shape,
-                    release=release,
+                    grouped_shape=grouped,
                 ),
                 [chunk],
             )
@@ -437,11 +723,17 @@ class RemoteExperts:
         ]
 
     def _send(
-        self, step: Step, expert: int, x: torch.Tensor, worker: int, messages: list[list] | None = None
+        self,
+        step: Step,
+        expert: int,
+        x: torch.Tensor,
+        worker: int,
+        grouped: list[int],
+        messages: list[list] | None = None,
     ) -> _Call:
         """Send one expert's rows (`messages`: as `_encode` made them). A worker that cannot take
         them is lost, and the rows go to its replacement."""
-        messages = messages or self._encode(step, expert, x)
+        messages = messages or self._encode(step, expert, x, grouped)
         while True:
             sent = True
             for frames in messages:
@@ -460,56 +752,53 @@ class RemoteExperts:
         except LayerUnavailable as exc:
             raise WorkerUnavailable(f"{exc}; request {step.request} cannot go on") from None
 
-    def _resend(self, step: Step, calls: dict[int, _Call], lost: set[int]) -> None:
+    def _resend(self, ctx: RunContext, step: Step, calls: dict[int, _Call], lost: set[int], grouped) -> None:
         owed = owed_calls(calls, lost)
         if not owed:
             return
         new = self._replacement(step, owed)
         for e in owed:
-            calls[e] = self._send(step, e, calls[e].rows, new[e])
-            self.traffic.resent += 1
+            calls[e] = self._send(step, e, calls[e].rows, new[e], grouped)
+            ctx.traffic.resent += 1
         log.info(
             "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
         )
 
-    def _take(self, step: Step, calls: dict[int, _Call], worker: int, frames) -> ExpertResult | None:
+    def _take(self, ctx: RunContext, step: Step, calls: dict[int, _Call], worker: int, frames) -> None:
         """Record one answer if it is one this step is waiting for, from the worker it is placed on."""
         try:
             result, tensors = from_frames(frames)
         except CodecError as exc:
             self.dropped.drop(f"from worker {worker}: {exc}")
-            return None
+            return
         if not isinstance(result, ExpertResult) or result.step != step:
-            return None  # a Pong, or a late answer to an earlier, abandoned step
+            return  # a Pong, or a late answer to an earlier, abandoned step
         call = calls.get(result.expert)
         if call is None or call.worker != worker or result.worker != worker or result.part in call.parts:
-            return None  # re-sent elsewhere since, or a duplicate
+            return  # re-sent elsewhere since, or a duplicate
         if result.error:
             raise WorkerFailed(f"worker {worker} failed on layer {step.layer}: {result.error}")
         n = call.rows.shape[0] if call.expected == 1 else None
         if len(tensors) != 1 or tensors[0].dim() != 2 or (n is not None and tensors[0].shape[0] != n):
             self.dropped.drop(f"worker {worker} answered expert {result.expert} with malformed rows")
-            return None
+            return
         self.tracer.message("main", "result", step, result.expert, sent=False)
-        self.traffic.add(result)
-        if len(result.hedges) == 3:
-            self.traffic.hedging[worker] = result.hedges
-        if step.iteration >= 1:
-            self.traffic.preloaded += result.preloaded
-            self.traffic.reloads += not result.preloaded
+        ctx.traffic.add(result)
         call.parts[result.part] = tensors[0]
-        return result
 
-    def recall(self, wait_s: float = 1.0) -> RecallCounter:
-        """Recall as the paper defines it (accuracy of every prediction, whenever it arrived): waits up to
-        wait_s for predictions of this request still in flight."""
+    # -- stats ---------------------------------------------------------------------------------
+    def recall(self, ctx: RunContext | None = None, wait_s: float = 1.0) -> RecallCounter:
+        """Recall as the paper defines it (accuracy of every prediction, whenever it arrived), for
+        one request: waits up to wait_s for its predictions still in flight."""
+        ctx = ctx or self.current
         counter = RecallCounter()
         predictions = (
-            self.shadow.collect(list(self.traffic.activated), wait_s) if self.shadow is not None else {}
+            self.shadow.collect(ctx.request, list(ctx.traffic.activated), wait_s)
+            if self.shadow is not None
+            else {}
         )
-        for (iteration, layer), experts in sorted(self.traffic.activated.items()):
-            prediction = predictions.get((iteration, layer))
-            counter.add(iteration, layer, prediction.experts if prediction else None, experts)
+        for (iteration, layer), experts in sorted(ctx.traffic.activated.items()):
+            counter.add(iteration, layer, predictions.get((iteration, layer)), experts)
         return counter
 
     def ping_all(self, timeout_s: float) -> list[Pong]:
@@ -522,3 +811,15 @@ class RemoteExperts:
 
     def close(self) -> None:
         self.members.close()
+
+
+def _requests_choice(prediction: Prediction | None, request: str) -> list[int] | None:
+    """What the shadow predicted for this request (None: no prediction for it arrived in time)."""
+    if prediction is None:
+        return None
+    if not prediction.requests:
+        return prediction.experts  # one request alone
+    try:
+        return prediction.request_experts[prediction.requests.index(request)]
+    except (ValueError, IndexError):
+        return None

@@ -1,15 +1,16 @@
-"""Requests waiting for main's one engine thread: arrival order, bounded, with deadlines.
+"""Requests waiting for main's engine thread: arrival order, bounded, with deadlines.
 
 Contract: a front door (gRPC or HTTP) calls `submit(request, timeout_s)` and gets a `Ticket` at once,
-or `QueueFull` when `max_waiting` requests already wait (the caller answers 429 / RESOURCE_EXHAUSTED:
-a queue that grows without bound only turns into timeouts later; a request handed straight to an
-idle engine thread does not wait, even before that thread has woken), or `QueueClosed` once main shuts
-down (UNAVAILABLE / 503: clients fail over). The engine thread calls `take()` and serves tickets one
-at a time, putting each event in the ticket; the front door reads them with `Ticket.next()`. A
-ticket is cancelled by its front door when the client goes away (`Ticket.cancel()`): the engine
-stops it within one decode iteration, or skips it if it had not started. A ticket past its deadline
-(counted from arrival, queueing included) fails with `DeadlineExceeded` the same way. The queue knows
-nothing about the engine or either protocol.
+or `QueueFull` when `max_waiting` requests already wait beyond the ones the engine will take at its
+next iteration (the caller answers 429 / RESOURCE_EXHAUSTED: a queue that grows without bound only
+turns into timeouts later; a request handed straight to an idle engine thread, or arriving while the
+engine has room to run it (`capacity`), does not wait), or `QueueClosed` once main shuts down
+(UNAVAILABLE / 503: clients fail over). The engine thread calls `take()` at every iteration boundary
+for as many tickets as it can run together (continuous batching), putting each event in its ticket;
+the front door reads them with `Ticket.next()`. A ticket is cancelled by its front door when the
+client goes away (`Ticket.cancel()`): the engine stops it at the next iteration boundary, or skips
+it if it had not started. A ticket past its deadline (counted from arrival, queueing included) fails
+with `DeadlineExceeded` the same way. The queue knows nothing about the engine or either protocol.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ class DeadlineExceeded(RuntimeError):
     """The request did not finish within its deadline."""
 
 
-@dataclass
+@dataclass(eq=False)  # a ticket is itself, not its fields (the running set holds them)
 class Ticket:
     request: object
     deadline: float  # time.monotonic() by which it must be done
@@ -72,7 +73,8 @@ class RequestQueue:
         # wakes (a second request right behind it may wait; a third is refused).
         self._idle_takers = 0
         self._handed: Ticket | None = None
-        self.running: Ticket | None = None
+        self.running: set[Ticket] = set()
+        self.capacity = 0  # requests the engine would start at its next iteration (set by the engine)
         self.closed = False
 
     @property
@@ -88,28 +90,35 @@ class RequestQueue:
                 raise QueueClosed("main is shutting down")
             if self._idle_takers and self._handed is None and not self._waiting:
                 self._handed = ticket
-            elif len(self._waiting) >= self.max_waiting:
+            elif len(self._waiting) >= self.max_waiting + self.capacity:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting already (server.max_waiting)")
             else:
                 self._waiting.append(ticket)
             self._ready.notify()
         return ticket
 
-    def take(self, timeout: float) -> Ticket | None:
-        """The engine thread's next ticket to serve (None when none came within timeout). Tickets
-        cancelled or expired while waiting are ended here and never served."""
+    def take(self, timeout: float, fits=None) -> Ticket | None:
+        """The engine thread's next ticket to serve (None when none came within timeout, or when
+        `fits(ticket)` says the first in line does not fit yet: it stays first). Tickets cancelled
+        or expired while waiting are ended here and never served."""
         end = time.monotonic() + timeout
         with self._ready:
             while True:
                 while self._handed is not None or self._waiting:
-                    ticket, self._handed = self._handed or self._waiting.popleft(), None
+                    ticket = self._handed or self._waiting[0]
+                    if not (ticket.cancelled.is_set() or ticket.expired()) and fits and not fits(ticket):
+                        return None
+                    if self._handed is ticket:
+                        self._handed = None
+                    else:
+                        self._waiting.popleft()
                     if ticket.cancelled.is_set():
                         ticket.put(END)
                     elif ticket.expired():
                         ticket.put(DeadlineExceeded("the request's deadline passed while it waited"))
                         ticket.put(END)
                     else:
-                        self.running = ticket
+                        self.running.add(ticket)
                         return ticket
                 left = end - time.monotonic()
                 if left <= 0 or self.closed:
@@ -122,7 +131,7 @@ class RequestQueue:
 
     def done(self, ticket: Ticket) -> None:
         ticket.put(END)
-        self.running = None
+        self.running.discard(ticket)
 
     def close(self, reason: Exception) -> None:
         """Shutting down: every waiting ticket ends with `reason`."""

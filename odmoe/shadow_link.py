@@ -1,10 +1,13 @@
 """Main's side of the shadow: tell it what main did, collect what it predicts.
 
-Contract: `begin` / `align` / `end` push control messages to the shadow (PUSH -> its PULL);
-`prediction(step)` returns the shadow's prediction for that (request, iteration, layer) if it has
-arrived (SUB to its PUB, drained without blocking), else None: main never waits for the shadow.
-While draining it notes, for each prediction, how many MoE layers ahead of main it arrived, and
-the shadow's late departure per iteration.
+Contract: `begin` / `align` / `end` push one request's control messages to the shadow (PUSH -> its
+PULL); several requests may run at once (`odmoe.engine`). `prediction(step)` returns the shadow's
+prediction for that (stream, tick, layer) if it has arrived (SUB to its PUB, drained without
+blocking), else None: main never waits for the shadow. With several requests a prediction is the
+union of their choices, each request's own listed in it (`Prediction.requests`). While draining it
+notes, per request, how many MoE layers ahead of main each prediction arrived, and the shadow's
+late departure per iteration. `collect(request, ...)` gives one request's predictions by its own
+(iteration, layer), for the paper's recall, once the shadow has said it is done with it.
 
 Losing the shadow costs speed, never tokens: the control connection is heartbeated, every send is
 non-blocking (dropped when the shadow is gone or too far behind), and a request that begins while
@@ -55,6 +58,20 @@ class ShadowObservations:
     rollbacks: int = 0  # speculative: how often the shadow rolled back in this request
 
 
+@dataclass
+class _Request:
+    """What main knows of one request at the shadow."""
+
+    stream: str
+    first_tick: int  # main's tick of its decode iteration 1
+    active: bool  # it runs with the shadow (the shadow was up when it began)
+    ended: bool = False  # the shadow said it works on it no more (ShadowEnded)
+    seen: ShadowObservations = field(default_factory=ShadowObservations)
+
+    def tick(self, iteration: int) -> int:
+        return self.first_tick + iteration - 1
+
+
 class ShadowLink:
     def __init__(
         self,
@@ -68,11 +85,9 @@ class ShadowLink:
         self.curve = curve  # security on: both connections are CURVE clients of the key "shadow"
         self.heartbeat = heartbeat or Heartbeat()
         self.order = {layer: i for i, layer in enumerate(moe_layers)}
-        self.request = ""
-        self.active = False  # this request runs with the shadow
-        self.ended = False  # the shadow said it works on this request no more (ShadowEnded)
-        self.predictions: dict[tuple[int, int], Prediction] = {}
-        self.seen = ShadowObservations()
+        self.requests: dict[str, _Request] = {}
+        self.stream = ""
+        self.predictions: dict[tuple[int, int], Prediction] = {}  # the stream's, by (tick, layer)
         self.dropped = DropLog(log, "main (predictions)")
         self._connect(control_address, pub_address)
 
@@ -120,54 +135,117 @@ class ShadowLink:
         except zmq.Again:  # gone, or too far behind to use: main never waits for the shadow
             pass
 
-    def begin(self, request: str, prompt_ids: list[int], max_new_tokens: int) -> None:
-        self.request, self.predictions, self.seen = request, {}, ShadowObservations()
-        self.ended = False
-        self.lost_at_us = 0.0  # stats report a loss seen during this request only
-        self.active = self.up
-        if self.active:
-            self._send(to_frames(BeginRequest(request, prompt_ids, max_new_tokens)))
+    # -- one request ----------------------------------------------------------------------------
+    def begin(
+        self, request: str, prompt_ids: list[int], max_new_tokens: int, stream: str = "", first_tick: int = 1
+    ) -> None:
+        stream = stream or request
+        if stream != self.stream:  # a new busy period: the old stream's predictions are no use
+            self.stream, self.predictions = stream, {}
+        if not self.requests:
+            self.lost_at_us = 0.0  # stats report a loss seen while these requests ran only
+        active = self.up
+        self.requests[request] = _Request(stream, first_tick, active)
+        if active:
+            self._send(to_frames(BeginRequest(request, prompt_ids, max_new_tokens, stream, first_tick)))
 
     def align(
         self,
+        request: str,
         iteration: int,
         token: int,
         keys: torch.Tensor | None,
         values: torch.Tensor | None,
         next_align: int = 0,
     ) -> None:
-        if not self.active:
+        r = self.requests.get(request)
+        if r is None or not r.active:
             return
         if not self.up:  # lost mid-request: stop talking to it (a poll of its monitor, microseconds)
-            self.active = False
+            for other in self.requests.values():
+                other.active = False
             return
         tensors = [keys, values] if keys is not None else []
         message = Align(
-            self.request, iteration, token, keys is not None, sent_at_us=now_us(), next_align=next_align
+            request, iteration, token, keys is not None, sent_at_us=now_us(), next_align=next_align
         )
         self._send(to_frames(message, tensors), copy=False)
 
-    def end(self) -> None:
-        if self.active:
-            self._send(to_frames(EndRequest(self.request)))
+    def end(self, request: str) -> None:
+        r = self.requests.get(request)
+        if r is not None and r.active:
+            self._send(to_frames(EndRequest(request)))
 
+    def was_active(self, request: str) -> bool:
+        r = self.requests.get(request)
+        return r is not None and r.active
+
+    def observations(self, request: str) -> ShadowObservations:
+        r = self.requests.get(request)
+        return r.seen if r is not None else ShadowObservations()
+
+    def ended(self, request: str) -> bool:
+        """The shadow sent every prediction it will send for this request (or it never had it)."""
+        self._drain(None)
+        r = self.requests.get(request)
+        return r is None or not r.active or r.ended
+
+    def wait_ended(self, request: str, deadline: float) -> None:
+        """Wait (until `deadline`, time.monotonic) for the shadow to say it is done with `request`."""
+        while not self.ended(request) and time.monotonic() < deadline:
+            self.sub.poll(10)
+
+    def forget(self, request: str) -> None:
+        """The request's stats are out: drop what is kept for it, and predictions nobody needs."""
+        self.requests.pop(request, None)
+        live = [r.first_tick for r in self.requests.values() if r.stream == self.stream]
+        oldest = min(live, default=None)
+        if oldest is None:
+            self.predictions = {}
+        else:
+            self.predictions = {k: p for k, p in self.predictions.items() if k[0] >= oldest}
+
+    # -- predictions ----------------------------------------------------------------------------
     def prediction(self, step: Step) -> Prediction | None:
-        if not self.active:
+        if not any(r.active for r in self.requests.values()):
             return None
         self._drain(step)
+        if step.request != self.stream:
+            return None
         return self.predictions.get((step.iteration, step.layer))
 
-    def collect(self, keys: list[tuple[int, int]], wait_s: float) -> dict[tuple[int, int], Prediction]:
-        """This request's predictions for `keys`, waiting up to wait_s for ones still in flight: until
-        the shadow has said it stopped working on the request (after `end`), whose predictions for
-        the rest will never come. Without that word (a lost or stuck shadow) wait_s bounds the wait."""
-        if not self.active:
+    def collect(
+        self, request: str, keys: list[tuple[int, int]], wait_s: float
+    ) -> dict[tuple[int, int], list[int]]:
+        """The request's own predictions by its (iteration, layer), for `keys`, waiting up to wait_s
+        for ones still in flight: until the shadow has said it stopped working on the request, whose
+        predictions for the rest will never come. Without that word (a lost or stuck shadow) wait_s
+        bounds the wait."""
+        r = self.requests.get(request)
+        if r is None or not r.active:
             return {}
         deadline = time.monotonic() + wait_s
-        while not self.ended and any(k not in self.predictions for k in keys) and time.monotonic() < deadline:
+        while not r.ended and any(self._choice(request, r, k) is None for k in keys):
+            if time.monotonic() >= deadline:
+                break
             if self.sub.poll(10):
                 self._drain(None)
-        return dict(self.predictions)
+        found = {k: self._choice(request, r, k) for k in keys}
+        return {k: v for k, v in found.items() if v is not None}
+
+    def _choice(self, request: str, r: _Request, key: tuple[int, int]) -> list[int] | None:
+        iteration, layer = key
+        if r.stream != self.stream:
+            return None
+        prediction = self.predictions.get((r.tick(iteration), layer))
+        if prediction is None:
+            return None
+        if not prediction.requests:
+            return prediction.experts
+        try:
+            return prediction.request_experts[prediction.requests.index(request)]
+        except (ValueError, IndexError):
+            return None
 
     def _drain(self, now: Step | None) -> None:
         while self.sub.poll(0):
@@ -177,7 +255,7 @@ class ShadowLink:
             except CodecError as exc:
                 self.dropped.drop(exc)
                 continue
-            if isinstance(message, Prediction) and message.step.request == self.request:
+            if isinstance(message, Prediction) and message.step.request == self.stream:
                 if message.step.layer not in self.order:
                     self.dropped.drop(
                         f"a prediction for layer {message.step.layer}, which is not a MoE layer"
@@ -191,17 +269,26 @@ class ShadowLink:
                         + self.order[s.layer]
                         - self.order[now.layer]
                     )
-                    self.seen.lookahead_layers.append(ahead)
-            elif isinstance(message, ShadowEnded) and message.request == self.request:
-                self.ended = True
-            elif isinstance(message, ShadowIteration) and message.request == self.request:
-                self.seen.late_departure_s[message.iteration] = message.late_departure_s
-                self.seen.alignment_wait_s[message.iteration] = message.alignment_wait_s
-                self.seen.ahead[message.iteration] = message.ahead
-                self.seen.rollbacks = max(self.seen.rollbacks, message.rollbacks)
-                self.seen.device_peak_bytes = max(self.seen.device_peak_bytes, message.device_peak_bytes)
+                    for name in message.requests or self.requests:
+                        r = self.requests.get(name)
+                        if r is not None and r.stream == self.stream:
+                            r.seen.lookahead_layers.append(ahead)
+            elif isinstance(message, ShadowEnded):
+                r = self.requests.get(message.request)
+                if r is not None:
+                    r.ended = True
+            elif isinstance(message, ShadowIteration):
+                r = self.requests.get(message.request)
+                if r is None:
+                    continue
+                seen = r.seen
+                seen.late_departure_s[message.iteration] = message.late_departure_s
+                seen.alignment_wait_s[message.iteration] = message.alignment_wait_s
+                seen.ahead[message.iteration] = message.ahead
+                seen.rollbacks = max(seen.rollbacks, message.rollbacks)
+                seen.device_peak_bytes = max(seen.device_peak_bytes, message.device_peak_bytes)
                 if message.iteration > 1:
-                    self.seen.forward_s[message.iteration - 1] = message.previous_forward_s
+                    seen.forward_s[message.iteration - 1] = message.previous_forward_s
 
     def close(self) -> None:
         self.control.close()

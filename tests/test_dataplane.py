@@ -17,7 +17,9 @@ from odmoe.messages import (
     _ALL,
     Align,
     ComputeExpert,
+    ComputeExperts,
     ExpertResult,
+    ExpertsResult,
     Pong,
     Prediction,
     Release,
@@ -35,9 +37,14 @@ STEP = Step("r-1", 3, 2)
 SAMPLES = [
     ComputeExpert(step=STEP, expert=6, kernel="eager", part=1, parts=3, per_part=True, release=True),
     ExpertResult(STEP, 6, 1, 0.5, 0.25, 7, 8, error="", preloaded=True, part=2, waited_s=0.125),
+    ComputeExperts(STEP, [1, 6], [[1], [1, 1]], "grouped_mm", [2, 8], release=True),
+    ExpertsResult(
+        STEP, 1, [1, 6], [0.5, 0.0], [0.25, 0.5], [7, 0], [False, True], [0.125, 0.0], 9, hedges=[1, 0, 2]
+    ),
     Pong(1, [0, 2], 10, 11, [8.0, 0.1], 12),
     Release(STEP),
     Prediction(STEP, [1, 4], [1, 4, 5], [0.5, 0.25, 0.125]),
+    Prediction(STEP, [1, 4, 2], [1, 4, 5], [0.5, 0.25, 0.125], [5], ["r-1", "r-2"], [[1, 4], [2, 4]]),
     Align("r-1", 4, 9, True, 1.5),
     MembershipMessage([0, 1], "tcp://127.0.0.1:5"),
 ]
@@ -126,7 +133,7 @@ def test_encoding_does_not_copy_a_contiguous_row_and_copies_a_view():
 
 # -- main's messages per layer -----------------------------------------------------------------------
 class _Workers(Membership):
-    """Membership without sockets: each ComputeExpert is answered at once with its rows doubled.
+    """Membership without sockets: each ComputeExperts is answered at once with its rows doubled.
     `lose`: the worker reported lost at the first wait, its answers never arriving."""
 
     def __init__(self, topology: Topology, lose: int | None = None):
@@ -141,9 +148,12 @@ class _Workers(Membership):
         message, tensors = from_frames(frames)
         self.sent.append((worker, message.kind))
         self.messages.append((worker, message))
-        if isinstance(message, ComputeExpert) and worker != self.lose:
-            result = ExpertResult(message.step, message.expert, worker, 0.0, 0.0, 0, 0)
-            self.inbox.append((worker, to_frames(result, [tensors[0] * 2])))
+        if isinstance(message, ComputeExperts) and worker != self.lose:
+            n = len(message.experts)
+            result = ExpertsResult(
+                message.step, worker, message.experts, [0.0] * n, [0.0] * n, [0] * n, [True] * n, [0.0] * n, 0
+            )
+            self.inbox.append((worker, to_frames(result, [t * 2 for t in tensors])))
         return True
 
     def wait(self, timeout_ms):
@@ -173,14 +183,14 @@ def _decode_layer(shadow, experts=(1, 3), topology=None, lose=None):
     return members
 
 
-def _calls(members) -> list[tuple[int, int, bool]]:
-    return [(w, m.expert, m.release) for w, m in members.messages if isinstance(m, ComputeExpert)]
+def _calls(members) -> list[tuple[int, tuple[int, ...], bool]]:
+    return [(w, tuple(m.experts), m.release) for w, m in members.messages if isinstance(m, ComputeExperts)]
 
 
 def test_without_a_shadow_a_decode_layer_sends_only_its_expert_calls():
     """Nothing is ever preloaded without a shadow, so a Release would only wake the workers."""
     members = _decode_layer(None)
-    assert sorted(kind for _, kind in members.sent) == ["compute", "compute"]
+    assert sorted(kind for _, kind in members.sent) == ["compute_experts", "compute_experts"]
     assert not any(release for *_, release in _calls(members))
 
 
@@ -188,26 +198,26 @@ def test_with_a_shadow_each_workers_call_releases_the_layer_and_no_release_is_se
     """Both workers of the group got a call: it says the layer is over for them (a Release message
     per worker would wake each once more per layer)."""
     members = _decode_layer(_Shadow())
-    assert sorted(_calls(members)) == [(0, 1, True), (1, 3, True)]
-    assert [kind for _, kind in members.sent] == ["compute", "compute"]
+    assert sorted(_calls(members)) == [(0, (1,), True), (1, (3,), True)]
+    assert [kind for _, kind in members.sent] == ["compute_experts", "compute_experts"]
 
 
 def test_a_worker_of_the_group_that_got_no_call_gets_a_release():
     members = _decode_layer(_Shadow(), experts=(3,))
-    assert _calls(members) == [(0, 3, True)]
+    assert _calls(members) == [(0, (3,), True)]
     assert members.sent[-1] == (1, "release")
 
 
-def test_of_two_calls_to_one_worker_only_the_last_releases():
-    """A worker handles its calls in send order: releasing with the first would drop the second's preload."""
+def test_a_workers_experts_of_a_layer_go_in_one_message_which_releases():
+    """One message per worker and layer, whatever it computes: one wake-up, one answer."""
     members = _decode_layer(_Shadow(), topology=Topology(workers=1, group_size=1))
-    assert _calls(members) == [(0, 1, False), (0, 3, True)]
+    assert _calls(members) == [(0, (1, 3), True)]
     assert "release" not in [kind for _, kind in members.sent]
 
 
 def test_a_re_sent_call_does_not_release_and_its_new_worker_gets_a_release():
     members = _decode_layer(_Shadow(), experts=(3,), lose=0)
-    assert _calls(members) == [(0, 3, True), (1, 3, False)]
+    assert _calls(members) == [(0, (3,), True), (1, (3,), False)]
     assert members.sent[-1] == (1, "release")
 
 

@@ -54,13 +54,13 @@ def test_collecting_stops_once_the_shadow_says_it_ended_the_request():
     shadow = _FakeShadow()
     link = _link_with_a_request(shadow)
     try:
-        link.end()
+        link.end("r")
         assert isinstance(shadow.received(), EndRequest)
         # the shadow was behind: one more prediction was in flight, the rest never comes
         shadow.publish(Prediction(Step("r", 1, 1), [0, 3], [0, 3, 4], [0.5, 0.3, 0.2]))
         shadow.publish(ShadowEnded("r"))
         start = time.monotonic()
-        got = link.collect([(1, 0), (1, 1), (2, 0), (2, 1)], wait_s=10.0)
+        got = link.collect("r", [(1, 0), (1, 1), (2, 0), (2, 1)], wait_s=10.0)
         assert time.monotonic() - start < 5.0  # without the word: the whole 10 s
         assert sorted(got) == [(1, 0), (1, 1)]  # what was published before the word is all in
     finally:
@@ -74,9 +74,36 @@ def test_another_requests_end_does_not_stop_the_wait():
     try:
         shadow.publish(ShadowEnded("an earlier request"))
         start = time.monotonic()
-        link.collect([(1, 0), (1, 1)], wait_s=0.5)
+        link.collect("r", [(1, 0), (1, 1)], wait_s=0.5)
         assert time.monotonic() - start >= 0.45  # still waited: that word was not about this request
-        assert not link.ended
+        assert not link.ended("r")
+    finally:
+        link.close()
+        shadow.close()
+
+
+def test_two_requests_of_one_stream_each_get_their_own_choice_by_their_own_iteration():
+    """Several requests: one prediction per (stream, tick, layer), the union, each request's own
+    choice listed; main maps a request's iteration n to tick first_tick + n - 1."""
+    shadow = _FakeShadow()
+    link = _link_with_a_request(shadow)  # "r": stream "r", iteration n = tick n
+    try:
+        link.begin("q", [4, 5], 8, stream="r", first_tick=3)  # joined later: its iteration 1 is tick 3
+        assert isinstance(shadow.received(), BeginRequest)
+        union = Prediction(
+            Step("r", 3, 0), [1, 2, 5], [1, 2, 3], [0.5, 0.3, 0.2], [], ["r", "q"], [[1, 2], [2, 5]]
+        )
+        shadow.publish(union)
+        shadow.publish(ShadowEnded("q"))
+        deadline = time.monotonic() + 5
+        while link.prediction(Step("r", 3, 0)) is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert link.prediction(Step("r", 3, 0)).experts == [1, 2, 5]
+        assert link.collect("q", [(1, 0)], wait_s=1.0) == {(1, 0): [2, 5]}
+        assert link.collect("r", [(3, 0)], wait_s=0.0) == {(3, 0): [1, 2]}
+        link.forget("r")  # q's ticks stay: its recall still needs them
+        assert link.collect("q", [(1, 0)], wait_s=0.0) == {(1, 0): [2, 5]}
     finally:
         link.close()
         shadow.close()

@@ -1,0 +1,188 @@
+"""One request on main, from admission to its last event: what the decode loop keeps per request.
+
+Contract: a `RequestRun` holds a request's prompt, tokens so far, K/V cache (`DynamicCache`), token
+chooser (greedy or seeded sampling, `odmoe.sampling`), stop strings and streamed text. The engine
+calls `forward()` once per iteration (inside a lockstep task: it may park at every MoE layer) and
+`accept(logits)` with what it returned; `accept` chooses the token exactly as `generate()` would,
+streams it (a `TokenEvent` to the run's sink) unless it is a replayed one, and says whether the
+request is over. The inputs of every forward pass are the ones transformers' `generate()` uses
+(attention mask of ones, `logits_to_keep=1`, the cache), so a run's tokens are those of the same
+request alone, whatever else runs beside it: its cache, chooser and inputs are its own.
+
+Resuming (`resume_ids`: the tokens a client already received from a main that was lost): they are
+replayed one decode iteration each, exactly as they were first computed, and not streamed again;
+a one-shot prefill of prompt + resumed tokens would differ from the reference in the last bits.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache, PreTrainedTokenizerBase
+
+from odmoe.alignment import AlignmentPlan
+from odmoe.main_model import MainModel
+from odmoe.remote_experts import RunContext
+from odmoe.sampling import SamplingParams, TokenChooser
+from odmoe.stop_strings import StopStrings
+from odmoe.trace import now_us
+
+log = logging.getLogger("odmoe.main")
+
+
+class InvalidRequest(ValueError):
+    """The request itself is wrong (empty prompt, too many tokens...): the client's to fix."""
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    prompt: str = ""
+    token_ids: tuple[int, ...] = ()
+    max_new_tokens: int = 32
+    return_logits: bool = False  # send the last position's logits back (fidelity checks)
+    resume_ids: tuple[int, ...] = ()  # new tokens already sent by a main that was lost: replayed
+    sampling: SamplingParams = SamplingParams()  # greedy unless do_sample
+    stop: tuple[str, ...] = ()  # stop strings: the request ends where one appears, which is not shown
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+    text: str  # the new text this token completes (may be "" mid-way through a UTF-8 character)
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    stats: dict  # stats["finish_reason"]: "stop" (EOS or a stop string) or "length" (max_new_tokens)
+    final_logits: torch.Tensor | None = None  # [vocab] fp32, when the request asked for it
+
+
+Sink = Callable[[object], None]  # where a run's events go (a ticket's queue)
+
+
+class RequestRun:
+    def __init__(
+        self,
+        request: GenerateRequest,
+        prompt_ids: list[int],
+        main: MainModel,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_ids: set[int],
+        ctx: RunContext,
+        plan: AlignmentPlan,
+        sink: Sink,
+        first_tick: int = 1,
+        prefill_quota: int = 0,
+    ):
+        self.request, self.main, self.eos_ids, self.ctx, self.plan = request, main, eos_ids, ctx, plan
+        self.sink = sink
+        self.start, self.start_us = time.perf_counter(), now_us()
+        self.prompt_len = len(prompt_ids)
+        self.chooser = TokenChooser(main.model, request.sampling, prompt_ids)
+        self.stops, self.text = StopStrings(request.stop), _Detokenizer(tokenizer)
+        self.cache = DynamicCache(config=main.model.config)
+        self.step_input = torch.tensor([prompt_ids])
+        self.resumed = list(request.resume_ids)
+        self.new_ids: list[int] = []
+        self.iteration = 0  # 0: prefill; n: the n-th decode iteration
+        self.first_token_at = 0.0
+        self.finish_reason = "length"
+        self.logits: torch.Tensor | None = None
+        self.first_tick = first_tick  # main's tick of its decode iteration 1 (names its predictions)
+        self.prefill_quota = prefill_quota  # MoE layers its prefill may exchange per tick (0: all)
+        self.prefill_layers = 0  # MoE layers its prefill exchanged in the current tick
+        self.done = False
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def decoding(self) -> bool:
+        return self.iteration >= 1
+
+    def already_over(self) -> bool:
+        """The lost main had streamed every token and died before its final reply."""
+        resumed = self.resumed
+        return len(resumed) == self.request.max_new_tokens or bool(set(resumed[-1:]) & self.eos_ids)
+
+    def forward(self) -> torch.Tensor:
+        """This iteration's forward pass (prefill, or one token): the last position's logits [1, V]."""
+        device = self.main.device  # tokens are chosen on the host (odmoe.sampling), computed here
+        mask = torch.ones(1, self.prompt_len + len(self.new_ids), dtype=torch.long, device=device)
+        out = self.main.model(
+            input_ids=self.step_input.to(device),
+            attention_mask=mask,
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        return out.logits[:, -1, :].float().cpu()
+
+    def accept(self, logits: torch.Tensor) -> bool:
+        """Choose this iteration's token, stream it (unless replayed); True when the request is over."""
+        self.logits = logits
+        token = self.chooser.choose(logits)
+        iteration = self.iteration
+        replayed = iteration < len(self.resumed)
+        if replayed:
+            if token != self.resumed[iteration]:
+                log.warning(
+                    "request %s: resumed token %d is %d, this main would pick %d (is it the same "
+                    "model and dtype as the main that was lost?)",
+                    self.request_id,
+                    iteration,
+                    self.resumed[iteration],
+                    token,
+                )
+            token = self.resumed[iteration]
+            self.chooser.replace_last(token)
+        self.new_ids.append(token)
+        if not replayed and not self.first_token_at:
+            self.first_token_at = time.perf_counter()
+        piece, stopped = self.stops.feed(self.text.add(token))
+        finished = stopped or token in self.eos_ids or iteration + 1 == self.request.max_new_tokens
+        if stopped or token in self.eos_ids:
+            self.finish_reason = "stop"
+        if finished:
+            piece += self.stops.flush()  # held back for a stop string that never came
+        if not replayed:
+            self.sink(TokenEvent(token, piece))
+        self.step_input = torch.tensor([[token]])
+        self.done = finished
+        return finished
+
+    @property
+    def rows_last_iteration(self) -> int:
+        """K/V rows the last forward pass added (the prompt's, after prefill)."""
+        return self.prompt_len if self.iteration == 0 else 1
+
+    def next_iteration(self) -> None:
+        self.iteration += 1
+        self.prefill_layers = 0
+
+    @property
+    def streamed(self) -> list[int]:
+        """What this main streamed (resumed tokens excepted)."""
+        return self.new_ids[len(self.resumed) :]
+
+
+class _Detokenizer:
+    """Streams text: each token yields the text it completes, holding back half a UTF-8 character."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase):
+        self.tokenizer, self.ids, self.emitted = tokenizer, [], ""
+
+    def add(self, token: int) -> str:
+        self.ids.append(token)
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        if full.endswith("\ufffd"):
+            return ""
+        piece, self.emitted = full[len(self.emitted) :], full
+        return piece
