@@ -506,13 +506,24 @@ class WorkerNode:
         slots = [self.slots.find((step.layer, e), tag) for e in request.experts]
         preloaded = [s is not None for s in slots]
         # Misses load in the background (free slots permitting) while something else computes: the
-        # preloaded experts, else the first miss, loaded here (a lone miss gains nothing from a
-        # hand-off to the loader thread, which costs a wake-up).
+        # preloaded experts, else the first miss, loaded here first (a lone miss gains nothing from a
+        # hand-off to the loader thread, which costs a wake-up). Whatever finds no free slot now
+        # loads when its turn comes, after the ones before it are computed and evicted.
         misses = [i for i in range(n) if not preloaded[i]]
-        for i in misses[0 if len(misses) < n else 1 :]:
-            if self.slots.free:
-                slots[i] = self.slots.load_async((step.layer, request.experts[i]), tag=tag)
-        order = sorted(range(n), key=lambda i: (not preloaded[i], slots[i] is not None and not preloaded[i]))
+        try:
+            if misses and len(misses) == n:
+                self._make_room()
+                slots[misses[0]] = self.slots.load((step.layer, request.experts[misses[0]]), tag=tag)
+            for i in misses:
+                if slots[i] is None and self.slots.free:
+                    slots[i] = self.slots.load_async((step.layer, request.experts[i]), tag=tag)
+        except Exception as exc:  # a store without the expert, a corrupt chunk: say so to main
+            for slot, was_there in zip(slots, preloaded, strict=True):
+                if slot is not None and not was_there:
+                    self.slots.evict(slot)
+            return to_frames(self._many_result(request, error=f"loading failed: {exc}"), [])
+        # preloaded first, then the ones loading, then the ones still to load
+        order = sorted(range(n), key=lambda i: (not preloaded[i], slots[i] is None))
         outputs: list[torch.Tensor | None] = [None] * n
         load_s, compute_s, nbytes, waited = [0.0] * n, [0.0] * n, [0] * n, [0.0] * n
         for i in order:

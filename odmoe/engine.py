@@ -265,7 +265,11 @@ class MainEngine:
     # 2) run -----------------------------------------------------------------------------------
     def _tick(self) -> None:
         """Every running request one iteration (a prefill: up to its quota of layers)."""
-        self.observer.tick(len(self.running), sum(r.decoding for _, r in self.running))
+        decoding = sum(r.decoding for _, r in self.running)
+        self.observer.tick(len(self.running), decoding)
+        for _, run in self.running:
+            if run.decoding:
+                run.batch_sizes.append(decoding)  # the requests it decoded beside (itself included)
         self.experts.stream, self.experts.tick = self.stream, self.tick
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
         decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer

@@ -52,6 +52,9 @@ def request_stats(
             **{f"worker{w}": b for w, b in sorted(traffic.worker_device_peak.items())},
         },
         "decode": {**traffic.decode, "seconds": decode_s, "tokens": decode_tokens},
+        # continuous batching: how many requests decoded together with this one, per iteration
+        "batch_size_mean": sum(run.batch_sizes) / len(run.batch_sizes) if run.batch_sizes else 0.0,
+        "batch_size_max": max(run.batch_sizes, default=0),
         "emulated_link": {
             f"worker{w}": {"bandwidth_gbps": bw, "latency_ms": ms}
             for w, (bw, ms) in experts.emulated_links.items()

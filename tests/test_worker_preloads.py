@@ -152,3 +152,67 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(w
         main.close(0)
     assert worker.slots.held() == []  # the unused preload of expert 3 is gone
     assert worker.done == (1, 0)
+
+
+# -- one message per decode layer, every running request's rows (continuous batching) -------------
+def _alone(worker, layer, expert, rows, iteration):
+    """What the worker answers for these rows as one request's only segment."""
+    from odmoe.messages import ComputeExperts, from_frames
+
+    message = ComputeExperts(Step("r", iteration, layer), [expert], [[rows.shape[0]]], "eager")
+    result, (y,) = from_frames(worker.compute_many(message, [rows.clone()]))
+    assert not result.error
+    return y
+
+
+def _many(worker, layer, experts, segments, iteration=1):
+    from odmoe.messages import ComputeExperts, from_frames
+
+    h = worker.store.gate_up_shape[1]
+    rows = [torch.randn(sum(seg), h) for seg in segments]
+    message = ComputeExperts(Step("r", iteration, layer), list(experts), segments, "eager")
+    result, outputs = from_frames(worker.compute_many(message, rows))
+    return result, rows, outputs
+
+
+@pytest.mark.parametrize("preload", [False, True])
+def test_more_experts_than_slots_in_one_message_each_computed_with_its_own_weights(worker, preload):
+    """3 experts on a 2-slot worker, every request's segment apart. A miss loaded in the background
+    took the slot the first miss then evicted (a request got another expert's output)."""
+    if preload:
+        worker.queue_preloads(Prediction(Step("r", 1, 0), [2, 5], [2, 5, 1], [0.5, 0.3, 0.2]))
+        worker._preload_next()
+    sizes = [[1, 1], [1], [1, 1, 1]]
+    result, rows, outputs = _many(worker, 0, [2, 4, 6], sizes)
+    assert not result.error and result.experts == [2, 4, 6]
+    assert result.preloaded == [preload, False, False]
+    assert worker.slots.held() == []
+    for n, (expert, x, y) in enumerate(zip([2, 4, 6], rows, outputs, strict=True)):
+        # each request's rows as the worker computes them when that request runs alone (a later
+        # iteration: the expert is loaded again, on its own)
+        parts = torch.split(x, sizes[n])
+        want = torch.cat(
+            [_alone(worker, 0, expert, part, iteration=2 + n * 4 + i) for i, part in enumerate(parts)]
+        )
+        assert torch.equal(y, want), f"expert {expert}"
+
+
+def test_a_segment_computes_as_its_request_alone_not_as_part_of_the_batch(worker):
+    x = torch.randn(5, worker.store.gate_up_shape[1])
+    _, _, (y,) = _many(worker, 0, [3], [[2, 3]])  # rows are random: only the split is checked here
+    result, _, _ = _many(worker, 0, [3], [[2, 2]])  # 4 rows declared, 4 sent: fine
+    assert not result.error
+    from odmoe.messages import ComputeExperts, from_frames
+
+    bad = ComputeExperts(Step("r", 2, 0), [3], [[2, 2]], "eager")
+    result, _ = from_frames(worker.compute_many(bad, [x]))
+    assert "do not add up" in result.error
+
+
+def test_a_prefill_call_of_another_request_does_not_end_the_decode_stream(worker):
+    """Main prefills a new request between the stream's decode layers: the stream's preloads stay."""
+    worker.queue_preloads(Prediction(Step("stream", 2, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
+    worker._preload_next()
+    hidden = torch.randn(4, worker.store.gate_up_shape[1])
+    worker.compute(ComputeExpert(step=Step("newcomer", 0, 2), expert=1, kernel="eager"), hidden)
+    assert worker.request == "stream" and [s.holds for s in worker.slots.held()] == [(0, 3)]
