@@ -43,7 +43,7 @@ from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
 from odmoe.config import OdmoeConfig
 from odmoe.launch.settings import compose
-from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent  # noqa: F401 - re-exported
+from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent, popen_node  # noqa: F401 - re-exported
 from odmoe.security import ClientCredentials, init_key_dir
 
 log = logging.getLogger("odmoe.local")
@@ -269,12 +269,11 @@ class LocalCluster:
         ]
         with open(log_file, "ab") as out:
             process = SPAWNER.submit(
-                subprocess.Popen,
+                popen_node,
                 [*where.prefix, sys.executable, "-m", "odmoe.launch.cli", *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
-                preexec_fn=die_with_parent,
             ).result()
         node = NodeProcess(name, process, ready, log_file)
         self.nodes.append(node)

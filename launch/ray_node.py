@@ -31,7 +31,7 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent
+from odmoe.launch.spawn import SPAWNER, ClusterStartError, popen_node
 
 STOP_GRACE_S = 10.0
 
@@ -160,12 +160,11 @@ class NodeActor:
             words.append(f"security.key_dir={keys.write(self.dir / 'keys')}")
         words += [*role_words, f"ready_file={self.dir / 'ready.json'}"]
         self.process = SPAWNER.submit(
-            subprocess.Popen,
+            popen_node,  # the node dies with its actor (a lost Ray node)
             [sys.executable, "-m", "odmoe.launch.cli", *words],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            preexec_fn=die_with_parent,  # the node dies with its actor (a lost Ray node)
         ).result()
         threading.Thread(target=self._relay, name="odmoe-log", daemon=True).start()
 

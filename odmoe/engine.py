@@ -30,6 +30,7 @@ left the workers drop what they hold for the stream.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -240,9 +241,28 @@ class MainEngine:
             self.observer.finished(ticket, stats)
             requests.done(ticket)
             return
+        run.leader = self._prefill_leader(run, ids)
+        if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
+            run.first_tick = run.leader.first_tick
         if self.shadow is not None:
             self.shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
         self.running.append((ticket, run))
+
+    def _prefill_leader(self, run: RequestRun, ids: list[int]) -> RequestRun | None:
+        """A running request of the same `prefill_group` and prompt whose prefill has not started."""
+        group = run.request.prefill_group
+        if not group:
+            return None
+        for _, other in self.running:
+            if (
+                other.request.prefill_group == group
+                and other.leader is None
+                and other.iteration == 0
+                and other.request_id not in self.tasks
+                and other.step_input[0].tolist() == ids
+            ):
+                return other
+        return None
 
     def _sink(self, ticket: Ticket):
         """Where a run's events go: its ticket, each streamed token counted by the metrics."""
@@ -279,6 +299,8 @@ class MainEngine:
                 prefill.append(key)
                 run.prefill_layers = 0
                 continue
+            if run.leader is not None and run.iteration == 0:
+                continue  # its prefill is its leader's: it takes the result when the leader has it
             run.ctx.begin(run.iteration)
             self._route(self._start_task(run), runs, decode, prefill)
         while decode or prefill:
@@ -329,8 +351,13 @@ class MainEngine:
 
     # 3) choose --------------------------------------------------------------------------------
     def _accept(self, ticket: Ticket, run: RequestRun, logits: torch.Tensor) -> None:
-        if run.iteration == 0 and not self.kv_bytes_per_position:
-            self.kv_bytes_per_position = _cache_bytes(run.cache) // max(run.prompt_len, 1)
+        if run.iteration == 0:
+            if not self.kv_bytes_per_position:
+                self.kv_bytes_per_position = _cache_bytes(run.cache) // max(run.prompt_len, 1)
+            for follower_ticket, follower in [(t, r) for t, r in self.running if r.leader is run]:
+                follower.cache = copy.deepcopy(run.cache)  # the prompt's K/V rows, before any decode
+                follower.leader = None
+                self._accept(follower_ticket, follower, logits)
         finished = run.accept(logits)
         if not finished:
             self._align_shadow(run)
@@ -405,8 +432,12 @@ class MainEngine:
             self.stream = ""
 
     def _end(self, ticket: Ticket, run: RequestRun) -> None:
-        """The run leaves: its task (a prefill parked across ticks) ends, the shadow stops on it."""
+        """The run leaves: its task (a prefill parked across ticks) ends, the shadow stops on it;
+        requests that were to copy its prefill compute their own."""
         self.tasks.cancel(run.request_id)
+        for _, follower in self.running:
+            if follower.leader is run:
+                follower.leader = None
         if self.shadow is not None:
             self.shadow.end(run.request_id)
 

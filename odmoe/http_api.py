@@ -11,8 +11,12 @@ Semantics, as OpenAI's API and vLLM define them: `temperature` 0 is greedy, othe
 samples (OpenAI's default temperature is 1) with transformers' processors (`odmoe/sampling.py`);
 parameters left out take the checkpoint's generation config, then transformers' defaults, so a
 request equals `generate(do_sample=True, <the same parameters>)` with `torch.manual_seed(seed)`.
-Every parameter we do not implement is refused with 400 when set to anything but its neutral value
-(`n` > 1, `logprobs`, `echo`, penalties, tools ...) — never silently ignored; unknown fields too.
+`n` > 1 choices run as requests of their own, batched with everything else (`odmoe/engine.py`),
+sharing the prompt's prefill; choice i samples with seed `seed + i` (with no seed given, one is
+drawn for the request and each choice's is in `odmoe.choices[i].seed`), so it equals a single
+`generate()` with that seed. Every parameter we do not implement is refused with 400 when set to
+anything but its neutral value (`logprobs`, `echo`, penalties, tools ...) — never silently ignored;
+unknown fields too.
 Errors have OpenAI's body: `{"error": {"message", "type", "param", "code"}}`. A stream is `data:
 {chunk}` events, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`; an error
 after the stream began is sent as one `data: {"error": ...}` event. A client that disconnects (stream
@@ -29,9 +33,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Any, Literal
 
 import uvicorn
@@ -45,11 +51,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, TokenEvent
 from odmoe.remote_experts import WorkerFailed, WorkerUnavailable
 from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull
-from odmoe.sampling import SamplingParams
+from odmoe.sampling import MAX_SEED, SamplingParams
 from odmoe.security import ServerSecrets
 
 log = logging.getLogger("odmoe.http")
 POLL_S = 0.1  # how often a waiting handler looks whether its client is still there
+MAX_N = 64  # choices per request (each runs as a request of its own, sharing the prompt's prefill)
 
 
 class ApiError(Exception):
@@ -87,8 +94,8 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as every server does
+    n: int | None = Field(default=1, ge=1, le=MAX_N)  # choices; each samples with seed + its index
     # not implemented: refused unless neutral
-    n: int | None = 1
     logprobs: Any = None
     top_logprobs: int | None = None
     presence_penalty: float | None = 0.0
@@ -97,7 +104,6 @@ class _Common(BaseModel):
 
     def refuse_unsupported(self) -> None:
         neutral = {
-            "n": (self.n in (None, 1), "only n=1 is supported"),
             "logprobs": (self.logprobs in (None, False), "logprobs are not supported"),
             "top_logprobs": (self.top_logprobs in (None, 0), "logprobs are not supported"),
             "presence_penalty": (not self.presence_penalty, "presence_penalty is not supported"),
@@ -216,8 +222,8 @@ def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
         _check_model(backend, body.model)
         prompt, token_ids = _completion_prompt(body.prompt)
         max_tokens = body.max_tokens or 16  # OpenAI's default for completions
-        req = _request(body, max_tokens, prompt=prompt, token_ids=token_ids)
-        return await _answer(backend, request, body, req, chat=False)
+        reqs = _requests(body, max_tokens, prompt=prompt, token_ids=token_ids)
+        return await _answer(backend, request, body, reqs, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -231,8 +237,8 @@ def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
         limit = body.max_completion_tokens or body.max_tokens
         if limit is None:  # the rest of the context, as OpenAI does when it is not set
             limit = max(backend.context_length - len(ids), 1) if backend.context_length else 256
-        req = _request(body, limit, token_ids=tuple(ids))
-        return await _answer(backend, request, body, req, chat=True)
+        reqs = _requests(body, limit, token_ids=tuple(ids))
+        return await _answer(backend, request, body, reqs, chat=True)
 
     return app
 
@@ -279,15 +285,30 @@ def _chat_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
     return list(out["input_ids"])
 
 
-def _request(body: _Common, max_tokens: int, prompt: str = "", token_ids: tuple[int, ...] = ()):
-    return GenerateRequest(
-        prompt=prompt,
-        token_ids=token_ids,
-        max_new_tokens=max_tokens,
-        sampling=body.sampling(),
-        stop=body.stops(),
-        request_id=uuid.uuid4().hex[:12],
-    )
+def _requests(
+    body: _Common, max_tokens: int, prompt: str = "", token_ids: tuple[int, ...] = ()
+) -> list[GenerateRequest]:
+    """One request per choice. With `n` > 1 the choices share the prompt's prefill and choice i
+    samples with seed `seed + i` (a seed drawn for the request when none is given), so choice i
+    equals `generate()` with `torch.manual_seed(seed + i)`; greedy choices are all the same."""
+    n, sampling = body.n or 1, body.sampling()
+    rid = uuid.uuid4().hex[:12]
+    if n > 1 and sampling.do_sample and sampling.seed is None:
+        sampling = replace(sampling, seed=secrets.randbelow(MAX_SEED - MAX_N))
+    return [
+        GenerateRequest(
+            prompt=prompt,
+            token_ids=token_ids,
+            max_new_tokens=max_tokens,
+            sampling=sampling
+            if i == 0 or sampling.seed is None
+            else replace(sampling, seed=sampling.seed + i),
+            stop=body.stops(),
+            request_id=rid if n == 1 else f"{rid}-{i}",
+            prefill_group=rid if n > 1 else "",
+        )
+        for i in range(n)
+    ]
 
 
 # -- running a request ---------------------------------------------------------------------------
@@ -322,20 +343,35 @@ async def _events(ticket, request: Request | None):
         ticket.cancel()
 
 
-async def _answer(backend, request: Request, body: _Common, req: GenerateRequest, chat: bool):
+async def _answer(backend, request: Request, body: _Common, reqs: list[GenerateRequest], chat: bool):
+    tickets = []
     try:
-        ticket = backend.submit(req, None)
-    except InvalidRequest as exc:
-        raise ApiError(400, str(exc)) from None
-    except QueueFull as exc:
-        raise ApiError(429, str(exc), kind="rate_limit_error") from None
-    except QueueClosed as exc:
+        for req in reqs:
+            tickets.append(backend.submit(req, None))
+    except (InvalidRequest, QueueFull, QueueClosed) as exc:
+        for ticket in tickets:  # all choices or none
+            ticket.cancel()
+        if isinstance(exc, InvalidRequest):
+            raise ApiError(400, str(exc)) from None
+        if isinstance(exc, QueueFull):
+            raise ApiError(429, str(exc), kind="rate_limit_error") from None
         raise ApiError(503, str(exc), kind="service_unavailable") from None
-    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + req.request_id
+    rid = reqs[0].prefill_group or reqs[0].request_id
+    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + rid
     shape = _Shape(rid, created, backend.model_name, chat)
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_stream(ticket, request, shape, usage), ping=15, sep="\n")
+        return EventSourceResponse(_stream(tickets, shape, usage), ping=15, sep="\n")
+    try:
+        answers = await asyncio.gather(*(_collect(ticket, request) for ticket in tickets))
+    finally:
+        for ticket in tickets:
+            ticket.cancel()  # an error in one choice: the others stop too (a no-op for finished ones)
+    return shape.whole(answers)
+
+
+async def _collect(ticket, request: Request) -> tuple[str, dict]:
+    """One choice's text and stats (ApiError when it failed, 499 when it was cancelled)."""
     text, stats = [], None
     async for event in _events(ticket, request):
         if isinstance(event, TokenEvent):
@@ -346,28 +382,56 @@ async def _answer(backend, request: Request, body: _Common, req: GenerateRequest
             raise _error_of(event)
     if stats is None:
         raise ApiError(499, "the request was cancelled", kind="cancelled")
-    return shape.whole("".join(text), stats)
+    return "".join(text), stats
 
 
-async def _stream(ticket, request: Request, shape: _Shape, usage: bool):
+async def _stream(tickets, shape: _Shape, usage: bool):
+    """Every choice's chunks as they come (each with its index), then usage and [DONE]."""
     if shape.chat:
-        yield json.dumps(shape.chunk({"role": "assistant", "content": ""}, None))
-    async for event in _events(ticket, None):
-        if isinstance(event, TokenEvent):
-            if event.text:
-                yield json.dumps(shape.chunk(event.text, None))
-        elif isinstance(event, DoneEvent):
-            yield json.dumps(shape.chunk("" if not shape.chat else {}, event.stats["finish_reason"]))
-            if usage:
-                yield json.dumps({**shape.head(), "choices": [], "usage": _usage(event.stats)})
-        elif isinstance(event, Exception):
-            yield json.dumps(_error_of(event).body())
-            break
-    yield "[DONE]"
+        for index in range(len(tickets)):
+            yield json.dumps(shape.chunk({"role": "assistant", "content": ""}, None, index))
+    events: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, ticket) -> None:
+        try:
+            async for event in _events(ticket, None):
+                await events.put((index, event))
+        finally:
+            await events.put((index, END))
+
+    pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
+    done, all_stats, failed = 0, [], False
+    try:
+        while done < len(tickets):
+            index, event = await events.get()
+            if event is END:
+                done += 1
+            elif isinstance(event, TokenEvent):
+                if event.text:
+                    yield json.dumps(shape.chunk(event.text, None, index))
+            elif isinstance(event, DoneEvent):
+                all_stats.append(event.stats)
+                yield json.dumps(
+                    shape.chunk("" if not shape.chat else {}, event.stats["finish_reason"], index)
+                )
+            elif isinstance(event, Exception):
+                yield json.dumps(_error_of(event).body())
+                failed = True
+                break
+        if usage and not failed:
+            yield json.dumps({**shape.head(), "choices": [], "usage": _usage(*all_stats)})
+        yield "[DONE]"
+    finally:
+        for task in pumps:
+            task.cancel()
+        for ticket in tickets:
+            ticket.cancel()
 
 
-def _usage(stats: dict) -> dict:
-    prompt, completion = stats.get("prompt_tokens", 0), stats.get("new_tokens", 0)
+def _usage(*stats: dict) -> dict:
+    """Tokens of the answer: the prompt once, every choice's completion."""
+    prompt = stats[0].get("prompt_tokens", 0) if stats else 0
+    completion = sum(s.get("new_tokens", 0) for s in stats)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
@@ -383,21 +447,28 @@ class _Shape:
         )
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, piece, finish_reason: str | None) -> dict:
+    def chunk(self, piece, finish_reason: str | None, index: int = 0) -> dict:
         if self.chat:
             delta = piece if isinstance(piece, dict) else {"content": piece}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish_reason}
         return {**self.head(), "choices": [choice]}
 
-    def whole(self, text: str, stats: dict) -> dict:
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None}
-        choice["finish_reason"] = stats["finish_reason"]
-        return {**self.head(chunk=False), "choices": [choice], "usage": _usage(stats), "odmoe": _brief(stats)}
+    def whole(self, answers: list[tuple[str, dict]]) -> dict:
+        choices = []
+        for index, (text, stats) in enumerate(answers):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            else:
+                choice = {"index": index, "text": text, "logprobs": None}
+            choice["finish_reason"] = stats["finish_reason"]
+            choices.append(choice)
+        stats = [s for _, s in answers]
+        brief = _brief(stats[0])
+        if len(stats) > 1:  # each choice's own (its seed among them)
+            brief["choices"] = [_brief(s) for s in stats]
+        return {**self.head(chunk=False), "choices": choices, "usage": _usage(*stats), "odmoe": brief}
 
 
 def _brief(stats: dict) -> dict:

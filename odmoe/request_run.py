@@ -49,6 +49,10 @@ class GenerateRequest:
     sampling: SamplingParams = SamplingParams()  # greedy unless do_sample
     stop: tuple[str, ...] = ()  # stop strings: the request ends where one appears, which is not shown
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # Requests of one prompt that may share its prefill (the OpenAI API's `n` choices): admitted
+    # together, the first computes the prompt's K/V cache and logits once and the others copy them
+    # (the same bits: a prefill is deterministic), then each samples with its own seed.
+    prefill_group: str = ""
 
 
 @dataclass(frozen=True)
@@ -98,6 +102,7 @@ class RequestRun:
         self.prefill_quota = prefill_quota  # MoE layers its prefill may exchange per tick (0: all)
         self.prefill_layers = 0  # MoE layers its prefill exchanged in the current tick
         self.batch_sizes: list[int] = []  # per decode iteration: requests decoding together, itself too
+        self.leader: RequestRun | None = None  # prefill_group: the run whose prefill this one copies
         self.done = False
 
     @property

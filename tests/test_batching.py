@@ -10,6 +10,7 @@ Schedules are drawn by hypothesis: arrival offsets, prompt, length and sampling 
 from __future__ import annotations
 
 import functools
+import re
 import threading
 import time
 
@@ -163,11 +164,9 @@ def test_a_cancelled_stream_leaves_and_frees_its_place(batching):
 
 
 def _metric(cluster: LocalCluster, name: str) -> float:
-    page = httpx.get(f"{cluster.http_url}/metrics", headers=cluster.http_auth, verify=False).text
-    for line in page.splitlines():
-        if line.startswith(name + " ") or line.startswith(name + "{") and line.split(" ")[0] == name:
-            return float(line.rsplit(" ", 1)[1])
-    raise KeyError(name)
+    page = httpx.get(f"{cluster.http_url}/metrics", **cluster.http_auth).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
+    return float(found.group(1)) if found else 0.0
 
 
 def test_beyond_the_running_batch_and_the_queue_a_request_is_refused(model_dirs, reap_children):
@@ -176,17 +175,21 @@ def test_beyond_the_running_batch_and_the_queue_a_request_is_refused(model_dirs,
     words = ["server.max_running=2", "server.max_waiting=1", "shadow.enabled=false"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         cluster.client.generate(PROMPTS[0], max_new_tokens=2)  # warm, and the engine has set its room
-        streams = []
-        with Client(cluster.address, credentials=cluster.credentials) as client:
-            for p in range(3):
-                stream = client.stream(PROMPTS[p], max_new_tokens=40)
-                streams.append((p, stream, [next(stream).token_id] if p < 2 else []))
-            with pytest.raises(grpc.RpcError) as refused:
-                client.generate(PROMPTS[3], max_new_tokens=4)
-            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            for p, stream, first in streams:
-                tokens = first + [piece.token_id for piece in stream]
-                assert tuple(tokens) == alone(path, PROMPTS[p], 40, 0)
+        runner = threading.Thread(
+            target=lambda: results.update(run_schedule(cluster, [(0, p, 60, 0) for p in range(3)]))
+        )
+        results: dict[int, object] = {}
+        runner.start()
+        deadline = time.monotonic() + 30
+        while _metric(cluster, "odmoe:num_requests_waiting") < 1:  # two run, the third waits
+            assert time.monotonic() < deadline and runner.is_alive(), "the third request never waited"
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as refused:
+            cluster.client.generate(PROMPTS[3], max_new_tokens=4)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        runner.join(timeout=120)
+    for p in range(3):
+        assert tuple(results[p].token_ids) == alone(path, PROMPTS[p], 60, 0)
 
 
 def test_a_worker_killed_while_several_streams_run(model_dirs, reap_children):

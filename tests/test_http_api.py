@@ -177,11 +177,37 @@ def test_chat_completion_applies_the_chat_template(cluster, api, name, hf):
     assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason
 
 
+def test_n_choices_each_equal_generate_with_its_seed(api, name, hf):
+    """n=3: three choices, batched, sharing the prompt's prefill; choice i samples with seed + i,
+    and equals transformers' generate with that seed, streamed or not."""
+    answer = api.completions.create(model=name, prompt=PROMPT, max_tokens=12, n=3, seed=40, temperature=0.9)
+    assert [c.index for c in answer.choices] == [0, 1, 2]
+    seeds = [c["seed"] for c in answer.model_extra["odmoe"]["choices"]]
+    assert seeds == [40, 41, 42]
+    for choice, seed in zip(answer.choices, seeds, strict=True):
+        want = sampled(hf, PROMPT, 12, seed, temperature=0.9)
+        assert choice.text == text_of(hf, want), f"choice with seed {seed}"
+    assert answer.usage.completion_tokens == sum(
+        len(sampled(hf, PROMPT, 12, s, temperature=0.9)) for s in seeds
+    )
+    stream = api.completions.create(
+        model=name, prompt=PROMPT, max_tokens=12, n=3, seed=40, temperature=0.9, stream=True
+    )
+    texts = ["", "", ""]
+    for chunk in stream:
+        for c in chunk.choices:
+            texts[c.index] += c.text
+    assert texts == [c.text for c in answer.choices]
+    greedy = api.completions.create(model=name, prompt=PROMPT, max_tokens=8, n=2, temperature=0)
+    assert greedy.choices[0].text == greedy.choices[1].text
+
+
 # -- raw HTTP: the edges ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "body,status,param",
     [
-        ({"n": 2}, 400, "n"),
+        ({"n": 65}, 400, "n"),
+        ({"n": 0}, 400, "n"),
         ({"logprobs": 2}, 400, "logprobs"),
         ({"temperature": -1}, 400, "temperature"),
         ({"top_p": 1.5}, 400, "top_p"),

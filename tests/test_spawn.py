@@ -1,0 +1,49 @@
+"""How launchers start node programs (launch/spawn.py): the child dies with its parent, and no
+fork handler of the parent's libraries runs in it (gRPC's aborted node starts: grpc/grpc#43055)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import psutil
+import pytest
+
+from odmoe.launch.spawn import SETPRIV, popen_node
+
+PARENT = """
+import sys, time
+from odmoe.launch.spawn import SPAWNER, popen_node
+child = SPAWNER.submit(popen_node, [sys.executable, "-c", "import time; time.sleep(60)"]).result()
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_node_dies_with_the_process_that_started_it():
+    parent = subprocess.Popen([sys.executable, "-c", PARENT], stdout=subprocess.PIPE, text=True)
+    child = psutil.Process(int(parent.stdout.readline()))
+    try:
+        assert child.is_running()
+        parent.kill()
+        parent.wait()
+        child.wait(timeout=10)  # raises TimeoutExpired if it outlived its parent
+    finally:
+        if child.is_running():
+            child.kill()
+
+
+@pytest.mark.skipif(SETPRIV is None, reason="util-linux's setpriv is not installed")
+def test_a_node_is_started_without_forking_the_launcher(monkeypatch):
+    """No preexec_fn: Python spawns with vfork, which runs no pthread_atfork handlers."""
+    seen = {}
+    real = subprocess.Popen
+
+    def record(*args, **kwargs):
+        seen.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", record)
+    process = popen_node([sys.executable, "-c", "pass"])
+    assert process.wait(timeout=30) == 0
+    assert seen.get("preexec_fn") is None
