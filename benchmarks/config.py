@@ -25,6 +25,7 @@ SUITES = (
     "prefill",
     "dataplane",
     "placement",
+    "serving",
     "gpu",
     "quick",
 )
@@ -155,6 +156,21 @@ class FrontdoorSuite:
     new_tokens: int = 32
     repeats: int = 3  # every prompt this often per path (the path order alternates)
     sampled: bool = True  # also a seeded sampled request per prompt (the same text on every path)
+
+
+@dataclass
+class ServingSuite:
+    # Many users at once (continuous batching): closed-loop clients at each concurrency, then Poisson
+    # arrivals at each rate; every request's tokens checked against running alone.
+    max_running: int = 8  # server.max_running of the cluster
+    concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
+    requests_per_client: int = 4
+    rates: list[float] = field(default_factory=lambda: [4.0, 8.0])  # open loop, requests/s
+    open_requests: int = 24
+    prompts: int = 8
+    prompt_tokens: int = 32
+    new_tokens: int = 40
+    seed: int = 0
 
 
 @dataclass
@@ -370,6 +386,7 @@ class BenchConfig:
     prefill: PrefillSuite = field(default_factory=PrefillSuite)
     dataplane: DataplaneSuite = field(default_factory=DataplaneSuite)
     placement: PlacementSuite = field(default_factory=PlacementSuite)
+    serving: ServingSuite = field(default_factory=ServingSuite)
     gpu: GpuSuite = field(default_factory=GpuSuite)
     log_level: str = "WARNING"
 
@@ -408,6 +425,11 @@ def validate(cfg: BenchConfig) -> None:
             raise ValueError(f"faults.cases: {case!r} is not <main|shadow|worker<i>>:<kill|stop>")
     if not 1 <= cfg.faults.at_token < cfg.faults.new_tokens - 4:
         raise ValueError("faults.at_token must lie in 1 .. new_tokens - 5 (gaps after it are measured)")
+    sv = cfg.serving
+    if not sv.concurrency or min([*sv.concurrency, sv.requests_per_client, sv.max_running, sv.prompts]) < 1:
+        raise ValueError("serving: concurrency, requests_per_client, max_running and prompts must be >= 1")
+    if any(r <= 0 for r in sv.rates) or sv.open_requests < 1:
+        raise ValueError("serving.rates must be > 0 and serving.open_requests >= 1")
     if cfg.soak.clients < 1 or cfg.soak.requests < cfg.soak.clients:
         raise ValueError("soak.clients must be >= 1 and soak.requests >= soak.clients")
     p = cfg.prefill

@@ -600,3 +600,42 @@ def _dataplane_stages(ax, layers: dict, stages: dict, floor: dict | None = None)
     ax.set_xlabel("µs per decode layer (medians over requests)")
     ax.set_title("where a decode layer goes", fontsize=10)
     ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2)
+
+
+def serving(report: dict, out: Path, subtitle: str) -> None:
+    """Throughput and latencies by closed-loop concurrency, and by open-loop arrival rate."""
+    loads = report["loads"]
+    closed = [x for x in loads if x["name"].startswith("closed")]
+    opened = [x for x in loads if x["name"].startswith("open")]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    c = [int(x["name"].split("=")[1]) for x in closed]
+    ax = axes[0]
+    ax.plot(c, [x["tokens_per_s"] for x in closed], "o-", label="odmoe (batched, exact)")
+    if closed:
+        ax.plot(c, [closed[0]["tokens_per_s"] * k for k in c], ":", color="grey", label="linear in users")
+    ax.set(xlabel="concurrent users (closed loop)", ylabel="total output tokens/s", xticks=c)
+    ax.legend(fontsize=8)
+    ax = axes[1]
+    for key, style in (
+        ("ttft_p50_ms", "o-"),
+        ("ttft_p99_ms", "o--"),
+        ("itl_p50_ms", "s-"),
+        ("itl_p99_ms", "s--"),
+    ):
+        ax.plot(c, [x[key] for x in closed], style, label=key.replace("_ms", "").replace("_", " "))
+    ax.set(xlabel="concurrent users (closed loop)", ylabel="ms", yscale="log", xticks=c)
+    ax.legend(fontsize=8)
+    ax = axes[2]
+    if opened:
+        r = [float(x["name"].split()[1].rstrip("/s")) for x in opened]
+        for key, style in (("ttft_p50_ms", "o-"), ("ttft_p99_ms", "o--"), ("itl_p50_ms", "s-")):
+            ax.plot(r, [x[key] for x in opened], style, label=key.replace("_ms", "").replace("_", " "))
+        ax.set(xlabel="arrival rate, requests/s (open loop, Poisson)", ylabel="ms", yscale="log", xticks=r)
+        ax.legend(fontsize=8)
+    differ = sum(x["differ"] for x in loads)
+    fig.suptitle(
+        f"serving: up to {report['max_running']} requests decode together; requests whose tokens "
+        f"differ from running alone: {differ}\n{subtitle}",
+        fontsize=9,
+    )
+    _save(fig, out)

@@ -15,6 +15,7 @@
     odmoe-bench suite=security          # CurveZMQ + TLS + token on vs off: tokens/s, TTFT, start-up
     odmoe-bench suite=dataplane         # a remote decode layer's cost against the raw ZeroMQ round trip
     odmoe-bench suite=placement         # start-up through Ray (role=ray) vs role=local (the ray extra)
+    odmoe-bench suite=serving           # many users at once: tokens/s, TTFT, ITL by concurrency and rate
     odmoe-bench suite=gpu               # one GPU: odmoe vs resident, accelerate offload, LRU (CUDA only)
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
@@ -65,6 +66,7 @@ def run_suites(cfg: BenchConfig) -> None:
         prefill,
         recall,
         security,
+        serving,
         soak,
         timeline,
     )
@@ -86,6 +88,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "prefill": prefill.run,
         "dataplane": dataplane.run,
         "placement": placement.run,
+        "serving": serving.run,
     }
     if cfg.suite == "gpu":  # its own real-width model; stops at once without CUDA
         from odmoe.benchmarks.suites import gpu

@@ -43,7 +43,7 @@ from transformers import AutoTokenizer
 from odmoe.alignment import make_plan
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
-from odmoe.engine import Batching, DoneEvent, GenerateRequest, InvalidRequest, MainEngine
+from odmoe.engine import Batching, DoneEvent, GenerateRequest, InvalidRequest, MainEngine, ShuttingDown
 from odmoe.faults import FaultTrigger
 from odmoe.heartbeat import Heartbeat
 from odmoe.http_api import start_http
@@ -73,10 +73,6 @@ SERVER_OPTIONS = [
 
 class PortInUse(RuntimeError):
     pass
-
-
-class ShuttingDown(WorkerUnavailable):
-    """Main is stopping: what it had not finished fails UNAVAILABLE / 503 (clients fail over)."""
 
 
 class MainNode(odmoe_pb2_grpc.InferenceServicer):

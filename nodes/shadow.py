@@ -213,18 +213,23 @@ class ShadowNode:
             if run is None or run.iteration < 1:
                 return  # prefill: nothing to predict
             self.fault.at(run.request, run.iteration, layer)
-            unmasked = unmasked_choice_scores(module, output[0][-1])  # the newest token's, [E]
-            scores = mask_groups(unmasked, limit)  # what the router ranks by: its choice_scores
-            probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
-            experts = self._inject(output[2][-1].tolist())
-            candidates, probs = candidates.tolist(), probs.tolist()
-            margin = self.scfg.hedge_margin
-            every = unmasked.tolist() if limit and margin > 0 else None  # group hedges rank groups by it
-            hedges = shadow_hedges(candidates, probs, self.top_k, margin, every, limit)
-            park(_Choice(layer, experts, candidates, probs, [h for h in hedges if h not in experts]))
+            park(self.choice(module, output, layer, limit))
             self._running = run
 
         return hook
+
+    def choice(self, module, output, layer: int, limit: GroupLimit | None) -> _Choice:
+        """What a router's output (its newest token's) predicts: its experts, the top-(k+1)
+        candidates with their scores, and the hedges (`odmoe.hedging`)."""
+        unmasked = unmasked_choice_scores(module, output[0][-1])  # the newest token's, [E]
+        scores = mask_groups(unmasked, limit)  # what the router ranks by: its choice_scores
+        probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
+        experts = self._inject(output[2][-1].tolist())
+        candidates, probs = candidates.tolist(), probs.tolist()
+        margin = self.scfg.hedge_margin
+        every = unmasked.tolist() if limit and margin > 0 else None  # group hedges rank groups by it
+        hedges = shadow_hedges(candidates, probs, self.top_k, margin, every, limit)
+        return _Choice(layer, experts, candidates, probs, [h for h in hedges if h not in experts])
 
     def _choose(self, tick: int, layer: int, request: str, choice: _Choice) -> None:
         self.choices.setdefault((tick, layer), {})[request] = choice

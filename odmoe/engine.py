@@ -44,7 +44,7 @@ from odmoe.alignment import AlignmentPlan, AlignmentSchedule
 from odmoe.kv_rows import newest_rows
 from odmoe.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main_model import MainModel
-from odmoe.remote_experts import DecodeRows, RemoteExperts
+from odmoe.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
 from odmoe.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
 from odmoe.request_run import DoneEvent, GenerateRequest, InvalidRequest, RequestRun, TokenEvent
 from odmoe.run_stats import request_stats
@@ -52,9 +52,21 @@ from odmoe.sampling import InvalidSampling
 from odmoe.stop_strings import MAX_STOPS
 
 log = logging.getLogger("odmoe.main")
-__all__ = ["Batching", "DoneEvent", "GenerateRequest", "InvalidRequest", "MainEngine", "TokenEvent"]
+__all__ = [
+    "Batching",
+    "DoneEvent",
+    "GenerateRequest",
+    "InvalidRequest",
+    "MainEngine",
+    "ShuttingDown",
+    "TokenEvent",
+]
 IDLE_WAIT_S = 0.2  # an idle engine looks after the membership this often
 RECALL_WAIT_S = 1.0  # how long a finished request's paper recall waits for predictions in flight
+
+
+class ShuttingDown(WorkerUnavailable):
+    """Main is stopping: what it had not finished fails UNAVAILABLE / 503 (clients fail over)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +175,7 @@ class MainEngine:
                     self._retire(requests)
                 self._finish_held(requests, wait=not self.running)
         finally:
-            self._abandon(requests, RuntimeError("main is shutting down"))
+            self._abandon(requests, ShuttingDown("main is shutting down"))
 
     def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
         """One request alone, its events as they come (tests, tools; main's own front doors queue)."""

@@ -28,7 +28,8 @@ from odmoe.remote_experts import RemoteExperts
 class InProcessWorkers:
     def __init__(self, checkpoint: Checkpoint, topology: Topology, dtype: torch.dtype):
         self.topology = topology
-        self.store = ExpertStore.build(checkpoint, checkpoint.moe_layers, expert_dtype(checkpoint.config, dtype))
+        experts = expert_dtype(checkpoint.config, dtype)
+        self.store = ExpertStore.build(checkpoint, checkpoint.moe_layers, experts)
         self.hidden_act = checkpoint.config.hidden_act
         self.live = frozenset(range(topology.workers))
         self.pongs: dict = {}
@@ -62,7 +63,8 @@ class InProcessWorkers:
             ys = [expert_forward(x, gate_up, down, self.hidden_act, m.kernel, shape) for x in parts]
             outputs.append(torch.cat(ys))
         n = len(m.experts)
-        result = ExpertsResult(m.step, worker, m.experts, [0.0] * n, [0.0] * n, [0] * n, [True] * n, [0.0] * n, 0)
+        zeros = [0.0] * n
+        result = ExpertsResult(m.step, worker, m.experts, zeros, zeros, [0] * n, [True] * n, zeros, 0)
         return to_frames(result, outputs)
 
     def _one(self, worker: int, m: ComputeExpert, rows: torch.Tensor) -> list | None:

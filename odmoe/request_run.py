@@ -156,8 +156,9 @@ class RequestRun:
         finished = stopped or token in self.eos_ids or iteration + 1 == self.request.max_new_tokens
         if stopped or token in self.eos_ids:
             self.finish_reason = "stop"
-        if finished:
-            piece += self.stops.flush()  # held back for a stop string that never came
+        if finished:  # held back for a stop string that never came, or half a UTF-8 character
+            more, _ = self.stops.feed(self.text.flush())
+            piece += more + self.stops.flush()
         if not replayed:
             self.sink(TokenEvent(token, piece))
         self.step_input = torch.tensor([[token]])
@@ -190,5 +191,12 @@ class _Detokenizer:
         full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         if full.endswith("\ufffd"):
             return ""
+        piece, self.emitted = full[len(self.emitted) :], full
+        return piece
+
+    def flush(self) -> str:
+        """At the end: what was held back, as `decode()` gives it (an unfinished character as U+FFFD),
+        so the streamed pieces add up to the decoded text of every token."""
+        full = self.tokenizer.decode(self.ids, skip_special_tokens=True)
         piece, self.emitted = full[len(self.emitted) :], full
         return piece

@@ -138,26 +138,19 @@ def test_the_shadow_node_hedges_the_best_expert_of_a_near_tied_group_left_out(ro
 
     model = AutoModelForCausalLM.from_pretrained(_save_tiny(routing, tmp_path / "m"))
     router = _moe_routers(model)[0]
-    published = []
     node = SimpleNamespace(
-        step=("r", 1),
         top_k=router.top_k,
         num_experts=router.num_experts if hasattr(router, "num_experts") else router.n_routed_experts,
-        scfg=SimpleNamespace(hedge_margin=100.0),
-        fault=SimpleNamespace(at=lambda *_: None),
-        tracer=SimpleNamespace(enabled=False),
-        publish=lambda layer, it, request, experts, candidates, probs, hedges: published.append(
-            (experts, candidates, hedges)
-        ),
+        scfg=SimpleNamespace(hedge_margin=100.0, inject_wrong=0.0),
     )
-    hook = ShadowNode._make_hook(node, 0, group_limit(router))
+    node._inject = lambda experts: ShadowNode._inject(node, experts)
     torch.manual_seed(3)
     size = node.num_experts // router.num_group
     for row in torch.randn(20, model.config.hidden_size):
         with torch.no_grad():
             output = router(row[None])
-        hook(router, (row[None],), output)
-        experts, candidates, hedges = published[-1]
+        choice = ShadowNode.choice(node, router, output, 0, group_limit(router))
+        experts, candidates, hedges = choice.experts, choice.candidates, choice.hedges
         chosen_groups = {e // size for e in experts}
         assert candidates[router.top_k] in hedges  # the (k+1)-th: every gap is within this margin
         outside = [h for h in hedges if h // size not in chosen_groups]

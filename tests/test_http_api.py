@@ -1,9 +1,10 @@
 """The OpenAI-compatible HTTP API of a real local cluster, driven with the official `openai` client
-and with raw HTTP (httpx) for the edge cases. One cluster serves the whole module (max_waiting=1 so
-a full queue is easy to reach); the test that kills its workers runs last."""
+and with raw HTTP (httpx) for the edge cases. One cluster serves the whole module (max_running=2 and
+max_waiting=1 so a full queue is easy to reach); the test that kills its workers runs last."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import subprocess
@@ -27,7 +28,7 @@ PROMPT = "def fibonacci(n):"
 
 @pytest.fixture(scope="module")
 def cluster(model_dirs):
-    words = ["model.dtype=float32", "server.max_waiting=1"]
+    words = ["model.dtype=float32", "server.max_running=2", "server.max_waiting=1"]
     with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2, overrides=words) as c:
         yield c
 
@@ -298,13 +299,20 @@ def test_a_client_that_disconnects_mid_stream_cancels_its_request(cluster, name)
 
 
 def test_a_full_queue_answers_429(cluster, name):
+    """Two requests run (max_running=2), one waits (max_waiting=1): the next is refused."""
     long = {"model": name, "prompt": PROMPT, "max_tokens": 200, "temperature": 0, "stream": True}
-    with httpx.stream(
-        "POST", cluster.http_url + "/v1/completions", json=long, timeout=60, **cluster.http_auth
-    ) as running:
-        lines = running.iter_lines()  # kept: a dropped iterator closes the response (a disconnect)
-        while not next(lines).startswith("data: "):
-            pass
+    kept = []  # a dropped iterator closes its response (a disconnect)
+    with contextlib.ExitStack() as streams:
+        for _ in range(2):
+            running = streams.enter_context(
+                httpx.stream(
+                    "POST", cluster.http_url + "/v1/completions", json=long, timeout=60, **cluster.http_auth
+                )
+            )
+            lines = running.iter_lines()
+            kept.append(lines)
+            while not next(lines).startswith("data: "):
+                pass
         waiting = threading.Thread(
             target=lambda: httpx.post(
                 cluster.http_url + "/v1/completions",

@@ -55,3 +55,19 @@ def test_any_split_gives_the_text_up_to_the_first_stop(text, cuts, stops):
     for piece in out:  # nothing shown is ever taken back: every prefix shown is a prefix of the answer
         shown += piece
         assert want.startswith(shown)
+
+
+def test_a_request_ending_mid_character_streams_what_decode_gives(model_dirs):
+    """The streamed pieces add up to decode(tokens), an unfinished last character included (its
+    bytes were held back for the rest of the character, and lost when no more token came)."""
+    from transformers import AutoTokenizer
+
+    from odmoe.request_run import _Detokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dirs["mixtral"])
+    ids = tok("naïve café €")["input_ids"]
+    cut = next(n for n in range(1, len(ids) + 1) if tok.decode(ids[:n]).endswith("\ufffd"))
+    text = _Detokenizer(tok)
+    pieces = "".join(text.add(t) for t in ids[:cut])
+    assert not pieces.endswith("\ufffd")  # held back while the character may still complete
+    assert pieces + text.flush() == tok.decode(ids[:cut])

@@ -1,0 +1,239 @@
+"""Suite `serving`: the cluster as a serving system, many users at once (continuous batching).
+
+One local cluster (`serving.max_running` requests decode together, the benchmark's emulated link),
+driven by client threads streaming through main's gRPC API (odmoe.Client: token ids, so every
+request is checked against its alone reference, transformers' `generate()` with the same greedy or
+seeded parameters):
+- closed loop: `c` clients for each c in `serving.concurrency`, each sending its next request as soon
+  as the last one ends (`requests_per_client` each);
+- open loop: requests arriving as a Poisson process at each rate of `serving.rates` (req/s) for
+  `open_requests` requests, whatever the cluster's state (a request refused with 429 is counted).
+Per load it reports total output tokens/s, TTFT and inter-token latency (p50 / p99, client side),
+expert bytes loaded per generated token and the mean batch size (main's Prometheus counters before
+and after), and how many requests' tokens differed from running alone (must be 0).
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import statistics
+import threading
+import time
+
+import grpc
+import httpx
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import odmoe
+from odmoe.benchmarks.cluster_runs import cluster_words
+from odmoe.benchmarks.config import BenchConfig
+from odmoe.benchmarks.results import ResultsDir, fmt
+from odmoe.benchmarks.workload import prompt_ids
+
+SAMPLINGS = [{}, {"do_sample": True, "temperature": 0.8, "seed": 11}]  # greedy, seeded
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    from odmoe.benchmarks import plots
+
+    suite = cfg.serving
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
+    wanted = _alone_references(model_path, prompts, suite.new_tokens)
+    words = cluster_words(cfg, f"server.max_running={suite.max_running}", "server.max_waiting=1024")
+    loads = []
+    with odmoe.LocalCluster(model_path, overrides=words) as cluster:
+        _one(cluster, prompts[0], 4, {})  # warm-up: every node's first request is slow
+        for c in suite.concurrency:
+            loads.append(_measure(cluster, f"closed c={c}", lambda c=c: _closed(cluster, prompts, c, suite)))
+        for rate in suite.rates:
+            loads.append(
+                _measure(cluster, f"open {rate:g}/s", lambda r=rate: _open(cluster, prompts, r, suite))
+            )
+    for load in loads:
+        load["differ"] = sum(tuple(r["tokens"]) != wanted[r["key"]] for r in load["requests"])
+        load.update(_summary(load))
+    base = next((x["tokens_per_s"] for x in loads if x["name"] == "closed c=1"), None)
+    alone_ttft = next((x["ttft_p50_ms"] for x in loads if x["name"] == "closed c=1"), None)
+    alone_itl = next((x["itl_p50_ms"] for x in loads if x["name"] == "closed c=1"), None)
+    for load in loads:
+        load["throughput_x"] = load["tokens_per_s"] / base if base else None
+        load["ttft_x"] = load["ttft_p50_ms"] / alone_ttft if alone_ttft and load["ttft_p50_ms"] else None
+        load["itl_x"] = load["itl_p50_ms"] / alone_itl if alone_itl and load["itl_p50_ms"] else None
+    report = {
+        "max_running": suite.max_running,
+        "prompt_tokens": suite.prompt_tokens,
+        "new_tokens": suite.new_tokens,
+        "loads": [{k: v for k, v in x.items() if k != "requests"} for x in loads],
+        "requests": {x["name"]: x["requests"] for x in loads},
+    }
+    _print(report, out.describe(suite.new_tokens))
+    out.write("serving", "serving", report)
+    plots.serving(report, out.path("serving", "png"), out.describe(suite.new_tokens))
+    return report
+
+
+def _alone_references(path: str, prompts: list[list[int]], new_tokens: int) -> dict:
+    """(prompt index, sampling index) -> transformers' tokens for that request in one process."""
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    wanted = {}
+    for p, ids in enumerate(prompts):
+        for s, sampling in enumerate(SAMPLINGS):
+            x = torch.tensor([ids])
+            kwargs = {k: v for k, v in sampling.items() if k != "seed"}
+            if "seed" in sampling:
+                torch.manual_seed(sampling["seed"])
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, **kwargs)
+            wanted[(p, s)] = tuple(out[0, x.shape[1] :].tolist())
+    return wanted
+
+
+def _one(cluster, ids: list[int], new_tokens: int, sampling: dict, client=None) -> dict:
+    """One streamed request: its tokens, when it started, its first token, every token's arrival."""
+    own = client is None
+    client = client or odmoe.Client(cluster.address, credentials=cluster.credentials)
+    start, times, tokens = time.perf_counter(), [], []
+    try:
+        for piece in client.stream(ids, max_new_tokens=new_tokens, **sampling):
+            times.append(time.perf_counter())
+            tokens.append(piece.token_id)
+    finally:
+        if own:
+            client.close()
+    return {"start": start, "end": time.perf_counter(), "times": times, "tokens": tokens}
+
+
+def _closed(cluster, prompts, clients: int, suite) -> list[dict]:
+    rows: list[dict] = []
+
+    def client_loop(c: int) -> None:
+        with odmoe.Client(cluster.address, credentials=cluster.credentials) as client:
+            for j in range(suite.requests_per_client):
+                p, s = (c * suite.requests_per_client + j) % len(prompts), (c + j) % len(SAMPLINGS)
+                row = _one(cluster, prompts[p], suite.new_tokens, SAMPLINGS[s], client)
+                rows.append({**row, "key": (p, s), "client": c})
+
+    threads = [threading.Thread(target=client_loop, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return rows
+
+
+def _open(cluster, prompts, rate: float, suite) -> list[dict]:
+    """Poisson arrivals at `rate` req/s (seeded): each request on its own thread at its time."""
+    rng = random.Random(suite.seed)
+    rows: list[dict] = []
+    refused: list[int] = []
+
+    def arrive(i: int, at: float) -> None:
+        time.sleep(max(at - time.perf_counter(), 0.0))
+        p, s = i % len(prompts), i % len(SAMPLINGS)
+        try:
+            rows.append({**_one(cluster, prompts[p], suite.new_tokens, SAMPLINGS[s]), "key": (p, s)})
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise
+            refused.append(i)
+
+    t0, at, threads = time.perf_counter() + 0.2, 0.0, []
+    for i in range(suite.open_requests):
+        threads.append(threading.Thread(target=arrive, args=(i, t0 + at)))
+        at += rng.expovariate(rate)
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if refused:
+        rows.append({"refused": len(refused)})
+    return rows
+
+
+def _measure(cluster, name: str, drive) -> dict:
+    before = _counters(cluster)
+    start = time.perf_counter()
+    rows = drive()
+    wall = time.perf_counter() - start
+    after = _counters(cluster)
+    refused = sum(r.pop("refused", 0) for r in rows if "refused" in r)
+    rows = [r for r in rows if "tokens" in r]
+    delta = {k: after[k] - before[k] for k in before}
+    generated = delta["generation_tokens"]
+    print(f"   {name}: {len(rows)} requests in {wall:.1f}s", flush=True)
+    return {
+        "name": name,
+        "wall_s": wall,
+        "refused": refused,
+        "bytes_per_token": delta["bytes_loaded"] / generated if generated else None,
+        "batch_size_mean": delta["batch_sum"] / delta["batch_count"] if delta["batch_count"] else None,
+        "requests": [
+            {
+                "key": list(r["key"]),
+                "tokens": r["tokens"],
+                "ttft_s": r["times"][0] - r["start"] if r["times"] else None,
+                "itl_s": [b - a for a, b in zip(r["times"], r["times"][1:], strict=False)],
+                "start": r["start"] - start,
+                "end": r["end"] - start,
+            }
+            for r in rows
+        ],
+    }
+
+
+def _counters(cluster) -> dict[str, float]:
+    """Main's Prometheus counters this suite reads: bytes loaded, tokens, batch sizes."""
+    page = httpx.get(f"{cluster.http_url}/metrics", **cluster.http_auth).text
+
+    def total(pattern: str) -> float:
+        return sum(float(v) for v in re.findall(rf"^{pattern}(?:{{[^}}]*}})? (\S+)$", page, re.M))
+
+    return {
+        "bytes_loaded": total("odmoe:expert_bytes_loaded_total"),
+        "generation_tokens": total("odmoe:generation_tokens_total"),
+        "batch_sum": total("odmoe:batch_size_sum"),
+        "batch_count": total("odmoe:batch_size_count"),
+    }
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(int(q * len(values)), len(values) - 1)]
+
+
+def _summary(load: dict) -> dict:
+    rows = load["requests"]
+    ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
+    itl = [x for r in rows for x in r["itl_s"]]
+    tokens = sum(len(r["tokens"]) for r in rows)
+    span = max((r["end"] for r in rows), default=0.0) - min((r["start"] for r in rows), default=0.0)
+    ms = 1e3
+    return {
+        "requests_done": len(rows),
+        "tokens": tokens,
+        "tokens_per_s": tokens / span if span > 0 else 0.0,
+        "ttft_p50_ms": _pct(ttft, 0.5) * ms if ttft else None,
+        "ttft_p99_ms": _pct(ttft, 0.99) * ms if ttft else None,
+        "itl_p50_ms": _pct(itl, 0.5) * ms if itl else None,
+        "itl_p99_ms": _pct(itl, 0.99) * ms if itl else None,
+        "e2e_mean_s": statistics.fmean(r["end"] - r["start"] for r in rows) if rows else None,
+    }
+
+
+def _print(report: dict, described: str) -> None:
+    print(f"serving, {described}, up to {report['max_running']} running requests")
+    head = ("load", "tok/s", "x c=1", "TTFT p50", "p99", "ITL p50", "p99", "bytes/tok", "batch", "differ")
+    print(f"{head[0]:<14}" + "".join(f"{h:>10}" for h in head[1:]))
+    for x in report["loads"]:
+        print(
+            f"{x['name']:<14}{fmt(x['tokens_per_s'], 10, '.1f')}{fmt(x['throughput_x'], 10, '.2f')}"
+            f"{fmt(x['ttft_p50_ms'], 10, '.1f')}{fmt(x['ttft_p99_ms'], 10, '.1f')}"
+            f"{fmt(x['itl_p50_ms'], 10, '.2f')}{fmt(x['itl_p99_ms'], 10, '.2f')}"
+            f"{fmt(x['bytes_per_token'] / 1e6 if x['bytes_per_token'] else None, 9, '.2f')}M"
+            f"{fmt(x['batch_size_mean'], 10, '.2f')}{x['differ']:>10}"
+            + (f"  ({x['refused']} refused)" if x["refused"] else "")
+        )
