@@ -134,6 +134,7 @@ class FaultsSuite:
     new_tokens: int = 64
     at_token: int = 24  # the decode iteration the fault fires at
     resume_after_s: float = 3.0  # a frozen worker or shadow is resumed after this long
+    streams: int = 3  # streams decoding together when the fault lands (each checked against its reference)
 
 
 @dataclass

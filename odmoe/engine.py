@@ -147,7 +147,7 @@ class MainEngine:
         if budget and per_position and (len(ids) + request.max_new_tokens) * per_position > budget:
             raise InvalidRequest(
                 f"{len(ids)} prompt tokens + max_new_tokens={request.max_new_tokens} need more K/V cache "
-                f"than server.kv_cache_bytes={budget} holds"
+                f"than server.kv_cache_memory ({budget} bytes) holds"
             )
         return ids
 

@@ -256,3 +256,39 @@ def test_every_family_batched_equals_alone(family, model_dirs, reap_children):
     with LocalCluster(path, workers=2, group_size=2, overrides=["server.max_running=4"]) as cluster:
         stats = check(cluster, path, schedule)
     assert max(s["batch_size_max"] for s in stats) >= 2
+
+
+def test_the_kv_cache_budget_makes_requests_wait_and_refuses_one_that_never_fits(model_dirs, reap_children):
+    """server.kv_cache_memory: requests whose prompt + max_new_tokens would not fit beside the
+    running ones wait (they run one after another here); one that alone exceeds it is refused."""
+    path = model_dirs["mixtral"]
+    # the tiny model's cache: 4 layers x 2 (K, V) x 2 heads x 16 dims x 4 bytes = 1 KiB per position
+    words = ["server.max_running=4", "server.kv_cache_memory=60KiB", "shadow.enabled=false"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        cluster.client.generate(PROMPTS[0], max_new_tokens=2)  # measures the cache's bytes per position
+        stats = check(cluster, path, [(0.0, p, 40, 0) for p in range(3)])  # ~45 positions each
+        assert max(s["batch_size_max"] for s in stats) == 1, "two requests ran beyond the budget"
+        with pytest.raises(grpc.RpcError) as refused:
+            cluster.client.generate(PROMPTS[0], max_new_tokens=80)  # ~85 positions: never fits
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "kv_cache_memory" in refused.value.details()
+
+
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
+def test_a_lossy_policy_decides_per_request_in_a_batch(model_dirs, reap_children):
+    """Opt-in lossy: with wrong predictions injected, batched requests each substitute from their
+    own router scores, count their own substitutions and say they are not exact."""
+    path = model_dirs["qwen2_moe"]
+    words = [
+        "server.max_running=4",
+        "miss.policy=importance",
+        "miss.importance_alpha=50",
+        "miss.budget=8",
+        "shadow.inject_wrong=0.5",
+    ]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        results = run_schedule(cluster, [(0.0, p, 24, 0) for p in range(4)])
+    stats = [r.stats for r in results.values()]
+    assert max(s["batch_size_max"] for s in stats) >= 2
+    assert all(s["substitutions"] == sum(s["substitutions_per_layer"].values()) for s in stats)
+    assert any(s["substitutions"] > 0 and not s["exact"] for s in stats)

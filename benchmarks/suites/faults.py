@@ -8,7 +8,9 @@ record (wall clock) and the stream's arrival times it reports:
   for the shadow, the client's failover for main);
 - stall_s: the inter-token gap across the fault minus the median gap before it;
 - recovery_s: fault -> the token after which `3` gaps in a row are within 1.5x the median before;
-- tokens_equal: the stream equals transformers' own greedy generate().
+- tokens_equal: the stream equals transformers' own greedy generate(); with `faults.streams` > 1
+  that many streams run at once (continuous batching: the fault lands while all of them decode),
+  and every one must equal its reference.
 A frozen worker or shadow is resumed after `faults.resume_after_s` (it then rejoins); a frozen
 main stays frozen (the client has moved on).
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -35,8 +38,9 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.faults
     from transformers import AutoTokenizer
 
-    prompt = prompt_ids(AutoTokenizer.from_pretrained(model_path), 0, PROMPT_TOKENS)
-    want = reference_tokens(model_path, prompt, suite.new_tokens)
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = [prompt_ids(tok, i, PROMPT_TOKENS) for i in range(max(suite.streams, 1))]
+    wants = [reference_tokens(model_path, p, suite.new_tokens) for p in prompts]
     print(
         f"{'node':<9}{'action':<7}{'detect s':>9}{'stall s':>9}{'recovery s':>11}"
         f"{'gap before ms':>14}{'tokens equal':>13}",
@@ -45,20 +49,25 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     rows = []
     for case in suite.cases:
         node, action = case.split(":")
-        row = _one(cfg, model_path, prompt, want, node, action)
+        row = _one(cfg, model_path, prompts, wants, node, action)
         rows.append(row)
         print(
             f"{node:<9}{action:<7}{_s(row['detect_s'])}{_s(row['stall_s'])}{_s(row['recovery_s'], 11)}"
             f"{row['median_gap_before_s'] * 1e3:14.1f}{str(row['tokens_equal']):>13}",
             flush=True,
         )
-    report = {"new_tokens": suite.new_tokens, "at_token": suite.at_token, "rows": rows}
+    report = {
+        "new_tokens": suite.new_tokens,
+        "at_token": suite.at_token,
+        "streams": suite.streams,
+        "rows": rows,
+    }
     out.write("faults", "faults", report)
     plots.faults(rows, out.path("faults", "png"), out.describe(suite.new_tokens))
     return report
 
 
-def _one(cfg: BenchConfig, model_path: str, prompt: list[int], want: list[int], node: str, action: str):
+def _one(cfg: BenchConfig, model_path: str, prompts: list, wants: list, node: str, action: str):
     suite = cfg.faults
     with tempfile.TemporaryDirectory(prefix="odmoe-faults-") as scratch:
         record = Path(scratch) / "fault.jsonl"
@@ -73,16 +82,30 @@ def _one(cfg: BenchConfig, model_path: str, prompt: list[int], want: list[int], 
         )
         standby = 1 if node == "main" else 0
         with odmoe.LocalCluster(model_path, overrides=words, standby_mains=standby) as cluster:
+            others: dict[int, list[int]] = {}
+
+            def stream(i: int) -> None:  # another user's stream, decoding beside the measured one
+                with odmoe.Client(cluster.main_addresses, credentials=cluster.credentials) as client:
+                    others[i] = [
+                        p.token_id for p in client.stream(prompts[i], max_new_tokens=suite.new_tokens)
+                    ]
+
+            threads = [threading.Thread(target=stream, args=(i,)) for i in range(1, len(prompts))]
+            for t in threads:
+                t.start()
             arrivals, tokens, stats = [], [], {}
-            for reply in cluster.client._replies(prompt, suite.new_tokens):
+            for reply in cluster.client._replies(prompts[0], suite.new_tokens):
                 if reply.WhichOneof("kind") == "token":
                     arrivals.append(time.time() * 1e6)
                     tokens.append(reply.token.token_id)
                 else:
                     stats = json.loads(reply.done.stats_json)
+            for t in threads:
+                t.join(timeout=300)
             fired = json.loads(record.read_text().splitlines()[0])
             failovers = list(cluster.client.failover_log)
-    return _measure(node, action, fired, arrivals, tokens == want, stats, failovers)
+    equal = tokens == wants[0] and all(others.get(i) == wants[i] for i in range(1, len(prompts)))
+    return {**_measure(node, action, fired, arrivals, equal, stats, failovers), "streams": len(prompts)}
 
 
 def _measure(node, action, fired, arrivals, equal, stats, failovers) -> dict:

@@ -53,7 +53,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
                 _measure(cluster, f"open {rate:g}/s", lambda r=rate: _open(cluster, prompts, r, suite))
             )
     for load in loads:
-        load["differ"] = sum(tuple(r["tokens"]) != wanted[r["key"]] for r in load["requests"])
+        load["differ"] = sum(tuple(r["tokens"]) != wanted[tuple(r["key"])] for r in load["requests"])
         load.update(_summary(load))
     base = next((x["tokens_per_s"] for x in loads if x["name"] == "closed c=1"), None)
     alone_ttft = next((x["ttft_p50_ms"] for x in loads if x["name"] == "closed c=1"), None)
