@@ -172,6 +172,9 @@ class ServingSuite:
     prompt_tokens: int = 32
     new_tokens: int = 40
     seed: int = 0
+    # GuideLLM beside our clients (the path of its executable, "" = skip): HTTP API, same concurrencies
+    guidellm: str = ""
+    guidellm_requests: int = 16  # requests per concurrency
 
 
 @dataclass

@@ -136,7 +136,7 @@ class MainEngine:
             raise InvalidRequest(f"stop takes at most {MAX_STOPS} non-empty strings")
         if any(not 0 <= i < vocab for i in resume):
             raise InvalidRequest(f"resume_ids must lie in [0, {vocab})")
-        if set(resume[:-1]) & self.eos_ids:
+        if set(resume[:-1]) & self.eos_ids and not request.ignore_eos:
             raise InvalidRequest("resume_ids continue past an end-of-sequence token")
         if self.max_positions and len(ids) + request.max_new_tokens > self.max_positions:
             raise InvalidRequest(

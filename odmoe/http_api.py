@@ -76,6 +76,8 @@ class ApiError(Exception):
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
     include_usage: bool = False
+    # vLLM's extension (serving benchmarks send it): every chunk carries the usage so far
+    continuous_usage_stats: bool = False
 
 
 class _Common(BaseModel):
@@ -94,6 +96,9 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as every server does
+    # vLLM's extension, which serving benchmarks (guidellm, aiperf) send to fix the output length:
+    # an end-of-sequence token does not end the request (the token is still generated and shown)
+    ignore_eos: bool = False
     n: int | None = Field(default=1, ge=1, le=MAX_N)  # choices; each samples with seed + its index
     # not implemented: refused unless neutral
     logprobs: Any = None
@@ -304,6 +309,7 @@ def _requests(
             if i == 0 or sampling.seed is None
             else replace(sampling, seed=sampling.seed + i),
             stop=body.stops(),
+            ignore_eos=body.ignore_eos,
             request_id=rid if n == 1 else f"{rid}-{i}",
             prefill_group=rid if n > 1 else "",
         )
@@ -360,8 +366,10 @@ async def _answer(backend, request: Request, body: _Common, reqs: list[GenerateR
     created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + rid
     shape = _Shape(rid, created, backend.model_name, chat)
     if body.stream:
-        usage = body.stream_options is not None and body.stream_options.include_usage
-        return EventSourceResponse(_stream(tickets, shape, usage), ping=15, sep="\n")
+        options = body.stream_options or StreamOptions()
+        running = len(reqs[0].token_ids) or len(backend.tokenizer(reqs[0].prompt)["input_ids"])
+        running = running if options.continuous_usage_stats else None  # the prompt's tokens
+        return EventSourceResponse(_stream(tickets, shape, options.include_usage, running), ping=15, sep="\n")
     try:
         answers = await asyncio.gather(*(_collect(ticket, request) for ticket in tickets))
     finally:
@@ -385,8 +393,9 @@ async def _collect(ticket, request: Request) -> tuple[str, dict]:
     return "".join(text), stats
 
 
-async def _stream(tickets, shape: _Shape, usage: bool):
-    """Every choice's chunks as they come (each with its index), then usage and [DONE]."""
+async def _stream(tickets, shape: _Shape, usage: bool, prompt_tokens: int | None = None):
+    """Every choice's chunks as they come (each with its index), then usage and [DONE]. With
+    `prompt_tokens` (continuous_usage_stats) every chunk also carries the usage so far."""
     if shape.chat:
         for index in range(len(tickets)):
             yield json.dumps(shape.chunk({"role": "assistant", "content": ""}, None, index))
@@ -400,15 +409,19 @@ async def _stream(tickets, shape: _Shape, usage: bool):
             await events.put((index, END))
 
     pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
-    done, all_stats, failed = 0, [], False
+    done, all_stats, failed, generated = 0, [], False, 0
     try:
         while done < len(tickets):
             index, event = await events.get()
             if event is END:
                 done += 1
             elif isinstance(event, TokenEvent):
+                generated += 1
                 if event.text:
-                    yield json.dumps(shape.chunk(event.text, None, index))
+                    chunk = shape.chunk(event.text, None, index)
+                    if prompt_tokens is not None:
+                        chunk["usage"] = _usage({"prompt_tokens": prompt_tokens, "new_tokens": generated})
+                    yield json.dumps(chunk)
             elif isinstance(event, DoneEvent):
                 all_stats.append(event.stats)
                 yield json.dumps(

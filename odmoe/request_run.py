@@ -53,6 +53,7 @@ class GenerateRequest:
     # together, the first computes the prompt's K/V cache and logits once and the others copy them
     # (the same bits: a prefill is deterministic), then each samples with its own seed.
     prefill_group: str = ""
+    ignore_eos: bool = False  # go on past an end-of-sequence token until max_new_tokens (vLLM's option)
 
 
 @dataclass(frozen=True)
@@ -116,7 +117,8 @@ class RequestRun:
     def already_over(self) -> bool:
         """The lost main had streamed every token and died before its final reply."""
         resumed = self.resumed
-        return len(resumed) == self.request.max_new_tokens or bool(set(resumed[-1:]) & self.eos_ids)
+        eos = bool(set(resumed[-1:]) & self.eos_ids) and not self.request.ignore_eos
+        return len(resumed) == self.request.max_new_tokens or eos
 
     def forward(self) -> torch.Tensor:
         """This iteration's forward pass (prefill, or one token): the last position's logits [1, V]."""
@@ -153,8 +155,9 @@ class RequestRun:
         if not replayed and not self.first_token_at:
             self.first_token_at = time.perf_counter()
         piece, stopped = self.stops.feed(self.text.add(token))
-        finished = stopped or token in self.eos_ids or iteration + 1 == self.request.max_new_tokens
-        if stopped or token in self.eos_ids:
+        eos = token in self.eos_ids and not self.request.ignore_eos
+        finished = stopped or eos or iteration + 1 == self.request.max_new_tokens
+        if stopped or eos:
             self.finish_reason = "stop"
         if finished:  # held back for a stop string that never came, or half a UTF-8 character
             more, _ = self.stops.feed(self.text.flush())

@@ -203,6 +203,31 @@ def test_n_choices_each_equal_generate_with_its_seed(api, name, hf):
     assert greedy.choices[0].text == greedy.choices[1].text
 
 
+def test_ignore_eos_goes_on_past_the_end_of_sequence_as_benchmark_tools_ask(cluster, name, hf):
+    """vLLM's `ignore_eos` (guidellm and aiperf send it to fix output lengths): the request runs its
+    max_tokens, the end-of-sequence token included, as generate() with no eos_token_id."""
+    model, tok = hf
+    eos = model.generation_config.eos_token_id
+    for p in (PROMPT, "    return sorted(items, key=", "import os\n", "x = ["):
+        ids = tok(p, return_tensors="pt")["input_ids"]
+        plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False)
+        if eos in plain[0, ids.shape[1] :].tolist():
+            break
+    else:
+        pytest.skip("no prompt reaches the end-of-sequence token within 40 tokens")
+    want = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, do_sample=False, eos_token_id=None
+    )[0, ids.shape[1] :].tolist()
+    reply = httpx.post(
+        cluster.http_url + "/v1/completions",
+        json={"model": name, "prompt": p, "max_tokens": 40, "temperature": 0, "ignore_eos": True},
+        timeout=60,
+        **cluster.http_auth,
+    ).json()
+    assert reply["usage"]["completion_tokens"] == 40 and reply["choices"][0]["finish_reason"] == "length"
+    assert reply["choices"][0]["text"] == text_of(hf, want)
+
+
 # -- raw HTTP: the edges ---------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "body,status,param",

@@ -11,13 +11,21 @@ seeded parameters):
 Per load it reports total output tokens/s, TTFT and inter-token latency (p50 / p99, client side),
 expert bytes loaded per generated token and the mean batch size (main's Prometheus counters before
 and after), and how many requests' tokens differed from running alone (must be 0).
+
+With `serving.guidellm` (the path of a `guidellm` executable, in a venv of its own: it wants a newer
+torch than odmoe pins) the same cluster is then driven through the OpenAI HTTP API by GuideLLM at the
+same concurrencies (synthetic prompts of `prompt_tokens`, `new_tokens` out, its `ignore_eos`), offline
+with the model's own tokenizer directory, and its figures are reported beside ours.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
 import re
 import statistics
+import subprocess
 import threading
 import time
 
@@ -52,6 +60,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             loads.append(
                 _measure(cluster, f"open {rate:g}/s", lambda r=rate: _open(cluster, prompts, r, suite))
             )
+        external = _guidellm(cluster, model_path, suite, out) if suite.guidellm else None
     for load in loads:
         load["differ"] = sum(tuple(r["tokens"]) != wanted[tuple(r["key"])] for r in load["requests"])
         load.update(_summary(load))
@@ -68,6 +77,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         "new_tokens": suite.new_tokens,
         "loads": [{k: v for k, v in x.items() if k != "requests"} for x in loads],
         "requests": {x["name"]: x["requests"] for x in loads},
+        "guidellm": external,
     }
     _print(report, out.describe(suite.new_tokens))
     out.write("serving", "serving", report)
@@ -237,3 +247,61 @@ def _print(report: dict, described: str) -> None:
             f"{fmt(x['batch_size_mean'], 10, '.2f')}{x['differ']:>10}"
             + (f"  ({x['refused']} refused)" if x["refused"] else "")
         )
+
+
+def _guidellm(cluster, model_path: str, suite, out: ResultsDir) -> dict:
+    """GuideLLM through the HTTP API at each concurrency: its report file, command and figures."""
+    name = httpx.get(f"{cluster.http_url}/v1/models", **cluster.http_auth).json()["data"][0]["id"]
+    report = out.path("serving-guidellm", "json")
+    backend = f"kind=openai_http,target={cluster.http_url},model={name},verify=false"
+    command = [
+        suite.guidellm,
+        "run",
+        "--backend",
+        backend + (f",api_key={cluster.token}" if cluster.token else ""),
+        "--profile",
+        "kind=concurrent,streams=1",
+        "--override",
+        "profile.streams",
+        ",".join(str(c) for c in suite.concurrency),
+        "--constraint",
+        f"kind=max_requests,count={suite.guidellm_requests}",
+        "--tokenizer",
+        f"kind=huggingface_auto,model={model_path}",
+        "--data",
+        f"kind=synthetic_text,prompt_tokens={suite.prompt_tokens},output_tokens={suite.new_tokens}",
+        "--output",
+        f"kind=json,path={report}",
+        "--disable-console-interactive",
+    ]
+    shown = " ".join(command).replace(cluster.token, "<token>") if cluster.token else " ".join(command)
+    print(f"   guidellm: {shown}", flush=True)
+    subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    rows = []
+    for bench in json.loads(report.read_text())["benchmarks"]:
+        m = bench["metrics"]
+
+        def stat(key: str, which: str, m=m) -> float | None:
+            got = (m.get(key) or {}).get("successful") or {}
+            return got.get(which) if which in got else (got.get("percentiles") or {}).get(which)
+
+        rows.append(
+            {
+                "concurrency": bench["config"]["strategy"].get("streams"),
+                "output_tokens_per_s": stat("output_tokens_per_second", "mean"),
+                "ttft_p50_ms": stat("time_to_first_token_ms", "median"),
+                "ttft_p99_ms": stat("time_to_first_token_ms", "p99"),
+                "itl_p50_ms": stat("inter_token_latency_ms", "median"),
+                "itl_p99_ms": stat("inter_token_latency_ms", "p99"),
+                "requests": (m["request_totals"] or {}).get("successful"),
+                "errored": (m["request_totals"] or {}).get("errored"),
+            }
+        )
+    print(f"{'guidellm':<14}{'tok/s':>10}{'TTFT p50':>10}{'p99':>10}{'ITL p50':>10}{'p99':>10}{'errors':>8}")
+    for r in rows:
+        print(
+            f"{'  c=' + str(r['concurrency']):<14}{fmt(r['output_tokens_per_s'], 10, '.1f')}"
+            f"{fmt(r['ttft_p50_ms'], 10, '.1f')}{fmt(r['ttft_p99_ms'], 10, '.1f')}"
+            f"{fmt(r['itl_p50_ms'], 10, '.2f')}{fmt(r['itl_p99_ms'], 10, '.2f')}{r['errored'] or 0:>8}"
+        )
+    return {"command": shown, "report": str(report), "rows": rows}
