@@ -36,12 +36,14 @@ class InProcessWorkers:
         self.events: list = []
         self.inbox: list[tuple[int, list]] = []
         self.batches: dict[tuple, dict[int, torch.Tensor]] = {}
-        self.messages = 0  # compute messages received (one per worker and decode layer, batched)
+        self.messages = 0  # compute messages received
+        self.decode_messages = 0  # of which ComputeExperts: one per worker and decode layer, batched
 
     def send(self, worker: int, frames: list, copy: bool = True) -> bool:
         message, tensors = from_frames([bytes(f) for f in frames])
         if isinstance(message, ComputeExperts):
             self.messages += 1
+            self.decode_messages += 1
             self.inbox.append((worker, self._many(worker, message, tensors)))
         elif isinstance(message, ComputeExpert):
             self.messages += 1

@@ -1,0 +1,152 @@
+"""The decode loop with in-process workers (odmoe/inprocess.py: the real engine, RemoteExperts, codec
+and expert math, no sockets) against transformers: fast, so the batching logic is checked over many
+schedules here, and through real clusters in tests/test_batching.py."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from odmoe.engine import DoneEvent, GenerateRequest, TokenEvent
+from odmoe.inprocess import engine_in_process
+from odmoe.request_queue import END, RequestQueue
+from odmoe.sampling import SamplingParams
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\n\nclass Config:\n    ",
+    "x = [",
+    "for i in range(10):\n    print(",
+]
+SAMPLINGS = [SamplingParams(), SamplingParams(do_sample=True, temperature=0.8, seed=5)]
+
+
+@functools.cache
+def _hf(path: str):
+    return AutoModelForCausalLM.from_pretrained(path).eval(), AutoTokenizer.from_pretrained(path)
+
+
+@functools.cache
+def reference(path: str, prompt: str, new_tokens: int, sampling: int) -> tuple[int, ...]:
+    model, tok = _hf(path)
+    params = SAMPLINGS[sampling]
+    ids = tok(prompt, return_tensors="pt")["input_ids"]
+    if params.do_sample:
+        torch.manual_seed(params.seed)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, **params.generate_kwargs()
+    )
+    return tuple(out[0, ids.shape[1] :].tolist())
+
+
+@functools.cache
+def _engine(path: str, chunk_tokens: int):
+    engine, _ = engine_in_process(path, max_running=4, chunk_tokens=chunk_tokens)
+    return engine
+
+
+def serve(engine, arrivals: dict[int, list[GenerateRequest]]) -> dict[str, list[int]]:
+    """Run the engine until every request is over; `arrivals`: loop turn -> requests submitted then."""
+    queue = RequestQueue(64, 1e9)
+    tickets, turn = {}, [0]
+
+    def between() -> None:
+        for request in arrivals.get(turn[0], []):
+            tickets[request.request_id] = queue.submit(request)
+        turn[0] += 1
+
+    def stopped() -> bool:
+        done = all(t.events.queue and t.events.queue[-1] is END for t in tickets.values())
+        return turn[0] > max(arrivals) and done
+
+    engine.serve(queue, stopped, between)
+    out = {}
+    for rid, ticket in tickets.items():
+        events = list(ticket.events.queue)
+        assert not [e for e in events if isinstance(e, Exception)], events
+        assert isinstance(events[-2], DoneEvent)
+        out[rid] = [e.token_id for e in events if isinstance(e, TokenEvent)]
+    return out
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    schedule=st.lists(
+        st.tuples(
+            st.integers(0, 6),  # the loop turn it arrives at: joins mid-stream
+            st.integers(0, len(PROMPTS) - 1),
+            st.integers(1, 12),  # lengths differ: requests leave mid-stream
+            st.integers(0, len(SAMPLINGS) - 1),
+        ),
+        min_size=1,
+        max_size=6,  # beyond max_running=4: some wait for a place
+    ),
+    chunk_tokens=st.sampled_from([0, 3]),
+)
+def test_any_schedule_gives_every_request_its_alone_tokens(model_dirs, schedule, chunk_tokens):
+    path = model_dirs["qwen2_moe"]
+    arrivals: dict[int, list[GenerateRequest]] = {}
+    wanted = {}
+    for i, (turn, prompt, n, sampling) in enumerate(schedule):
+        rid = f"r{i}"
+        request = GenerateRequest(
+            PROMPTS[prompt], max_new_tokens=n, sampling=SAMPLINGS[sampling], request_id=rid
+        )
+        arrivals.setdefault(turn, []).append(request)
+        wanted[rid] = list(reference(path, PROMPTS[prompt], n, sampling))
+    assert serve(_engine(path, chunk_tokens), arrivals) == wanted
+
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "deepseek_v3"])
+def test_requests_batched_from_the_start_equal_alone(model_dirs, family):
+    path = model_dirs[family]
+    engine, workers = engine_in_process(path, max_running=4)
+    requests = [GenerateRequest(p, max_new_tokens=10, request_id=f"r{i}") for i, p in enumerate(PROMPTS)]
+    got = serve(engine, {0: requests})
+    assert got == {f"r{i}": list(reference(path, p, 10, 0)) for i, p in enumerate(PROMPTS)}
+
+
+def test_one_message_per_worker_and_decode_layer_whatever_the_batch(model_dirs):
+    """4 requests decoding together send as many decode messages as 1 does: one per worker and layer
+    (top-2 on a group of 2: both workers, every layer)."""
+    path = model_dirs["mixtral"]
+    counts = []
+    for batch in (1, 4):
+        engine, workers = engine_in_process(path, max_running=4, workers=2, group_size=2)
+        requests = [GenerateRequest(PROMPTS[0], max_new_tokens=9, request_id=f"r{i}") for i in range(batch)]
+        serve(engine, {0: requests})
+        counts.append(workers.decode_messages)
+    assert counts[0] == counts[1] == 8 * 4 * 2  # 8 decode iterations x 4 layers x 2 workers
+
+
+def test_n_choices_share_the_prefill_and_each_equals_its_seed(model_dirs):
+    path = model_dirs["mixtral"]
+    engine, workers = engine_in_process(path, max_running=4)
+    requests = [
+        GenerateRequest(
+            PROMPTS[1],
+            max_new_tokens=8,
+            sampling=SamplingParams(do_sample=True, temperature=0.8, seed=5 + i),
+            request_id=f"c{i}",
+            prefill_group="g",
+        )
+        for i in range(3)
+    ]
+    got = serve(engine, {0: requests})
+    for i in range(3):
+        model, tok = _hf(path)
+        ids = tok(PROMPTS[1], return_tensors="pt")["input_ids"]
+        torch.manual_seed(5 + i)
+        want = model.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=0.8, max_new_tokens=8
+        )
+        assert got[f"c{i}"] == want[0, ids.shape[1] :].tolist()
+    prefill = workers.messages - workers.decode_messages
+    alone, alone_workers = engine_in_process(path, max_running=4)
+    serve(alone, {0: requests[:1]})
+    assert prefill == alone_workers.messages - alone_workers.decode_messages  # one prefill, not three
