@@ -54,7 +54,7 @@ from odmoe.families import family_of
 from odmoe.faults import FaultTrigger
 from odmoe.hedging import GroupLimit, shadow_hedges
 from odmoe.kv_rows import overwrite_newest_rows, overwrite_rows
-from odmoe.lockstep import Failed, Finished, Lockstep, Parked, park
+from odmoe.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
     Align,
@@ -213,7 +213,12 @@ class ShadowNode:
             if run is None or run.iteration < 1:
                 return  # prefill: nothing to predict
             self.fault.at(run.request, run.iteration, layer)
-            park(self.choice(module, output, layer, limit))
+            choice = self.choice(module, output, layer, limit)
+            if not in_task():  # the tick's only request: publish at once
+                self._choose(run.tick, layer, run.request, choice)
+                self.publish(run.tick, layer)
+                return
+            park(choice)
             self._running = run
 
         return hook
@@ -414,6 +419,18 @@ class ShadowNode:
         self._layer_since_us = now_us()
         if self.model is None:
             self._run_random(tick, runs)
+            return
+        if len(runs) == 1:  # one request: its forward pass needs no lockstep (its hook publishes)
+            run = runs[0]
+            self._running, start = run, time.perf_counter()
+            try:
+                self._ran(run, self._forward(tokens[run.request], run))
+            except Exception as exc:  # a bad Align's rows, say: abandon that request, keep serving
+                self.dropped.drop(f"request {run.request!r:.40} abandoned: {type(exc).__name__}: {exc}")
+                self.runs.pop(run.request, None)
+            run.forward_s += time.perf_counter() - start
+            self._running = None
+            self._forget_before(tick)
             return
         parked: dict[str, _Choice] = {}
         for run in runs:

@@ -303,6 +303,10 @@ class MainEngine:
             if run.decoding:
                 run.batch_sizes.append(decoding)  # the requests it decoded beside (itself included)
         self.experts.stream, self.experts.tick = self.stream, self.tick
+        if len(self.running) == 1 and not self.tasks:  # one request: its forward pass needs no lockstep
+            self._alone(*self.running[0])
+            self.tick += 1
+            return
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
         decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer
         prefill: list[str] = []  # parked before a prefill layer
@@ -338,6 +342,18 @@ class MainEngine:
                 run.prefill_layers += 1
                 self._route(self._resume(run, None), runs, decode, prefill)
         self.tick += 1
+
+    def _alone(self, ticket: Ticket, run: RequestRun) -> None:
+        """The only running request's iteration, called directly (the same calls, no task switches):
+        its experts calls exchange at once, as a batch of one."""
+        run.ctx.begin(run.iteration)
+        self.experts.current = run.ctx
+        try:
+            logits = run.forward()
+        except Exception as exc:
+            self._fail((ticket, run), exc)
+            return
+        self._accept(ticket, run, logits)
 
     def _start_task(self, run: RequestRun):
         self.experts.current = run.ctx
