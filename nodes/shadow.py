@@ -53,7 +53,6 @@ from odmoe.dropped import DropLog
 from odmoe.families import family_of
 from odmoe.faults import FaultTrigger
 from odmoe.hedging import GroupLimit, shadow_hedges
-from odmoe.kv_rows import overwrite_newest_rows, overwrite_rows
 from odmoe.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
 from odmoe.main_model import experts_modules
 from odmoe.messages import (
@@ -70,6 +69,7 @@ from odmoe.messages import (
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
 from odmoe.security import NodeSecurity, secure_server
+from odmoe.shadow_batch import RowCache, ShadowBatch, batchable
 from odmoe.shadow_model import (
     group_limit,
     load_shadow_model,
@@ -82,6 +82,7 @@ from odmoe.speculation import Speculation
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.shadow")
+LINGER_MS = 1  # how long a batched step waits for main's next report while other rows lag
 
 
 def topic(group: int) -> bytes:
@@ -93,7 +94,7 @@ class _Run:
     """One request at the shadow: its cache, the token it goes on from, how it aligns."""
 
     begin: BeginRequest
-    cache: DynamicCache | None
+    cache: RowCache | None  # None: random mode (no model)
     own_token: int
     next_wait: int  # wait mode: the next iteration main will align
     spec: Speculation | None = None  # speculative mode
@@ -184,6 +185,8 @@ class ShadowNode:
         self.choices: dict[tuple[int, int], dict[str, _Choice]] = {}
         self.tasks = Lockstep()
         self._running: _Run | None = None  # the request whose forward pass runs (the router hooks')
+        # every request whose model's cache can be batched (odmoe.shadow_batch): one forward per tick
+        self.batch = ShadowBatch(self.model) if self.model is not None else None
         self.tracer = Tracer("shadow", cfg.trace_dir)
         self._layer_since_us = 0.0  # when the current layer's computation began (timeline only)
         self.main_addresses = cfg.cluster.main_addresses
@@ -209,6 +212,16 @@ class ShadowNode:
         publishes once every request of the tick has chosen."""
 
         def hook(module, _inputs, output):
+            if self.batch is not None and self.batch.stepping:  # one row per batched request
+                ticks = set()
+                for row, request in self.batch.stepping:
+                    run = self.runs[request]  # each at its own tick (a speculative row may be ahead)
+                    self.fault.at(run.request, run.iteration, layer)
+                    self._choose(run.tick, layer, request, self.choice(module, output, layer, limit, row))
+                    ticks.add(run.tick)
+                for tick in sorted(ticks):
+                    self.publish(tick, layer)
+                return
             run = self._running
             if run is None or run.iteration < 1:
                 return  # prefill: nothing to predict
@@ -223,13 +236,13 @@ class ShadowNode:
 
         return hook
 
-    def choice(self, module, output, layer: int, limit: GroupLimit | None) -> _Choice:
-        """What a router's output (its newest token's) predicts: its experts, the top-(k+1)
-        candidates with their scores, and the hedges (`odmoe.hedging`)."""
-        unmasked = unmasked_choice_scores(module, output[0][-1])  # the newest token's, [E]
+    def choice(self, module, output, layer: int, limit: GroupLimit | None, row: int = -1) -> _Choice:
+        """What a router's output predicts for one of its rows (the newest token's by default): its
+        experts, the top-(k+1) candidates with their scores, and the hedges (`odmoe.hedging`)."""
+        unmasked = unmasked_choice_scores(module, output[0][row])  # [E]
         scores = mask_groups(unmasked, limit)  # what the router ranks by: its choice_scores
         probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
-        experts = self._inject(output[2][-1].tolist())
+        experts = self._inject(output[2][row].tolist())
         candidates, probs = candidates.tolist(), probs.tolist()
         margin = self.scfg.hedge_margin
         every = unmasked.tolist() if limit and margin > 0 else None  # group hedges rank groups by it
@@ -319,12 +332,17 @@ class ShadowNode:
                 self._end(request)
         begin = BeginRequest(begin.request, begin.prompt_ids, begin.max_new_tokens, stream, begin.first_tick)
         cache, own = None, -1
-        if self.model is not None:  # 1) its own prefill (nothing to predict)
-            cache = DynamicCache(config=self.model.config)
+        if self.model is not None:  # 1) its own prefill (nothing to predict), then into the batch
+            prefilled = DynamicCache(config=self.model.config)
             ids = torch.tensor([begin.prompt_ids], device=self.scfg.device)
             self._running = None
-            out = self.model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            out = self.model(input_ids=ids, past_key_values=prefilled, use_cache=True, logits_to_keep=1)
             own = int(out.logits[0, -1].argmax())
+            if batchable(prefilled):
+                self.batch.add(begin.request, prefilled)
+                cache = self.batch.row(begin.request)
+            else:
+                cache = RowCache(prefilled)
         spec = None
         if self.alignment.mode == "speculative" and self.model is not None:
             spec = Speculation(len(begin.prompt_ids), self.alignment.max_ahead)
@@ -333,6 +351,8 @@ class ShadowNode:
     def _end(self, request: str) -> None:
         """Main is done with it: every prediction for it went out before this word (in order)."""
         self.runs.pop(request, None)
+        if self.batch is not None:
+            self.batch.remove(request)
         for chosen in self.choices.values():
             chosen.pop(request, None)
         self.pub.send_multipart([b"main", *to_frames(ShadowEnded(request))])
@@ -355,7 +375,7 @@ class ShadowNode:
             run.rows.append((start, end, tensors[0], tensors[1]))
         back = spec.on_main(align.iteration, align.token)
         if back is not None:
-            run.cache.crop(spec.keep_length(back) - run.cache.get_seq_length())
+            run.cache.crop_to(spec.keep_length(back))
             spec.roll_back(back)
             log.debug("request %s: main's token differs at iteration %d: rolled back", run.request, back)
         self._place_rows(run.cache, run.rows)
@@ -393,12 +413,27 @@ class ShadowNode:
             while True:
                 runnable = [r for r in self.runs.values() if self._runnable(r)]
                 self._take_control(block=not runnable)
-                runnable = [r for r in self.runs.values() if self._runnable(r)]
+                runnable = self._gather()
                 if not runnable:
                     self.tracer.flush()
                     continue
                 tick = min(r.tick for r in runnable)
-                self.run_tick(tick, [r for r in runnable if r.tick == tick])
+                if runnable[0].cache is not None and runnable[0].cache.batch is not None:
+                    self.run_tick(tick, runnable)  # batched: every runnable row steps, each at its tick
+                else:
+                    self.run_tick(tick, [r for r in runnable if r.tick == tick])
+
+    def _gather(self) -> list[_Run]:
+        """The requests that can run now. Batched, a step costs the same for one row as for all, and
+        main reports every request's iteration at once at the end of its own: so while some rows
+        still wait for main, wait a little (LINGER_MS, only while reports keep coming) for theirs."""
+        runnable = [r for r in self.runs.values() if self._runnable(r)]
+        if not runnable or runnable[0].cache is None or runnable[0].cache.batch is None:
+            return runnable
+        while len(runnable) < sum(not r.over for r in self.runs.values()) and self.control.poll(LINGER_MS):
+            self._take_control(block=False)
+            runnable = [r for r in self.runs.values() if self._runnable(r)]
+        return runnable
 
     def _check_begin(self, begin: BeginRequest) -> None:
         ids = begin.prompt_ids
@@ -412,13 +447,17 @@ class ShadowNode:
             raise ValueError(f"first_tick={begin.first_tick} is before the first decode tick")
 
     def run_tick(self, tick: int, runs: list[_Run]) -> None:
-        """2) One iteration of every request in `runs` (all due at `tick`), their routers in step."""
+        """2) One iteration of every request in `runs` (due at `tick`, or batched: each at its own),
+        their routers in step."""
         tokens = {}
         for run in runs:
             tokens[run.request] = self._depart(run)
         self._layer_since_us = now_us()
         if self.model is None:
             self._run_random(tick, runs)
+            return
+        if runs[0].cache.batch is not None:  # batched (every run of a batchable model is)
+            self._run_batched(tick, runs, tokens)
             return
         if len(runs) == 1:  # one request: its forward pass needs no lockstep (its hook publishes)
             run = runs[0]
@@ -462,6 +501,25 @@ class ShadowNode:
         for key in [k for k in self.choices if k[0] < oldest]:
             del self.choices[key]
 
+    def _run_batched(self, tick: int, runs: list[_Run], tokens: dict[str, int]) -> None:
+        """One forward pass of the whole batch; the router hooks publish each layer's union."""
+        start = time.perf_counter()
+        try:
+            own = self.batch.step(tokens)
+        except Exception as exc:  # a bad Align's rows, say: those requests are abandoned
+            for run in runs:
+                self.dropped.drop(f"request {run.request!r:.40} abandoned: {type(exc).__name__}: {exc}")
+                self._end(run.request)
+            return
+        share = (time.perf_counter() - start) / len(runs)
+        for run in runs:
+            token = own[run.request]
+            if self.scfg.inject_wrong_token > 0 and self.rng.random() < self.scfg.inject_wrong_token:
+                token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+            run.forward_s += share
+            self._ran(run, (tokens[run.request], token))
+        self._forget_before(tick)
+
     def _settle(self, run: _Run, outcome, parked: dict[str, _Choice], tick: int) -> None:
         if isinstance(outcome, Parked):
             parked[outcome.key] = outcome.payload
@@ -490,8 +548,8 @@ class ShadowNode:
                 run.next_wait = align.next_align if align.next_align > iteration else 0
                 if align.token >= 0:
                     token = align.token
-                if align.kv and run.cache is not None:
-                    overwrite_newest_rows(run.cache, tensors[0], tensors[1])
+                if align.kv and run.cache is not None:  # main's rows of the previous iteration
+                    run.cache.overwrite(run.cache.length - tensors[0].shape[2], tensors[0], tensors[1])
         start_us = now_us()
         late_us = max(start_us - main_started_us, 0.0) if main_started_us else 0.0
         started = ShadowIteration(
@@ -515,7 +573,7 @@ class ShadowNode:
         choices): the token it fed and its own next one."""
         logits = self.model(
             input_ids=torch.tensor([[token]], device=self.scfg.device),
-            past_key_values=run.cache,
+            past_key_values=run.cache.cache,
             use_cache=True,
             logits_to_keep=1,
         ).logits
@@ -548,15 +606,15 @@ class ShadowNode:
             run.next_iteration += 1
 
     @staticmethod
-    def _place_rows(cache: DynamicCache, rows: list) -> None:
+    def _place_rows(cache: RowCache, rows: list) -> None:
         """Overwrite the shadow's K/V rows with main's wherever the cache already has them."""
-        length = cache.get_seq_length()
+        length = cache.length
         for item in [r for r in rows if r[1] <= length]:
-            overwrite_rows(cache, item[0], item[2], item[3])
+            cache.overwrite(item[0], item[2], item[3])
             rows.remove(item)
 
-    def _check_rows(self, tensors: list[torch.Tensor], cache: DynamicCache) -> None:
+    def _check_rows(self, tensors: list[torch.Tensor], cache: RowCache) -> None:
         if cache is None:
             raise ValueError("K/V rows for a shadow without a model")
-        if len(tensors) != 2 or any(t.dim() != 4 or t.shape[0] != len(cache.layers) for t in tensors):
+        if len(tensors) != 2 or any(t.dim() != 4 or t.shape[0] != cache.layers for t in tensors):
             raise ValueError("an Align's K/V rows do not fit the cache")
