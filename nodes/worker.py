@@ -41,7 +41,7 @@ import zmq
 
 from odmoe.announce import announce
 from odmoe.checkpoint import Checkpoint
-from odmoe.codec import CodecError
+from odmoe.codec import ALIGN, CodecError
 from odmoe.config import OdmoeConfig
 from odmoe.device_slots import device_peak_bytes
 from odmoe.dropped import DropLog
@@ -566,6 +566,7 @@ class WorkerNode:
                 if len(segments) > 1
                 else (self._on_device(rows),)
             )
+            parts = [x if x.data_ptr() % ALIGN == 0 else x.clone() for x in parts]  # see codec.ALIGN
             ys = [
                 expert_forward(x, slot.gate_up, slot.down, self.hidden_act, request.kernel, grouped)
                 for x in parts

@@ -3,8 +3,8 @@
 Contract: `encode(header, tensors)` -> list of frames for `send_multipart`; `decode(frames)` ->
 (header, tensors). Tensors of any dtype (bf16 included, which numpy cannot name) travel as their
 raw bytes; the header records dtype and shape under the reserved key "_tensors". Decoding wraps the
-received buffers without copying; the result is read-only memory owned by the frame, so callers
-that write to a tensor must clone it first.
+received buffers without copying when they are aligned (else copies them: see `_tensor`); the result
+may be read-only memory owned by the frame, so callers that write to a tensor must clone it first.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ _TENSORS = "_tensors"
 # A header is a few hundred bytes (a BeginRequest's prompt ids are the largest); a bigger one is a
 # malformed or hostile peer, refused before msgpack allocates anything for it.
 MAX_HEADER_BYTES = 16 * 2**20
+ALIGN = 64  # received tensors start at a multiple of this many bytes (torch's own allocations do)
 _DTYPES = {
     str(dt).removeprefix("torch."): dt
     for dt in (
@@ -127,4 +128,10 @@ def _tensor(entry, frame) -> torch.Tensor:
             t = torch.from_numpy(array)
     else:  # a received ZeroMQ frame: writable memory, nothing to warn about
         t = torch.from_numpy(array)
+    if t.data_ptr() % ALIGN:
+        # ZeroMQ keeps a long message's bytes right after its own header (8 bytes off a 16-byte
+        # boundary here), and the CPU's float32 matmul rounds otherwise for rows that start off a
+        # 16-byte boundary (AMD EPYC, MKL: other last bits than transformers' aligned rows). A copy
+        # is aligned like every tensor torch allocates; a layer's rows are a few KiB.
+        t = t.clone()
     return t.view(dtype) if dtype in _NUMPY_VIEW else t

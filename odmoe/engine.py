@@ -46,7 +46,14 @@ from odmoe.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main_model import MainModel
 from odmoe.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
 from odmoe.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
-from odmoe.request_run import DoneEvent, GenerateRequest, InvalidRequest, RequestRun, TokenEvent
+from odmoe.request_run import (
+    DoneEvent,
+    GenerateRequest,
+    InvalidRequest,
+    PromptEvent,
+    RequestRun,
+    TokenEvent,
+)
 from odmoe.run_stats import request_stats
 from odmoe.sampling import InvalidSampling
 from odmoe.stop_strings import MAX_STOPS
@@ -58,10 +65,12 @@ __all__ = [
     "GenerateRequest",
     "InvalidRequest",
     "MainEngine",
+    "PromptEvent",
     "ShuttingDown",
     "TokenEvent",
 ]
 IDLE_WAIT_S = 0.2  # an idle engine looks after the membership this often
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
 RECALL_WAIT_S = 1.0  # how long a finished request's paper recall waits for predictions in flight
 
 
@@ -121,8 +130,13 @@ class MainEngine:
         vocab = self.main.model.config.vocab_size
         if any(not 0 <= i < vocab for i in ids):
             raise InvalidRequest(f"token ids must lie in [0, {vocab})")
-        if request.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be at least 1, got {request.max_new_tokens}")
+        if request.max_new_tokens < (0 if request.prompt_logprobs else 1):
+            raise InvalidRequest(
+                f"max_new_tokens must be at least 1 (0 only to score the prompt), "
+                f"got {request.max_new_tokens}"
+            )
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {request.logprobs}")
         resume = request.resume_ids
         if len(resume) > request.max_new_tokens:
             raise InvalidRequest(
@@ -235,6 +249,7 @@ class MainEngine:
         if not self.running and not self.finishing:  # a new busy period: its stream is named after it
             self.stream, self.tick = request.request_id, 0
         quota = self._prefill_quota(len(ids))
+        passes = 2 if request.prompt_logprobs else 1  # the prompt's scoring pass, then its prefill
         run = RequestRun(
             request,
             ids,
@@ -244,7 +259,7 @@ class MainEngine:
             self.experts.context(request.request_id),
             self.make_plan(),
             self._sink(ticket),
-            first_tick=self.tick + math.ceil(self.moe_layers / quota),
+            first_tick=self.tick + math.ceil(passes * self.moe_layers / quota),
             prefill_quota=quota,
         )
         if run.already_over():
@@ -256,7 +271,7 @@ class MainEngine:
         run.leader = self._prefill_leader(run, ids)
         if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
             run.first_tick = run.leader.first_tick
-        if self.shadow is not None:
+        if self.shadow is not None and request.max_new_tokens > 0:  # a prompt only scored: nothing to predict
             self.shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
         self.running.append((ticket, run))
 

@@ -53,8 +53,10 @@ class InProcessWorkers:
         return True  # Release, EndRequest: nothing to do without slots
 
     def _weights(self, layer: int, expert: int):
+        """The expert as a worker's device slot holds it: a copy (aligned as torch allocates: a
+        stored expert may sit at any offset of the checkpoint's buffer, see codec.ALIGN)."""
         w = self.store[(layer, expert)]
-        return w.gate_up, w.down
+        return w.gate_up.clone(), w.down.clone()
 
     def _many(self, worker: int, m: ComputeExperts, tensors: list[torch.Tensor]) -> list:
         outputs = []

@@ -162,8 +162,8 @@ class ExpertTraffic:
         self._layer_busy = {}
 
     def add(self, result: ExpertResult) -> None:
-        """One prefill answer (a ComputeExpert's)."""
-        if result.step.iteration == 0:
+        """One prefill answer (a ComputeExpert's; a prompt's scoring pass counts as prefill)."""
+        if result.step.iteration <= 0:
             self.prefill["load_s"] += result.load_s
             self.prefill["compute_s"] += result.compute_s
             busy = self._layer_busy
@@ -374,7 +374,7 @@ class RemoteExperts:
         ctx = self.current
         if self.fault is not None:
             self.fault.at(ctx.request, ctx.iteration, layer)
-        if ctx.iteration == 0:
+        if ctx.iteration <= 0:  # a prefill (0), or a prompt's scoring pass (-1)
             if in_task():
                 park(PrefillLayer(layer))  # the engine resumes it when its prefill may go on this tick
                 self.current = ctx
@@ -411,7 +411,7 @@ class RemoteExperts:
 
     # -- prefill: one request's exchange -------------------------------------------------------
     def _prefill_layer(self, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        step = Step(ctx.request, 0, layer)
+        step = Step(ctx.request, ctx.iteration, layer)
         entered_us = now_us() if self.tracer.enabled else 0.0
         groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
         placement = self._prefill_place(step, hidden.shape[0], groups)

@@ -54,12 +54,29 @@ class GenerateRequest:
     # (the same bits: a prefill is deterministic), then each samples with its own seed.
     prefill_group: str = ""
     ignore_eos: bool = False  # go on past an end-of-sequence token until max_new_tokens (vLLM's option)
+    # log-probabilities (odmoe.logprobs): each new token's and the `logprobs` best at its position
+    # (None: off; 0: the chosen token's only); `prompt_logprobs`: every prompt token's too, from a
+    # scoring pass over the prompt (max_new_tokens may then be 0: the prompt is only scored)
+    logprobs: int | None = None
+    prompt_logprobs: bool = False
 
 
 @dataclass(frozen=True)
 class TokenEvent:
     token_id: int
     text: str  # the new text this token completes (may be "" mid-way through a UTF-8 character)
+    logprob: float | None = None  # with logprobs: this token's (a float32 value)
+    top: tuple[tuple[int, float], ...] = ()  # with logprobs > 0: (token, logprob), best first
+
+
+@dataclass(frozen=True)
+class PromptEvent:
+    """With prompt_logprobs, before any token: each prompt token's log-probability given the ones
+    before it (None for the first) and the best `logprobs` tokens at its position."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
 
 
 @dataclass(frozen=True)
@@ -103,6 +120,7 @@ class RequestRun:
         self.prefill_quota = prefill_quota  # MoE layers its prefill may exchange per tick (0: all)
         self.prefill_layers = 0  # MoE layers its prefill exchanged in the current tick
         self.batch_sizes: list[int] = []  # per decode iteration: requests decoding together, itself too
+        self.scored = not request.prompt_logprobs  # the prompt's scoring pass is done (or not asked)
         self.leader: RequestRun | None = None  # prefill_group: the run whose prefill this one copies
         self.done = False
 
@@ -118,10 +136,16 @@ class RequestRun:
         """The lost main had streamed every token and died before its final reply."""
         resumed = self.resumed
         eos = bool(set(resumed[-1:]) & self.eos_ids) and not self.request.ignore_eos
-        return len(resumed) == self.request.max_new_tokens or eos
+        return self.request.max_new_tokens > 0 and (len(resumed) == self.request.max_new_tokens or eos)
 
-    def forward(self) -> torch.Tensor:
-        """This iteration's forward pass (prefill, or one token): the last position's logits [1, V]."""
+    def forward(self) -> torch.Tensor | None:
+        """This iteration's forward pass (prefill, or one token): the last position's logits [1, V];
+        None when the request only scores its prompt (max_new_tokens=0)."""
+        if not self.scored:  # iteration 0, before the prefill: the prompt's own pass
+            self.scored = True
+            self.sink(self._score_prompt())
+            if self.request.max_new_tokens == 0:
+                return None
         device = self.main.device  # tokens are chosen on the host (odmoe.sampling), computed here
         mask = torch.ones(1, self.prompt_len + len(self.new_ids), dtype=torch.long, device=device)
         out = self.main.model(
@@ -133,8 +157,34 @@ class RequestRun:
         )
         return out.logits[:, -1, :].float().cpu()
 
-    def accept(self, logits: torch.Tensor) -> bool:
+    def _score_prompt(self) -> PromptEvent:
+        """The prompt tokens' log-probabilities: one forward pass over the prompt but its last token,
+        every position's logits (what evaluation harnesses compute in one process: each prompt token
+        is predicted by the positions before it). Its experts' calls are named iteration -1."""
+        ids = self.step_input  # [1, T]
+        if ids.shape[1] < 2:
+            return PromptEvent(tuple(ids[0].tolist()), (None,), ((),))
+        self.ctx.iteration = -1
+        try:
+            device = self.main.device
+            out = self.main.model(
+                input_ids=ids[:, :-1].to(device),
+                attention_mask=torch.ones(1, ids.shape[1] - 1, dtype=torch.long, device=device),
+                use_cache=False,
+                logits_to_keep=0,
+            )
+        finally:
+            self.ctx.iteration = 0
+        scored = token_logprobs(out.logits[0].float().cpu(), ids[0, 1:], self.request.logprobs or 0)
+        return PromptEvent(
+            tuple(ids[0].tolist()), (None, *(lp for lp, _ in scored)), ((), *(top for _, top in scored))
+        )
+
+    def accept(self, logits: torch.Tensor | None) -> bool:
         """Choose this iteration's token, stream it (unless replayed); True when the request is over."""
+        if logits is None:  # the prompt was only scored
+            self.done = True
+            return True
         self.logits = logits
         token = self.chooser.choose(logits)
         iteration = self.iteration
@@ -163,7 +213,11 @@ class RequestRun:
             more, _ = self.stops.feed(self.text.flush())
             piece += more + self.stops.flush()
         if not replayed:
-            self.sink(TokenEvent(token, piece))
+            if self.request.logprobs is None:
+                self.sink(TokenEvent(token, piece))
+            else:
+                ((logprob, top),) = token_logprobs(logits, torch.tensor([token]), self.request.logprobs)
+                self.sink(TokenEvent(token, piece, logprob, top))
         self.step_input = torch.tensor([[token]])
         self.done = finished
         return finished
@@ -181,6 +235,23 @@ class RequestRun:
     def streamed(self) -> list[int]:
         """What this main streamed (resumed tokens excepted)."""
         return self.new_ids[len(self.resumed) :]
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top: int
+) -> list[tuple[float, tuple[tuple[int, float], ...]]]:
+    """Per row of `logits` [n, V] (float32): log_softmax's value at `tokens[i]` and the `top` best
+    (token, logprob), best first. The model's distribution, before any sampling processor: what
+    OpenAI's and vLLM's logprobs report too."""
+    lp = torch.log_softmax(logits, dim=-1)
+    chosen = lp.gather(1, tokens.view(-1, 1)).flatten().tolist()
+    if top <= 0:
+        return [(c, ()) for c in chosen]
+    values, index = lp.topk(top, dim=-1)
+    return [
+        (c, tuple(zip(i, v, strict=True)))
+        for c, i, v in zip(chosen, index.tolist(), values.tolist(), strict=True)
+    ]
 
 
 class _Detokenizer:

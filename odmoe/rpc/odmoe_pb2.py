@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15odmoe/rpc/odmoe.proto\x12\todmoe.rpc\"\xd3\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rreturn_logits\x18\x05 \x01(\x08\x12\x12\n\nresume_ids\x18\x06 \x03(\x05\x12%\n\x08sampling\x18\x07 \x01(\x0b\x32\x13.odmoe.rpc.Sampling\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\ttimeout_s\x18\t \x01(\x01\"\xf5\x01\n\x08Sampling\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"`\n\rGenerateReply\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x15.odmoe.rpc.TokenPieceH\x00\x12\x1f\n\x04\x64one\x18\x02 \x01(\x0b\x32\x0f.odmoe.rpc.DoneH\x00\x42\x06\n\x04kind\",\n\nTokenPiece\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\"0\n\x04\x44one\x12\x12\n\nstats_json\x18\x01 \x01(\t\x12\x14\n\x0c\x66inal_logits\x18\x02 \x01(\x0c\"\r\n\x0bInfoRequest\"g\n\tInfoReply\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\x05\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x11\n\tinfo_json\x18\x05 \x01(\t\"_\n\x0bJoinRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bpub_address\x18\x04 \x01(\t\x12\r\n\x05where\x18\x05 \x01(\t\"\x1b\n\tJoinReply\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t2\xbb\x01\n\tInference\x12\x42\n\x08Generate\x12\x1a.odmoe.rpc.GenerateRequest\x1a\x18.odmoe.rpc.GenerateReply0\x01\x12\x34\n\x04Info\x12\x16.odmoe.rpc.InfoRequest\x1a\x14.odmoe.rpc.InfoReply\x12\x34\n\x04Join\x12\x16.odmoe.rpc.JoinRequest\x1a\x14.odmoe.rpc.JoinReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15odmoe/rpc/odmoe.proto\x12\todmoe.rpc\"\xa4\x02\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x03 \x01(\x05\x12\x12\n\nrequest_id\x18\x04 \x01(\t\x12\x15\n\rreturn_logits\x18\x05 \x01(\x08\x12\x12\n\nresume_ids\x18\x06 \x03(\x05\x12%\n\x08sampling\x18\x07 \x01(\x0b\x32\x13.odmoe.rpc.Sampling\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x11\n\ttimeout_s\x18\t \x01(\x01\x12\x15\n\x08logprobs\x18\n \x01(\x05H\x00\x88\x01\x01\x12\x17\n\x0fprompt_logprobs\x18\x0b \x01(\x08\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x42\x0b\n\t_logprobs\"\xf5\x01\n\x08Sampling\x12\x11\n\tdo_sample\x18\x01 \x01(\x08\x12\x18\n\x0btemperature\x18\x02 \x01(\x01H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x01H\x03\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x01H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x05\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"\x8d\x01\n\rGenerateReply\x12&\n\x05token\x18\x01 \x01(\x0b\x32\x15.odmoe.rpc.TokenPieceH\x00\x12\x1f\n\x04\x64one\x18\x02 \x01(\x0b\x32\x0f.odmoe.rpc.DoneH\x00\x12+\n\x06prompt\x18\x03 \x01(\x0b\x32\x19.odmoe.rpc.PromptLogprobsH\x00\x42\x06\n\x04kind\"r\n\nTokenPiece\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x14\n\x07logprob\x18\x03 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x04 \x03(\x0b\x32\x15.odmoe.rpc.TopLogprobB\n\n\x08_logprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x14\n\x07logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\"\n\x03top\x18\x03 \x03(\x0b\x32\x15.odmoe.rpc.TopLogprobB\n\n\x08_logprob\"9\n\x0ePromptLogprobs\x12\'\n\x06tokens\x18\x01 \x03(\x0b\x32\x17.odmoe.rpc.TokenLogprob\"0\n\x04\x44one\x12\x12\n\nstats_json\x18\x01 \x01(\t\x12\x14\n\x0c\x66inal_logits\x18\x02 \x01(\x0c\"\r\n\x0bInfoRequest\"g\n\tInfoReply\x12\x12\n\nmodel_path\x18\x01 \x01(\t\x12\x0e\n\x06\x66\x61mily\x18\x02 \x01(\t\x12\x0f\n\x07workers\x18\x03 \x01(\x05\x12\x12\n\ngroup_size\x18\x04 \x01(\x05\x12\x11\n\tinfo_json\x18\x05 \x01(\t\"_\n\x0bJoinRequest\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\x05\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bpub_address\x18\x04 \x01(\t\x12\r\n\x05where\x18\x05 \x01(\t\"\x1b\n\tJoinReply\x12\x0e\n\x06\x64\x65tail\x18\x01 \x01(\t2\xbb\x01\n\tInference\x12\x42\n\x08Generate\x12\x1a.odmoe.rpc.GenerateRequest\x1a\x18.odmoe.rpc.GenerateReply0\x01\x12\x34\n\x04Info\x12\x16.odmoe.rpc.InfoRequest\x1a\x14.odmoe.rpc.InfoReply\x12\x34\n\x04Join\x12\x16.odmoe.rpc.JoinRequest\x1a\x14.odmoe.rpc.JoinReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -32,23 +32,29 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'odmoe.rpc.odmoe_pb2', _glob
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=37
-  _globals['_GENERATEREQUEST']._serialized_end=248
-  _globals['_SAMPLING']._serialized_start=251
-  _globals['_SAMPLING']._serialized_end=496
-  _globals['_GENERATEREPLY']._serialized_start=498
-  _globals['_GENERATEREPLY']._serialized_end=594
-  _globals['_TOKENPIECE']._serialized_start=596
-  _globals['_TOKENPIECE']._serialized_end=640
-  _globals['_DONE']._serialized_start=642
-  _globals['_DONE']._serialized_end=690
-  _globals['_INFOREQUEST']._serialized_start=692
-  _globals['_INFOREQUEST']._serialized_end=705
-  _globals['_INFOREPLY']._serialized_start=707
-  _globals['_INFOREPLY']._serialized_end=810
-  _globals['_JOINREQUEST']._serialized_start=812
-  _globals['_JOINREQUEST']._serialized_end=907
-  _globals['_JOINREPLY']._serialized_start=909
-  _globals['_JOINREPLY']._serialized_end=936
-  _globals['_INFERENCE']._serialized_start=939
-  _globals['_INFERENCE']._serialized_end=1126
+  _globals['_GENERATEREQUEST']._serialized_end=329
+  _globals['_SAMPLING']._serialized_start=332
+  _globals['_SAMPLING']._serialized_end=577
+  _globals['_GENERATEREPLY']._serialized_start=580
+  _globals['_GENERATEREPLY']._serialized_end=721
+  _globals['_TOKENPIECE']._serialized_start=723
+  _globals['_TOKENPIECE']._serialized_end=837
+  _globals['_TOPLOGPROB']._serialized_start=839
+  _globals['_TOPLOGPROB']._serialized_end=886
+  _globals['_TOKENLOGPROB']._serialized_start=888
+  _globals['_TOKENLOGPROB']._serialized_end=990
+  _globals['_PROMPTLOGPROBS']._serialized_start=992
+  _globals['_PROMPTLOGPROBS']._serialized_end=1049
+  _globals['_DONE']._serialized_start=1051
+  _globals['_DONE']._serialized_end=1099
+  _globals['_INFOREQUEST']._serialized_start=1101
+  _globals['_INFOREQUEST']._serialized_end=1114
+  _globals['_INFOREPLY']._serialized_start=1116
+  _globals['_INFOREPLY']._serialized_end=1219
+  _globals['_JOINREQUEST']._serialized_start=1221
+  _globals['_JOINREQUEST']._serialized_end=1316
+  _globals['_JOINREPLY']._serialized_start=1318
+  _globals['_JOINREPLY']._serialized_end=1345
+  _globals['_INFERENCE']._serialized_start=1348
+  _globals['_INFERENCE']._serialized_end=1535
 # @@protoc_insertion_point(module_scope)

@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "token_ids", "max_new_tokens", "request_id", "return_logits", "resume_ids", "sampling", "stop", "timeout_s")
+    __slots__ = ("prompt", "token_ids", "max_new_tokens", "request_id", "return_logits", "resume_ids", "sampling", "stop", "timeout_s", "logprobs", "prompt_logprobs", "ignore_eos")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,9 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
@@ -26,7 +29,10 @@ class GenerateRequest(_message.Message):
     sampling: Sampling
     stop: _containers.RepeatedScalarFieldContainer[str]
     timeout_s: float
-    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: _Optional[bool] = ..., resume_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    logprobs: int
+    prompt_logprobs: bool
+    ignore_eos: bool
+    def __init__(self, prompt: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., request_id: _Optional[str] = ..., return_logits: _Optional[bool] = ..., resume_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., stop: _Optional[_Iterable[str]] = ..., timeout_s: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("do_sample", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "seed")
@@ -47,20 +53,50 @@ class Sampling(_message.Message):
     def __init__(self, do_sample: _Optional[bool] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class GenerateReply(_message.Message):
-    __slots__ = ("token", "done")
+    __slots__ = ("token", "done", "prompt")
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     DONE_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
     token: TokenPiece
     done: Done
-    def __init__(self, token: _Optional[_Union[TokenPiece, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ...) -> None: ...
+    prompt: PromptLogprobs
+    def __init__(self, token: _Optional[_Union[TokenPiece, _Mapping]] = ..., done: _Optional[_Union[Done, _Mapping]] = ..., prompt: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
 
 class TokenPiece(_message.Message):
-    __slots__ = ("token_id", "text")
+    __slots__ = ("token_id", "text", "logprob", "top")
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
     token_id: int
     text: str
-    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ...) -> None: ...
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., text: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class PromptLogprobs(_message.Message):
+    __slots__ = ("tokens",)
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tokens: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, tokens: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class Done(_message.Message):
     __slots__ = ("stats_json", "final_logits")
