@@ -166,7 +166,7 @@ class ServingSuite:
     max_running: int = 8  # server.max_running of the cluster
     concurrency: list[int] = field(default_factory=lambda: [1, 2, 4, 8])
     requests_per_client: int = 4
-    rates: list[float] = field(default_factory=lambda: [1.0, 2.0])  # open loop, requests/s (capacity ~2.4 here)
+    rates: list[float] = field(default_factory=lambda: [1.0, 2.0])  # open loop, requests/s (~2.4 fit here)
     open_requests: int = 24
     prompts: int = 8
     prompt_tokens: int = 32
