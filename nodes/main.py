@@ -43,7 +43,15 @@ from transformers import AutoTokenizer
 from odmoe.alignment import make_plan
 from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
-from odmoe.engine import Batching, DoneEvent, GenerateRequest, InvalidRequest, MainEngine, ShuttingDown
+from odmoe.engine import (
+    Batching,
+    DoneEvent,
+    GenerateRequest,
+    InvalidRequest,
+    MainEngine,
+    PromptEvent,
+    ShuttingDown,
+)
 from odmoe.faults import FaultTrigger
 from odmoe.heartbeat import Heartbeat
 from odmoe.http_api import start_http
@@ -145,6 +153,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         )
         self.model_name = cfg.server.model_name or Path(model_path).name
         self.tokenizer = tokenizer
+        self.tokenizer_vocab_size = main.model.config.vocab_size
         self.context_length = self.engine.max_positions
         self.stopped = threading.Event()
         self.engine_started = threading.Event()
@@ -209,6 +218,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             resume_ids=tuple(request.resume_ids),
             sampling=_sampling(request.sampling) if request.HasField("sampling") else SamplingParams(),
             stop=tuple(request.stop),
+            ignore_eos=request.ignore_eos,
+            logprobs=request.logprobs if request.HasField("logprobs") else None,
+            prompt_logprobs=request.prompt_logprobs,
             **({"request_id": request.request_id} if request.request_id else {}),
         )
         # the request's own timeout_s and the client's gRPC deadline, whichever is set and sooner
@@ -237,10 +249,17 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 logits = b"" if event.final_logits is None else event.final_logits.float().numpy().tobytes()
                 done = odmoe_pb2.Done(stats_json=json.dumps(event.stats), final_logits=logits)
                 yield odmoe_pb2.GenerateReply(done=done)
+            elif isinstance(event, PromptEvent):
+                tokens = [
+                    odmoe_pb2.TokenLogprob(token_id=t, logprob=lp, top=_top(top))
+                    for t, lp, top in zip(event.token_ids, event.logprobs, event.top, strict=True)
+                ]
+                yield odmoe_pb2.GenerateReply(prompt=odmoe_pb2.PromptLogprobs(tokens=tokens))
             else:
-                yield odmoe_pb2.GenerateReply(
-                    token=odmoe_pb2.TokenPiece(token_id=event.token_id, text=event.text)
+                piece = odmoe_pb2.TokenPiece(
+                    token_id=event.token_id, text=event.text, logprob=event.logprob, top=_top(event.top)
                 )
+                yield odmoe_pb2.GenerateReply(token=piece)
 
     def _next_reply(self, ticket: Ticket, context):
         """The engine's next event for this request; UNAVAILABLE once main is shutting down (the
@@ -371,6 +390,10 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.experts.close()
         if self.experts.shadow is not None:
             self.experts.shadow.close()
+
+
+def _top(top) -> list:
+    return [odmoe_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top]
 
 
 def _sampling(msg) -> SamplingParams:

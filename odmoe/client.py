@@ -53,6 +53,8 @@ from odmoe.security import ClientCredentials, grpc_channel
 class Piece:
     token_id: int
     text: str
+    logprob: float | None = None  # with logprobs=: this token's (float32, as transformers computes it)
+    top: tuple[tuple[int, float], ...] = ()  # with logprobs=k > 0: the k most likely (token, logprob)
 
 
 @dataclass
@@ -61,6 +63,12 @@ class GenerateResult:
     token_ids: list[int] = field(default_factory=list)  # the new tokens only
     stats: dict = field(default_factory=dict)
     final_logits: torch.Tensor | None = None  # [vocab] fp32 when asked for (return_logits=True)
+    # with logprobs=k: each new token's log-probability and the k most likely (token, logprob)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # with prompt_logprobs=True: every prompt token's (None for the first), and the best k there
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
 
 
 # What a lost main looks like from here: the connection dropped or its keepalive went unanswered.
@@ -134,11 +142,25 @@ class Client:
             return odmoe_pb2.GenerateRequest(prompt=prompt, **fields)
         return odmoe_pb2.GenerateRequest(token_ids=list(prompt), **fields)
 
-    def _replies(self, prompt, max_new_tokens, return_logits=False, request_id="", stop=(), **sampling):
+    def _replies(
+        self,
+        prompt,
+        max_new_tokens,
+        return_logits=False,
+        request_id="",
+        stop=(),
+        logprobs=None,
+        prompt_logprobs=False,
+        ignore_eos=False,
+        **sampling,
+    ):
         """The stream of replies, resumed on the next main whenever the current one is lost."""
         received: list[int] = []
         failures = 0  # consecutive, without a new token in between
         options = _options(stop, sampling)
+        if logprobs is not None:
+            options["logprobs"] = logprobs
+        options["prompt_logprobs"], options["ignore_eos"] = prompt_logprobs, ignore_eos
         while True:
             request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
             call = self._stub().Generate(request, timeout=self.timeout_s, metadata=self.metadata)
@@ -147,6 +169,8 @@ class Client:
                     if reply.WhichOneof("kind") == "token":
                         received.append(reply.token.token_id)
                         failures = 0
+                    if reply.WhichOneof("kind") == "prompt":
+                        options["prompt_logprobs"] = False  # a main resuming need not score it again
                     yield reply
                     if reply.WhichOneof("kind") == "done":
                         return
@@ -199,11 +223,11 @@ class Client:
             yield item
 
     def stream(
-        self, prompt: str | list[int], max_new_tokens: int = 32, stop=(), **sampling
+        self, prompt: str | list[int], max_new_tokens: int = 32, stop=(), logprobs=None, **sampling
     ) -> Iterator[Piece]:
-        for reply in self._replies(prompt, max_new_tokens, stop=stop, **sampling):
+        for reply in self._replies(prompt, max_new_tokens, stop=stop, logprobs=logprobs, **sampling):
             if reply.WhichOneof("kind") == "token":
-                yield Piece(reply.token.token_id, reply.token.text)
+                yield _piece(reply.token)
 
     def generate(
         self,
@@ -212,14 +236,39 @@ class Client:
         return_logits: bool = False,
         request_id: str = "",
         stop: list[str] | tuple[str, ...] = (),
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        ignore_eos: bool = False,
         **sampling,
     ) -> GenerateResult:
-        """`sampling`: do_sample, temperature, top_p, top_k, min_p, repetition_penalty, seed."""
+        """`sampling`: do_sample, temperature, top_p, top_k, min_p, repetition_penalty, seed.
+        `logprobs=k` (0..20): each new token's log-probability and the k most likely;
+        `prompt_logprobs=True`: the prompt tokens' too (`max_new_tokens=0`: only those)."""
         result = GenerateResult()
-        for reply in self._replies(prompt, max_new_tokens, return_logits, request_id, stop, **sampling):
-            if reply.WhichOneof("kind") == "token":
-                result.token_ids.append(reply.token.token_id)
-                result.text += reply.token.text
+        replies = self._replies(
+            prompt,
+            max_new_tokens,
+            return_logits,
+            request_id,
+            stop,
+            logprobs,
+            prompt_logprobs,
+            ignore_eos,
+            **sampling,
+        )
+        for reply in replies:
+            kind = reply.WhichOneof("kind")
+            if kind == "token":
+                piece = _piece(reply.token)
+                result.token_ids.append(piece.token_id)
+                result.text += piece.text
+                if piece.logprob is not None:
+                    result.logprobs.append(piece.logprob)
+                    result.top_logprobs.append(piece.top)
+            elif kind == "prompt":
+                tokens = reply.prompt.tokens
+                result.prompt_logprobs = [t.logprob if t.HasField("logprob") else None for t in tokens]
+                result.prompt_top_logprobs = [_top(t.top) for t in tokens]
             else:
                 result.stats = json.loads(reply.done.stats_json)
                 if reply.done.final_logits:
@@ -248,6 +297,15 @@ class Client:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _top(top) -> tuple[tuple[int, float], ...]:
+    return tuple((t.token_id, t.logprob) for t in top)
+
+
+def _piece(token) -> Piece:
+    logprob = token.logprob if token.HasField("logprob") else None
+    return Piece(token.token_id, token.text, logprob, _top(token.top))
 
 
 def _options(stop, sampling: dict) -> dict:

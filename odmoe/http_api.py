@@ -37,7 +37,7 @@ import secrets
 import threading
 import time
 import uuid
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import uvicorn
@@ -48,7 +48,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, TokenEvent
+from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, PromptEvent, TokenEvent
+from odmoe.openai_logprobs import Scored, TokenTexts, chat_content, completion_logprobs
 from odmoe.remote_experts import WorkerFailed, WorkerUnavailable
 from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull
 from odmoe.sampling import MAX_SEED, SamplingParams
@@ -56,6 +57,8 @@ from odmoe.security import ServerSecrets
 
 log = logging.getLogger("odmoe.http")
 POLL_S = 0.1  # how often a waiting handler looks whether its client is still there
+MAX_LOGPROBS = 20  # best tokens per position (OpenAI's limit)
+MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_N = 64  # choices per request (each runs as a request of its own, sharing the prompt's prefill)
 
 
@@ -85,7 +88,7 @@ class _Common(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: completions with echo only (scoring)
     temperature: float | None = Field(default=None, ge=0)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1)  # -1 (vLLM) or 0: off
@@ -101,16 +104,12 @@ class _Common(BaseModel):
     ignore_eos: bool = False
     n: int | None = Field(default=1, ge=1, le=MAX_N)  # choices; each samples with seed + its index
     # not implemented: refused unless neutral
-    logprobs: Any = None
-    top_logprobs: int | None = None
     presence_penalty: float | None = 0.0
     frequency_penalty: float | None = 0.0
     logit_bias: dict | None = None
 
     def refuse_unsupported(self) -> None:
         neutral = {
-            "logprobs": (self.logprobs in (None, False), "logprobs are not supported"),
-            "top_logprobs": (self.top_logprobs in (None, 0), "logprobs are not supported"),
             "presence_penalty": (not self.presence_penalty, "presence_penalty is not supported"),
             "frequency_penalty": (
                 not self.frequency_penalty,
@@ -144,10 +143,27 @@ class _Common(BaseModel):
 
 
 class CompletionBody(_Common):
-    prompt: str | list[str] | list[int]
-    echo: bool = False
+    # one prompt (a string or token ids), or a batch: several strings or token-id lists, one choice
+    # each (n choices each with n > 1), in order: what evaluation harnesses send
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool = False  # the prompt back before the completion (with its logprobs when asked)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # best tokens per position
     best_of: int | None = None
     suffix: str | None = None
+
+    def top(self) -> int | None:
+        return self.logprobs
+
+
+class TokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # vLLM's also takes "model", "messages" ...: not needed
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class DetokenizeBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    tokens: list[int]
 
 
 class ChatMessage(BaseModel):
@@ -160,6 +176,14 @@ class ChatMessage(BaseModel):
 class ChatBody(_Common):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = False  # each new token's logprob
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # and the best ones (with logprobs)
+
+    def top(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:
+            raise ApiError(400, "top_logprobs needs logprobs=true", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     tools: list | None = None
     tool_choice: Any = None
     response_format: dict | None = None
@@ -188,7 +212,8 @@ def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
+        loc = first.get("loc", ())
+        where = str(loc[1]) if len(loc) > 1 else None  # the body's field (a union adds its branch)
         detail = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ())[1:])}: {e['msg']}" for e in exc.errors()
         )
@@ -222,13 +247,43 @@ def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, request: Request):
         body.refuse_unsupported()
-        if body.echo or (body.best_of not in (None, 1)) or body.suffix:
-            raise ApiError(400, "echo, best_of and suffix are not supported", "echo")
+        if body.best_of not in (None, 1) or body.suffix:
+            raise ApiError(400, "best_of and suffix are not supported", "best_of")
         _check_model(backend, body.model)
-        prompt, token_ids = _completion_prompt(body.prompt)
-        max_tokens = body.max_tokens or 16  # OpenAI's default for completions
-        reqs = _requests(body, max_tokens, prompt=prompt, token_ids=token_ids)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        if max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
+        if max_tokens == 0 and body.stream:
+            raise ApiError(400, "max_tokens=0 (scoring a prompt) cannot be streamed", "stream")
+        reqs = []
+        for prompt, token_ids in _completion_prompts(body.prompt):
+            reqs += _requests(body, max_tokens, prompt=prompt, token_ids=token_ids)
         return await _answer(backend, request, body, reqs, chat=False)
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """vLLM's tokenizer endpoints (evaluation harnesses tokenize through the server with them)."""
+        tok = backend.tokenizer
+        return {
+            "tokenizer_class": type(tok).__name__,
+            "eos_token": tok.eos_token,
+            "bos_token": tok.bos_token,
+            "pad_token": tok.pad_token,
+            "chat_template": getattr(tok, "chat_template", None),
+            "model_max_length": backend.context_length or None,
+        }
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeBody):
+        ids = backend.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": backend.context_length or None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeBody):
+        vocab = backend.tokenizer_vocab_size
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must lie in [0, {vocab})", "tokens")
+        return {"prompt": backend.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
@@ -262,16 +317,21 @@ def _check_model(backend, name: str) -> None:
         )
 
 
-def _completion_prompt(prompt) -> tuple[str, tuple[int, ...]]:
+def _completion_prompts(prompt) -> list[tuple[str, tuple[int, ...]]]:
+    """(text, token ids) of each prompt of a completions request, in order."""
     if isinstance(prompt, str):
-        return prompt, ()
-    if prompt and all(isinstance(p, int) for p in prompt):
-        return "", tuple(prompt)
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0], ()
-    raise ApiError(
-        400, "prompt must be one string or one list of token ids (batches are not supported)", "prompt"
-    )
+        return [(prompt, ())]
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [("", tuple(prompt))]
+    if len(prompt) > MAX_PROMPTS:
+        raise ApiError(400, f"at most {MAX_PROMPTS} prompts per request", "prompt")
+    if all(isinstance(p, str) for p in prompt):
+        return [(p, ()) for p in prompt]
+    if all(isinstance(p, list) for p in prompt):
+        return [("", tuple(p)) for p in prompt]
+    raise ApiError(400, "prompt must be a string, token ids, or a list of either, not a mix", "prompt")
 
 
 def _chat_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
@@ -310,6 +370,8 @@ def _requests(
             else replace(sampling, seed=sampling.seed + i),
             stop=body.stops(),
             ignore_eos=body.ignore_eos,
+            logprobs=body.top(),
+            prompt_logprobs=getattr(body, "echo", False) and body.top() is not None,
             request_id=rid if n == 1 else f"{rid}-{i}",
             prefill_group=rid if n > 1 else "",
         )
@@ -350,6 +412,16 @@ async def _events(ticket, request: Request | None):
 
 
 async def _answer(backend, request: Request, body: _Common, reqs: list[GenerateRequest], chat: bool):
+    rid = reqs[0].prefill_group or reqs[0].request_id
+    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + rid
+    echo = getattr(body, "echo", False)
+    texts, scored = TokenTexts(backend.tokenizer), body.top() is not None
+    shape = _Shape(rid, created, backend.model_name, chat, texts, scored, body.n or 1)
+    echoed = [_echo_text(backend.tokenizer, r) if echo else "" for r in reqs]
+    if echo and reqs[0].max_new_tokens == 0 and body.top() is None:  # the prompt back, nothing to compute
+        prompts = [len(r.token_ids) or len(backend.tokenizer(r.prompt)["input_ids"]) for r in reqs]
+        stats = [{"finish_reason": "length", "prompt_tokens": n, "new_tokens": 0} for n in prompts]
+        return shape.whole([_Answer(t, s) for t, s in zip(echoed, stats, strict=True)])
     tickets = []
     try:
         for req in reqs:
@@ -362,40 +434,61 @@ async def _answer(backend, request: Request, body: _Common, reqs: list[GenerateR
         if isinstance(exc, QueueFull):
             raise ApiError(429, str(exc), kind="rate_limit_error") from None
         raise ApiError(503, str(exc), kind="service_unavailable") from None
-    rid = reqs[0].prefill_group or reqs[0].request_id
-    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + rid
-    shape = _Shape(rid, created, backend.model_name, chat)
     if body.stream:
         options = body.stream_options or StreamOptions()
         running = len(reqs[0].token_ids) or len(backend.tokenizer(reqs[0].prompt)["input_ids"])
         running = running if options.continuous_usage_stats else None  # the prompt's tokens
-        return EventSourceResponse(_stream(tickets, shape, options.include_usage, running), ping=15, sep="\n")
+        events = _stream(tickets, shape, options.include_usage, running, echoed)
+        return EventSourceResponse(events, ping=15, sep="\n")
     try:
         answers = await asyncio.gather(*(_collect(ticket, request) for ticket in tickets))
     finally:
         for ticket in tickets:
             ticket.cancel()  # an error in one choice: the others stop too (a no-op for finished ones)
-    return shape.whole(answers)
+    return shape.whole([replace(a, text=e + a.text) for a, e in zip(answers, echoed, strict=True)])
 
 
-async def _collect(ticket, request: Request) -> tuple[str, dict]:
-    """One choice's text and stats (ApiError when it failed, 499 when it was cancelled)."""
-    text, stats = [], None
+def _echo_text(tokenizer, request: GenerateRequest) -> str:
+    """The prompt as echo gives it back: as sent, or the text its token ids decode to."""
+    return request.prompt or tokenizer.decode(list(request.token_ids), skip_special_tokens=True)
+
+
+@dataclass
+class _Answer:
+    """One choice: its text, stats, and with logprobs the scored prompt and new tokens."""
+
+    text: str
+    stats: dict
+    scored: list[Scored] = field(default_factory=list)
+
+
+async def _collect(ticket, request: Request) -> _Answer:
+    """One choice's answer (ApiError when it failed, 499 when it was cancelled)."""
+    text, stats, scored = [], None, []
     async for event in _events(ticket, request):
         if isinstance(event, TokenEvent):
             text.append(event.text)
+            if event.logprob is not None:
+                scored.append(Scored(event.token_id, event.logprob, event.top))
+        elif isinstance(event, PromptEvent):
+            scored[:0] = _prompt_scored(event)
         elif isinstance(event, DoneEvent):
             stats = event.stats
         elif isinstance(event, Exception):
             raise _error_of(event)
     if stats is None:
         raise ApiError(499, "the request was cancelled", kind="cancelled")
-    return "".join(text), stats
+    return _Answer("".join(text), stats, scored)
 
 
-async def _stream(tickets, shape: _Shape, usage: bool, prompt_tokens: int | None = None):
+def _prompt_scored(event: PromptEvent) -> list[Scored]:
+    return [Scored(*entry) for entry in zip(event.token_ids, event.logprobs, event.top, strict=True)]
+
+
+async def _stream(tickets, shape: _Shape, usage: bool, prompt_tokens: int | None, echoed: list[str]):
     """Every choice's chunks as they come (each with its index), then usage and [DONE]. With
-    `prompt_tokens` (continuous_usage_stats) every chunk also carries the usage so far."""
+    `prompt_tokens` (continuous_usage_stats) every chunk also carries the usage so far; with echo
+    the first chunk of a choice is its prompt (and its prompt's logprobs when asked)."""
     if shape.chat:
         for index in range(len(tickets)):
             yield json.dumps(shape.chunk({"role": "assistant", "content": ""}, None, index))
@@ -410,18 +503,33 @@ async def _stream(tickets, shape: _Shape, usage: bool, prompt_tokens: int | None
 
     pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
     done, all_stats, failed, generated = 0, [], False, 0
+    tokens: list[list[int]] = [[] for _ in tickets]  # each choice's so far (logprobs' text_offset)
+    echo_pending = [bool(e) for e in echoed]
     try:
         while done < len(tickets):
             index, event = await events.get()
             if event is END:
                 done += 1
+                continue
+            if echo_pending[index] and not isinstance(event, PromptEvent | Exception):
+                echo_pending[index] = False  # echo without logprobs: the prompt text alone first
+                yield json.dumps(shape.chunk(echoed[index], None, index))
+            if isinstance(event, PromptEvent):
+                echo_pending[index] = False
+                scored = _prompt_scored(event)
+                yield json.dumps(shape.chunk(echoed[index], None, index, scored, tokens[index]))
+                tokens[index] += [s.token_id for s in scored]
             elif isinstance(event, TokenEvent):
                 generated += 1
-                if event.text:
-                    chunk = shape.chunk(event.text, None, index)
+                scored = (
+                    [Scored(event.token_id, event.logprob, event.top)] if event.logprob is not None else []
+                )
+                if event.text or scored:
+                    chunk = shape.chunk(event.text, None, index, scored, tokens[index])
                     if prompt_tokens is not None:
                         chunk["usage"] = _usage({"prompt_tokens": prompt_tokens, "new_tokens": generated})
                     yield json.dumps(chunk)
+                tokens[index].append(event.token_id)
             elif isinstance(event, DoneEvent):
                 all_stats.append(event.stats)
                 yield json.dumps(
@@ -432,7 +540,7 @@ async def _stream(tickets, shape: _Shape, usage: bool, prompt_tokens: int | None
                 failed = True
                 break
         if usage and not failed:
-            yield json.dumps({**shape.head(), "choices": [], "usage": _usage(*all_stats)})
+            yield json.dumps({**shape.head(), "choices": [], "usage": _usage(*all_stats, n=shape.n)})
         yield "[DONE]"
     finally:
         for task in pumps:
@@ -441,9 +549,9 @@ async def _stream(tickets, shape: _Shape, usage: bool, prompt_tokens: int | None
             ticket.cancel()
 
 
-def _usage(*stats: dict) -> dict:
-    """Tokens of the answer: the prompt once, every choice's completion."""
-    prompt = stats[0].get("prompt_tokens", 0) if stats else 0
+def _usage(*stats: dict, n: int = 0) -> dict:
+    """Tokens of the answer: each prompt once (its `n` choices share it), every choice's completion."""
+    prompt = sum(s.get("prompt_tokens", 0) for s in stats[:: n or len(stats) or 1])
     completion = sum(s.get("new_tokens", 0) for s in stats)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -451,8 +559,9 @@ def _usage(*stats: dict) -> dict:
 class _Shape:
     """The JSON shapes of one answer (completion or chat; whole or chunk by chunk)."""
 
-    def __init__(self, rid: str, created: int, model: str, chat: bool):
+    def __init__(self, rid, created, model, chat: bool, texts: TokenTexts, logprobs: bool, n: int = 1):
         self.rid, self.created, self.model, self.chat = rid, created, model, chat
+        self.texts, self.logprobs, self.n = texts, logprobs, n  # n: choices per prompt
 
     def head(self, chunk: bool = True) -> dict:
         kind = ("chat.completion" if self.chat else "text_completion") + (
@@ -460,28 +569,48 @@ class _Shape:
         )
         return {"id": self.rid, "object": kind, "created": self.created, "model": self.model}
 
-    def chunk(self, piece, finish_reason: str | None, index: int = 0) -> dict:
+    def _logprobs(self, scored: list[Scored], before: list[int]) -> dict | None:
+        if not self.logprobs:
+            return None
+        if self.chat:
+            return chat_content(self.texts, scored)
+        shaped = completion_logprobs(self.texts, scored, 0)
+        if before:  # a stream's later chunk: offsets in the whole text so far
+            base = len(self.texts.tokenizer.decode(before, skip_special_tokens=True).rstrip("\ufffd"))
+            shaped["text_offset"] = [base + o for o in shaped["text_offset"]]
+        return shaped
+
+    def chunk(
+        self, piece, finish_reason: str | None, index: int = 0, scored=(), before: list[int] = ()
+    ) -> dict:
+        logprobs = self._logprobs(list(scored), list(before)) if scored else None
         if self.chat:
             delta = piece if isinstance(piece, dict) else {"content": piece}
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.head(), "choices": [choice]}
 
-    def whole(self, answers: list[tuple[str, dict]]) -> dict:
+    def whole(self, answers: list[_Answer]) -> dict:
         choices = []
-        for index, (text, stats) in enumerate(answers):
+        for index, a in enumerate(answers):
+            logprobs = self._logprobs(a.scored, []) if self.logprobs else None
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None}
+                choice = {
+                    "index": index,
+                    "message": {"role": "assistant", "content": a.text},
+                    "logprobs": logprobs,
+                }
             else:
-                choice = {"index": index, "text": text, "logprobs": None}
-            choice["finish_reason"] = stats["finish_reason"]
+                choice = {"index": index, "text": a.text, "logprobs": logprobs}
+            choice["finish_reason"] = a.stats["finish_reason"]
             choices.append(choice)
-        stats = [s for _, s in answers]
+        stats = [a.stats for a in answers]
         brief = _brief(stats[0])
         if len(stats) > 1:  # each choice's own (its seed among them)
             brief["choices"] = [_brief(s) for s in stats]
-        return {**self.head(chunk=False), "choices": choices, "usage": _usage(*stats), "odmoe": brief}
+        usage = _usage(*stats, n=self.n)
+        return {**self.head(chunk=False), "choices": choices, "usage": usage, "odmoe": brief}
 
 
 def _brief(stats: dict) -> dict:
