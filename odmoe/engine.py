@@ -467,6 +467,8 @@ class MainEngine:
             if self.shadow is not None:
                 self.shadow.forget(run.request_id)
             self.observer.finished(ticket, stats)
+            # main's spans reach the trace file before the client learns the request is done
+            self.experts.tracer.flush()
             ticket.put(DoneEvent(stats, run.logits[0].clone() if run.request.return_logits else None))
             requests.done(ticket)
         self.finishing = held

@@ -5,6 +5,7 @@ schedules here, and through real clusters in tests/test_batching.py."""
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
@@ -150,3 +151,17 @@ def test_n_choices_share_the_prefill_and_each_equals_its_seed(model_dirs):
     alone, alone_workers = engine_in_process(path, max_running=4)
     serve(alone, {0: requests[:1]})
     assert prefill == alone_workers.messages - alone_workers.decode_messages  # one prefill, not three
+
+
+def test_main_spans_reach_the_trace_file_when_a_request_is_done(model_dirs, tmp_path):
+    """A regression: the batching engine never flushed main's tracer, so the timeline suite had no
+    main lane (and drew no figure)."""
+    from odmoe.trace import Tracer
+
+    engine, _ = engine_in_process(model_dirs["mixtral"], max_running=4)
+    engine.experts.tracer = Tracer("main", str(tmp_path))
+    events = list(engine.generate(GenerateRequest(PROMPTS[0], max_new_tokens=4, request_id="t")))
+    assert isinstance(events[-1], DoneEvent)
+    spans = [json.loads(line) for line in (tmp_path / "main.jsonl").read_text().splitlines()]
+    decode = {e["args"]["iteration"] for e in spans if e["ph"] == "X" and e["args"].get("iteration", 0) >= 1}
+    assert decode == {1, 2, 3}
