@@ -26,6 +26,7 @@ SUITES = (
     "dataplane",
     "placement",
     "serving",
+    "eval",
     "gpu",
     "quick",
 )
@@ -175,6 +176,16 @@ class ServingSuite:
     # GuideLLM beside our clients (the path of its executable, "" = skip): HTTP API, same concurrencies
     guidellm: str = ""
     guidellm_requests: int = 16  # requests per concurrency
+
+
+@dataclass
+class EvalSuite:
+    # lm-evaluation-harness: --model hf in one process vs --model local-completions against the cluster
+    tasks: list[str] = field(default_factory=lambda: ["odmoe_code_mc", "odmoe_code_gen"])
+    limit: int = 0  # documents per task (0: all 200)
+    num_concurrent: int = 1  # the harness's concurrent API requests
+    scoring_prompts: int = 48  # prompt scoring throughput: prompts of 64-128 tokens
+    scoring_batch: int = 8  # prompts per request in the batched scoring run
 
 
 @dataclass
@@ -391,6 +402,7 @@ class BenchConfig:
     dataplane: DataplaneSuite = field(default_factory=DataplaneSuite)
     placement: PlacementSuite = field(default_factory=PlacementSuite)
     serving: ServingSuite = field(default_factory=ServingSuite)
+    eval: EvalSuite = field(default_factory=EvalSuite)
     gpu: GpuSuite = field(default_factory=GpuSuite)
     log_level: str = "WARNING"
 
@@ -434,6 +446,11 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("serving: concurrency, requests_per_client, max_running and prompts must be >= 1")
     if any(r <= 0 for r in sv.rates) or sv.open_requests < 1:
         raise ValueError("serving.rates must be > 0 and serving.open_requests >= 1")
+    ev = cfg.eval
+    if ev.limit < 0 or min(ev.num_concurrent, ev.scoring_prompts, ev.scoring_batch) < 1:
+        raise ValueError("eval: limit must be >= 0; num_concurrent, scoring_prompts, scoring_batch >= 1")
+    if bad := sorted(set(ev.tasks) - {"odmoe_code_mc", "odmoe_code_gen"}):
+        raise ValueError(f"eval.tasks: {bad} not among odmoe_code_mc, odmoe_code_gen")
     if cfg.soak.clients < 1 or cfg.soak.requests < cfg.soak.clients:
         raise ValueError("soak.clients must be >= 1 and soak.requests >= soak.clients")
     p = cfg.prefill

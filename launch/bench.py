@@ -16,6 +16,7 @@
     odmoe-bench suite=dataplane         # a remote decode layer's cost against the raw ZeroMQ round trip
     odmoe-bench suite=placement         # start-up through Ray (role=ray) vs role=local (the ray extra)
     odmoe-bench suite=serving           # many users at once: tokens/s, TTFT, ITL by concurrency and rate
+    odmoe-bench suite=eval              # lm-eval through the API vs one process: scores, scoring cost
     odmoe-bench suite=gpu               # one GPU: odmoe vs resident, accelerate offload, LRU (CUDA only)
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
@@ -57,6 +58,7 @@ def run_suites(cfg: BenchConfig) -> None:
         alignment,
         compression,
         dataplane,
+        eval_harness,
         faults,
         frontdoor,
         grid,
@@ -89,6 +91,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "dataplane": dataplane.run,
         "placement": placement.run,
         "serving": serving.run,
+        "eval": eval_harness.run,
     }
     if cfg.suite == "gpu":  # its own real-width model; stops at once without CUDA
         from odmoe.benchmarks.suites import gpu
@@ -102,9 +105,12 @@ def run_suites(cfg: BenchConfig) -> None:
         return
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)
-    # quick leaves out the soak (it is one long run) and placement (it needs the ray extra and starts
-    # a Ray cluster; tests/test_ray_cluster.py exercises the same path)
-    names = [n for n in suites if n not in ("soak", "placement")] if cfg.suite == "quick" else [cfg.suite]
+    # quick leaves out the soak (it is one long run), placement (it needs the ray extra and starts
+    # a Ray cluster; tests/test_ray_cluster.py exercises the same path) and eval (the eval extra;
+    # tests/test_eval_harness.py runs it reduced)
+    names = (
+        [n for n in suites if n not in ("soak", "placement", "eval")] if cfg.suite == "quick" else [cfg.suite]
+    )
     for name in names:
         start = time.perf_counter()
         print(f"\n== suite {name} on {model_path}", flush=True)

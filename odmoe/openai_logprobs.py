@@ -11,8 +11,9 @@ prompt's from a `PromptEvent`, the new tokens' from `TokenEvent`s) and turns the
 A token's text is `decode([token])` (a token that ends inside a UTF-8 character reads U+FFFD, its
 `bytes` those of that text); `text_offset` is where the token's text begins in the decoded text
 of everything before it (`len(decode(tokens[:i]))`). The values are float32 log-probabilities of
-the model's distribution before any sampling processor (temperature, top-p ...), which is what
-OpenAI reports too; odmoe's equal transformers' own to the bit (odmoe/request_run.py).
+the model's distribution before any sampling processor (temperature, top-p ...), as vLLM returns
+by default (OpenAI's documentation does not say whether its own apply temperature); odmoe's equal
+transformers' own to the bit (odmoe/request_run.py).
 """
 
 from __future__ import annotations
