@@ -8,7 +8,11 @@ Per decode layer (paper §3.1): a prediction for a layer of this worker's group 
 group's workers by the shared round-robin rule; this worker preloads its share into a free device
 slot, earliest (iteration, layer) first. A compute request then finds the expert already loaded (a
 hit) or loads it on demand (a miss: the stall the shadow exists to avoid). After computing, the
-expert is evicted: no cache. Preloads the request did not use are dropped when main releases the
+expert is evicted: no cache (the paper's). With `worker.cache` the worker keeps the experts it is
+home for (odmoe.placement) on its device after use, up to the cache's bound, and when one more is to
+be kept than fits, its policy drops one (odmoe.expert_cache: by the shadow's pending predictions, or
+LRU); a cached expert is computed without a load, whatever request asks. Preloads the request did
+not use are dropped when main releases the
 layer: its last call to this worker in a decode layer carries `release` (handled once the answer
 is sent, off main's critical path), and a worker of the group that got no call gets a Release
 message. The result is the same either way; only time differs.
@@ -45,6 +49,7 @@ from odmoe.codec import ALIGN, CodecError
 from odmoe.config import OdmoeConfig
 from odmoe.device_slots import device_peak_bytes
 from odmoe.dropped import DropLog
+from odmoe.expert_cache import CacheBook, cache_capacity, expected_distance
 from odmoe.expert_math import KERNELS, expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
 from odmoe.faults import FaultTrigger
@@ -83,6 +88,15 @@ def _position(slot: Slot) -> Position:
     return (slot.tag[1] if slot.tag else -1, slot.holds[0])
 
 
+def _free_device_bytes(device: torch.device) -> int:
+    """What a cache of `worker.cache=auto` may take: free GPU memory, or available host memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import psutil
+
+    return psutil.virtual_memory().available
+
+
 def compute_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -98,6 +112,7 @@ class WorkerNode:
         # The experts' dtype as from_pretrained would load them (not always model.dtype: load_dtypes).
         dtype = expert_dtype(checkpoint.config, resolve_dtype(cfg.model.dtype, checkpoint))
         layers = checkpoint.moe_layers
+        self.layer_rank = {layer: i for i, layer in enumerate(layers)}  # main's order of decode layers
         layers = self.topology.stored_layers(self.index, layers)
         start = time.perf_counter()
         w = cfg.worker
@@ -123,11 +138,22 @@ class WorkerNode:
         link = Link(cfg.worker.link.bandwidth_gbps, cfg.worker.link.latency_ms)
         self.resident = cfg.worker.resident
         self.on_host = device.type == "cpu"  # computes where the rows arrive
+        self.live: list[int] | None = None  # None until main says: every worker
+        capacity = 0 if self.resident else self._cache_capacity(w.cache, device)
+        self.cache = CacheBook(capacity, w.cache_policy)
         self.slots = (
             ResidentExperts(self.store, device)
             if self.resident
-            else DeviceSlots(self.store, device, cfg.worker.slots, link)
+            else DeviceSlots(self.store, device, cfg.worker.slots, link, cache=capacity)
         )
+        if capacity:
+            log.info(
+                "worker %d: cache of %d experts (%s, policy %s)",
+                self.index,
+                capacity,
+                w.cache,
+                w.cache_policy,
+            )
         if self.resident:
             log.info("worker %d: every expert resident on %s (a baseline, not OD-MoE)", self.index, device)
         elif link.enabled:
@@ -154,7 +180,6 @@ class WorkerNode:
         self.where = cfg.cluster.where
         self.predictions: zmq.Socket | None = None
         self.shadow_pub = ""
-        self.live: list[int] | None = None  # None until main says: every worker
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.request = ""  # the request predictions and preloads belong to
@@ -164,6 +189,12 @@ class WorkerNode:
         self.hedged: set[int] = set()  # slots (by index) holding a hedge
         self.hedge_counts = [0, 0, 0]  # this request's hedge loads, hedges used, bytes hedges loaded
         self.served: set[tuple[int, int, int]] = set()  # (iteration, layer, expert) main already asked for
+        # worker.cache: the first pending predicted position of each of this worker's experts, and per
+        # layer the last iteration a prediction covered (odmoe.expert_cache.next_use)
+        self.upcoming: dict[tuple[int, int], Position] = {}
+        self.predicted_through: dict[int, int] = {}
+        self._computing: set[tuple[int, int]] = set()  # cached experts a message is about to compute
+        self._at: Position = (-1, -1)  # the decode layer main last asked this worker for
         # prefill batches being assembled, by (peer, step, expert): parts by part number
         self.batches: OrderedDict[tuple, dict[int, torch.Tensor]] = OrderedDict()
         self.hidden_size = self.store.gate_up_shape[-1]
@@ -171,6 +202,25 @@ class WorkerNode:
         self.fault = FaultTrigger(cfg.fault, f"worker{self.index}")
         self.dropped = DropLog(log, f"worker {self.index}")
         self.received = time.perf_counter()  # when the message being handled arrived
+
+    def _cache_capacity(self, spec: str, device: torch.device) -> int:
+        """`worker.cache` in experts: those this worker is home for bound "all" (odmoe.expert_cache)."""
+        elements = self.store.gate_up_shape.numel() + self.store.down_shape.numel()
+        expert_bytes = elements * self.store.dtype.itemsize
+        home = sum(self.topology.home(layer, e) == self.index for layer, e in self.store.keys())
+        return cache_capacity(spec, expert_bytes, home, lambda: _free_device_bytes(device))
+
+    def _serves(self, key: tuple[int, int]) -> bool:
+        """Whether this worker is `key`'s home now (only its home keeps an expert cached)."""
+        return self.topology.home(key[0], key[1], self.live) == self.index
+
+    def _distance(self, key: tuple[int, int]) -> float:
+        """Layers until `key` is expected to be needed (odmoe.expert_cache.expected_distance)."""
+        past = max(self.done, self._at)  # the layer being computed is past for what it computed
+        rate = self.cache.use_rate(key)
+        return expected_distance(
+            key, past, self.upcoming, self.predicted_through, self.layer_rank, rate, self._serves(key)
+        )
 
     def _subscribe(self, address: str) -> None:
         """Follow the shadow's predictions at `address` (again, when the shadow moved)."""
@@ -303,6 +353,13 @@ class WorkerNode:
         mine = {e for e, w in placement.items() if w == self.index}
         mine_hedged = {e for e, w in hedged.items() if w == self.index} - mine
         self._supersede(step.iteration, step.layer, mine | mine_hedged)
+        if self.cache.enabled:
+            position = (step.iteration, step.layer)
+            through = self.predicted_through.get(step.layer, -1)
+            self.predicted_through[step.layer] = max(through, step.iteration)
+            for e in mine | mine_hedged:
+                if self.upcoming.get((step.layer, e), position) >= position:
+                    self.upcoming[(step.layer, e)] = position
         for queue, experts in ((self.preloads, mine), (self.hedge_queue, mine_hedged)):
             for expert in sorted(experts):
                 position, key = (step.iteration, step.layer, expert), (step.layer, expert)
@@ -322,6 +379,9 @@ class WorkerNode:
         for slot in self.slots.held():
             if slot.tag == (self.request, iteration) and slot.holds[0] == layer and slot.holds[1] not in keep:
                 self._evict(slot)
+        for key, position in list(self.upcoming.items()):
+            if position == (iteration, layer) and key[1] not in keep:
+                del self.upcoming[key]
 
     def _latest_hedge(self) -> Slot | None:
         held = [s for s in self.slots.held() if s.index in self.hedged]
@@ -343,8 +403,8 @@ class WorkerNode:
             not self.preloads or hedge_rank(self.hedge_queue[0][:2]) < self.preloads[0][:2]
         )  # no free slot: _can_preload found a confident preload that outranks a held hedge
         iteration, layer, expert = heapq.heappop(self.hedge_queue if hedge else self.preloads)
-        if (iteration, layer) <= self.done:
-            return
+        if (iteration, layer) <= self.done or self.slots.find((layer, expert), (self.request, iteration)):
+            return  # too late, or there already (cached since it was queued)
         if not self.slots.free:
             self._evict(self._latest_hedge())
         slot = self.slots.load_async((layer, expert), tag=(self.request, iteration))
@@ -359,6 +419,7 @@ class WorkerNode:
         if request != self.request:
             self.request, self.done, self.preloads, self.served = request, (-1, -1), [], set()
             self.hedge_queue, self.hedge_counts = [], [0, 0, 0]
+            self.upcoming, self.predicted_through, self._at = {}, {}, (-1, -1)
             for slot in self.slots.held():
                 if slot.tag is None or slot.tag[1] >= 1:
                     self._evict(slot)
@@ -377,12 +438,16 @@ class WorkerNode:
         self.hedge_queue = [p for p in self.hedge_queue if (p[0], p[1]) > self.done]
         heapq.heapify(self.hedge_queue)
         self.served = {p for p in self.served if (p[0], p[1]) > self.done}
+        self.upcoming = {k: p for k, p in self.upcoming.items() if p > self.done}
 
     def _serving(self, step, expert: int) -> None:
         """main asks for (step, expert): every earlier layer is over (main visits layers in order,
         and releases a layer only once all its experts are back), and this expert needs no preload:
         a prediction for it that is still queued, or that arrives late, would load it twice."""
         self._finish(step.request, (step.iteration, step.layer - 1))
+        if self._at != (step.iteration, step.layer):
+            self.cache.visit(step.layer)
+        self._at = (step.iteration, step.layer)
         position = (step.iteration, step.layer, expert)
         self.served.add(position)
         for queue in (self.preloads, self.hedge_queue):
@@ -403,7 +468,39 @@ class WorkerNode:
             heapq.heappush(self.preloads, (latest.tag[1], latest.holds[0], latest.holds[1]))
         self._evict(latest)
 
+    def _after_use(self, slot: Slot) -> None:
+        """A computed expert: kept in the cache when this worker is its home and the policy finds it
+        worth more than what it would displace; evicted otherwise (always, without a cache)."""
+        key = slot.holds
+        if slot.cached:
+            return  # it stays
+        cached = {s.holds: s for s in self.slots.cached()}
+        if not self.cache.enabled or key is None or key in cached or not self._serves(key):
+            self._evict(slot, used=True)
+            return
+        if not self.slots.free_for_cache:
+            candidates = [k for k in cached if k not in self._computing]
+            victim = self.cache.victim([*candidates, key], self._distance) if candidates else key
+            if victim == key:
+                self._evict(slot, used=True)
+                return
+            self.slots.evict(cached[victim])
+            self.cache.drop(victim)
+        self._account(slot, used=True)
+        self.slots.keep(slot)
+        self.cache.admit(key)
+
     def _evict(self, slot: Slot, used: bool = False) -> None:
+        self._account(slot, used)
+        self.slots.evict(slot)
+
+    def _account(self, slot: Slot, used: bool) -> None:
+        """A slot's load leaves the just-in-time slots (evicted, or kept as cached): its timeline span
+        and, for a hedge, whether it was used."""
+        try:
+            slot.wait_filled()  # its bytes are known once its load is over
+        except Exception:
+            pass  # a failed load: the compute that needed it reported the error
         if self.tracer.enabled and slot.holds is not None and slot.load_started_us:
             slot.wait_filled()
             layer, expert = slot.holds
@@ -415,7 +512,6 @@ class WorkerNode:
                 iteration=slot.tag[1] if slot.tag else None,
                 used=used,
             )
-        self.slots.evict(slot)
         if slot.index in self.hedged:
             self.hedged.discard(slot.index)
             self.hedge_counts[1] += used
@@ -434,6 +530,7 @@ class WorkerNode:
         self.tracer.message("compute", "compute", step, request.expert, sent=False)
         slot = self.slots.find(key, tag)
         preloaded = slot is not None and request.part == 0
+        hit = slot is not None and slot.cached
         arrived = time.perf_counter()
         if slot is None:
             try:
@@ -485,11 +582,17 @@ class WorkerNode:
                     waited_ms=waited_s * 1e3,
                 )
             first = request.part == 0 or not request.per_part
-            load_s, nbytes = (slot.load_s, slot.nbytes) if first else (0.0, 0)  # count a load once
+            # count a load once, and none for a cached expert
+            load_s, nbytes = (slot.load_s, slot.nbytes) if first and not hit else (0.0, 0)
+            saved = slot.nbytes if first and hit else 0
+            if first and self.cache.enabled:
+                self.cache.used(key, hit, saved, decode=step.iteration >= 1)
         finally:
             if last:
-                self._evict(slot, used=True)
-        result = self._result(request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s)
+                self._after_use(slot)
+        result = self._result(
+            request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s, cached=saved
+        )
         self.tracer.message("compute", "result", step, request.expert, sent=True)
         return to_frames(result, [y])
 
@@ -505,6 +608,9 @@ class WorkerNode:
         tag, n = (step.request, step.iteration), len(request.experts)
         slots = [self.slots.find((step.layer, e), tag) for e in request.experts]
         preloaded = [s is not None for s in slots]
+        hits = [s is not None and s.cached for s in slots]
+        # cached experts of this message stay until computed, whatever the others' admissions drop
+        self._computing = {(step.layer, e) for e, hit in zip(request.experts, hits, strict=True) if hit}
         # Misses load in the background (free slots permitting) while something else computes: the
         # preloaded experts, else the first miss, loaded here first (a lone miss gains nothing from a
         # hand-off to the loader thread, which costs a wake-up). Whatever finds no free slot now
@@ -525,8 +631,15 @@ class WorkerNode:
         # preloaded first, then the ones loading, then the ones still to load
         order = sorted(range(n), key=lambda i: (not preloaded[i], slots[i] is None))
         outputs: list[torch.Tensor | None] = [None] * n
-        load_s, compute_s, nbytes, waited = [0.0] * n, [0.0] * n, [0] * n, [0.0] * n
-        for i in order:
+        try:
+            return self._compute_in_order(request, tensors, order, slots, preloaded, hits, outputs)
+        finally:
+            self._computing = set()
+
+    def _compute_in_order(self, request, tensors, order, slots, preloaded, hits, outputs) -> list:
+        step, tag, n = request.step, (request.step.request, request.step.iteration), len(request.experts)
+        load_s, compute_s, nbytes, waited, saved = [0.0] * n, [0.0] * n, [0] * n, [0.0] * n, [0] * n
+        for turn, i in enumerate(order):
             arrived = time.perf_counter()
             try:
                 if slots[i] is None:
@@ -534,8 +647,8 @@ class WorkerNode:
                     slots[i] = self.slots.load((step.layer, request.experts[i]), tag=tag)
                 slots[i].wait_filled()
             except Exception as exc:  # a store without the expert, a corrupt chunk: say so to main
-                for j in order:
-                    if slots[j] is not None:
+                for j in order[turn:]:  # those before were computed and have left already
+                    if slots[j] is not None and not slots[j].cached:
                         self.slots.evict(slots[j])
                 return to_frames(self._many_result(request, error=f"loading failed: {exc}"), [])
             waited[i] = time.perf_counter() - arrived
@@ -544,10 +657,16 @@ class WorkerNode:
                     request, i, slots[i], tensors[i], preloaded[i], waited[i]
                 )
                 waited[i] += device_wait
-                load_s[i], nbytes[i] = slots[i].load_s, slots[i].nbytes
+                if hits[i]:
+                    saved[i] = slots[i].nbytes
+                else:
+                    load_s[i], nbytes[i] = slots[i].load_s, slots[i].nbytes
+                if self.cache.enabled:
+                    self.cache.used((step.layer, request.experts[i]), hits[i], saved[i])
             finally:
-                self._evict(slots[i], used=True)
-        result = self._many_result(request, load_s, compute_s, nbytes, preloaded, waited)
+                self._computing.discard((step.layer, request.experts[i]))
+                self._after_use(slots[i])
+        result = self._many_result(request, load_s, compute_s, nbytes, preloaded, waited, cached=saved)
         return to_frames(result, outputs)
 
     def _compute_segments(
@@ -606,7 +725,15 @@ class WorkerNode:
         return ""
 
     def _many_result(
-        self, request: ComputeExperts, load_s=(), compute_s=(), nbytes=(), preloaded=(), waited=(), error=""
+        self,
+        request: ComputeExperts,
+        load_s=(),
+        compute_s=(),
+        nbytes=(),
+        preloaded=(),
+        waited=(),
+        error="",
+        cached=(),
     ):
         n = 0 if error else len(request.experts)
         return ExpertsResult(
@@ -623,6 +750,8 @@ class WorkerNode:
             hedges=list(self.hedge_counts) if request.step.request == self.request else [],
             device_peak_bytes=device_peak_bytes(self.slots.device),
             handled_s=time.perf_counter() - self.received,
+            cached=list(cached) or [0] * n,
+            cache=self.cache.report() if self.cache.enabled else [],
         )
 
     def _on_device(self, rows: torch.Tensor) -> torch.Tensor:
@@ -666,6 +795,7 @@ class WorkerNode:
         error: str = "",
         preloaded: bool = False,
         waited_s: float = 0.0,
+        cached: int = 0,
     ):
         return ExpertResult(
             step=request.step,
@@ -682,4 +812,6 @@ class WorkerNode:
             hedges=list(self.hedge_counts) if request.step.request == self.request else [],
             device_peak_bytes=device_peak_bytes(self.slots.device),
             handled_s=time.perf_counter() - self.received,
+            cached=cached,
+            cache=self.cache.report() if self.cache.enabled else [],
         )

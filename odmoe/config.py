@@ -98,6 +98,11 @@ class WorkerConfig:
     host_memory: str = ""
     pack_dir: str = ""  # where odmoe-pack wrote its file ("": MODEL/odmoe-pack)
     decompress_threads: int = 2  # thread pool that decompresses a compressed expert's chunks
+    # Experts kept on the device after use (odmoe.expert_cache): 0 (cacheless, the paper's), a size
+    # ("6GiB"), all (every expert this worker is home for) or auto (free device memory less a margin,
+    # at most all). Any value keeps tokens identical; it changes which bytes are loaded again.
+    cache: str = "0"
+    cache_policy: str = "prediction"  # which cached expert leaves: prediction (shadow-steered) | lru
 
 
 SHADOW_MODES = ("emulate", "random")
@@ -271,7 +276,8 @@ class OdmoeConfig:
     @property
     def topology(self) -> Topology:
         replicas = self.worker.replicas if self.worker.only_own_layers else 0
-        return Topology(self.cluster.workers, self.cluster.group_size, replicas)
+        homes = str(self.worker.cache).strip().lower() not in ("", "0", "none", "off")
+        return Topology(self.cluster.workers, self.cluster.group_size, replicas, homes)
 
 
 def validate(cfg: OdmoeConfig) -> None:
@@ -279,6 +285,11 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
     if cfg.worker.replicas < 1:
         raise ValueError(f"worker.replicas must be at least 1, got {cfg.worker.replicas}")
+    from odmoe.expert_cache import CACHE_POLICIES, check_cache_spec
+
+    check_cache_spec(cfg.worker.cache)
+    if cfg.worker.cache_policy not in CACHE_POLICIES:
+        raise ValueError(f"worker.cache_policy={cfg.worker.cache_policy!r} is not one of {CACHE_POLICIES}")
     cfg.topology  # noqa: B018 - raises on a workers/group_size mismatch or too many replicas
     if cfg.fault.node and cfg.fault.action not in FAULT_ACTIONS:
         raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")

@@ -8,7 +8,10 @@ just-in-time load the paper hides behind computation) and `evict` frees it. On a
 experts rest in pinned host memory and a load is an asynchronous copy on the worker's own copy
 stream, timed by CUDA events, which compute waits for on the GPU (odmoe.device_slots); on a CPU
 device a load is a plain copy, timed by the host clock.
-There is deliberately no cache: an expert is evicted right after it computes.
+With `cache` > 0 (`worker.cache`, odmoe.expert_cache) there are that many buffers more, and a
+slot can be kept after use as a cached expert (`keep`): not in `held()` (the just-in-time slots'
+bookkeeping), found by `find` whatever the request, dropped by `evict` when the worker's policy
+says so. Without it an expert is evicted right after it computes: no cache, as in the paper.
 """
 
 from __future__ import annotations
@@ -225,6 +228,7 @@ class Slot:
     load_s: float = 0.0  # how long filling it took
     nbytes: int = 0
     filling: Future | None = None  # set while a background load is in flight
+    cached: bool = False  # kept after use (worker.cache): no request's, found by any
     load_started_us: float = 0.0  # wall clock, for the timeline
     transfer: Transfer | None = None  # CUDA: the copy's events; load_s is known once it is settled
 
@@ -257,17 +261,20 @@ class DeviceSlots:
     it calls `settle` to learn the load's duration by CUDA events (`slot.load_s`). On a CPU device
     `fill` has copied when it returns and those two calls do nothing."""
 
-    def __init__(self, store: ExpertStore, device: torch.device, slots: int = 2, link: Link = Link()):
+    def __init__(
+        self, store: ExpertStore, device: torch.device, slots: int = 2, link: Link = Link(), cache: int = 0
+    ):
         if slots < 1:
             raise ValueError(f"worker.slots must be at least 1, got {slots}")
         self.store, self.device, self.link = store, device, link
+        self.cache_capacity = cache
         self._slots = [
             Slot(
                 i,
                 torch.empty(store.gate_up_shape, dtype=store.dtype, device=device),
                 torch.empty(store.down_shape, dtype=store.dtype, device=device),
             )
-            for i in range(slots)
+            for i in range(slots + cache)
         ]
         self.counters = LoadCounters()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odmoe-loader")
@@ -369,13 +376,31 @@ class DeviceSlots:
                 self._unsettled.append(slot.transfer)
                 slot.transfer = None
                 self._reap()
-            slot.holds, slot.tag = None, None
+            slot.holds, slot.tag, slot.cached = None, None, False
+
+    def keep(self, slot: Slot) -> None:
+        """After use: the slot stays filled as a cached expert (its copy settled first)."""
+        slot.wait_filled()
+        self.settle(slot)
+        slot.tag, slot.cached = None, True
 
     def find(self, key: ExpertKey, tag: Tag) -> Slot | None:
-        return next((s for s in self._slots if s.holds == key and s.tag == tag), None)
+        """The slot loaded for `tag` holding `key`, else the cached copy of `key`, else None."""
+        found = None
+        for s in self._slots:
+            if s.holds == key:
+                if not s.cached and s.tag == tag:
+                    return s
+                if s.cached:
+                    found = s
+        return found
 
     def held(self) -> list[Slot]:
-        return [s for s in self._slots if s.holds is not None]
+        """Slots holding an expert for some use (loading, preloaded, computing): not the cache."""
+        return [s for s in self._slots if s.holds is not None and not s.cached]
+
+    def cached(self) -> list[Slot]:
+        return [s for s in self._slots if s.cached]
 
     @property
     def free(self) -> int:
@@ -384,6 +409,11 @@ class DeviceSlots:
     @property
     def busy(self) -> int:
         return sum(s.holds is not None for s in self._slots)
+
+    @property
+    def free_for_cache(self) -> bool:
+        """Whether one more expert may be kept without dropping one."""
+        return len(self.cached()) < self.cache_capacity
 
     @property
     def device_bytes(self) -> int:
@@ -431,6 +461,12 @@ class ResidentExperts:
 
     def held(self) -> list[Slot]:
         return []
+
+    def cached(self) -> list[Slot]:
+        return []
+
+    cache_capacity = 0
+    free_for_cache = False
 
     @property
     def free(self) -> int:

@@ -87,6 +87,8 @@ class ExpertsResult:
     hedges: list[int] = field(default_factory=list)  # as ExpertResult.hedges
     device_peak_bytes: int = 0
     handled_s: float = 0.0  # as ExpertResult.handled_s
+    cached: list[int] = field(default_factory=list)  # as ExpertResult.cached, per expert
+    cache: list[int] = field(default_factory=list)  # as ExpertResult.cache
     kind: str = "experts_result"
 
 
@@ -111,6 +113,11 @@ class ExpertResult:
     # the worker's time from the call's frames in hand to this result: decoding, checks, waiting for
     # the load, computing (not encoding this, nor sending it): main's round trip less this is the wire's
     handled_s: float = 0.0
+    # worker.cache: the bytes this expert's load would have moved, when the worker's cache had it (0:
+    # it was loaded for this call or preloaded for it); and the worker's cache so far
+    # (odmoe.expert_cache.CacheBook.report: capacity, cached, hits, misses, bytes saved, evictions)
+    cached: int = 0
+    cache: list[int] = field(default_factory=list)
     kind: str = "result"
 
 

@@ -12,6 +12,12 @@ serves as long as one worker lives. R >= 1 (`worker.only_own_layers=true`) = lay
 the workers of groups l mod G, l+1 mod G, ..., l+R-1 mod G: its own group first, then R-1 backups.
 A layer is served by the live members of the first of those groups that has any; when none holds
 it, `LayerUnavailable` names the layer.
+
+Homes (`homes`, on when the workers cache experts: `worker.cache`): expert e of a layer always goes
+to member e mod n of the layer's serving group (n live members), whether predicted, hedged or
+missed. A group's workers then cache disjoint experts (each keeps only those it is home for), so
+the group's cache is the sum of theirs, and a mispredicted expert can still be a cache hit. The
+price: a token whose experts share a home is computed by one worker of the group, not spread.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ class Topology:
     workers: int
     group_size: int
     replicas: int = 0  # 0: every worker stores every layer; R: each layer on R groups (own + R-1 next)
+    homes: bool = False  # each expert to its home worker (the workers cache): see the module's doc
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -117,9 +124,19 @@ class Topology:
         self, layer: int, experts: list[int], live: Collection[WorkerId] | None = None
     ) -> dict[int, WorkerId]:
         """The layer's experts, ascending, dealt round-robin over its serving group (one each when
-        k == g)."""
+        k == g); with `homes`, each to its home."""
         members = self.serving_group(layer, live)
+        if self.homes:
+            return {e: members[e % len(members)] for e in experts}
         return {e: members[i % len(members)] for i, e in enumerate(sorted(experts))}
+
+    def home(self, layer: int, expert: int, live: Collection[WorkerId] | None = None) -> WorkerId | None:
+        """The worker that keeps `expert` of `layer` in its cache (None: no live worker serves it)."""
+        try:
+            members = self.serving_group(layer, live)
+        except LayerUnavailable:
+            return None
+        return members[expert % len(members)]
 
     def prefill_placement(
         self,
@@ -158,6 +175,8 @@ class Topology:
         shadow lists its choice by score, so that is the k-th, the one a hedge would replace)."""
         if not hedges or not predicted:
             return {}
+        if self.homes:
+            return {h: w for h, w in self.decode_placement(layer, hedges, live).items() if h not in predicted}
         twin = self.decode_placement(layer, predicted, live)[predicted[-1]]
         return {h: twin for h in hedges if h not in predicted}
 
@@ -176,6 +195,8 @@ class Topology:
         out unused (it must evict and reload anyway), else to its own round-robin place: the output
         is the same either way, only the load is late.
         """
+        if self.homes:  # everything at home: a missed expert may be cached there
+            return self.decode_placement(layer, activated, live)
         preloaded = self.decode_placement(layer, predicted, live)
         hedged = self.hedge_placement(layer, predicted, list(hedges), live)
         placement = {e: preloaded[e] for e in activated if e in preloaded}

@@ -104,6 +104,11 @@ class ExpertTraffic:
     # hedged prefetch (odmoe.hedging): worker -> its latest [hedge loads, hedges used, bytes hedges loaded]
     hedging: dict[int, list[int]] = field(default_factory=dict)
     hedge_hits: int = 0  # activated experts the shadow had hedged (not predicted) and that arrived in time
+    # worker.cache: experts computed from a worker's cache (no load), the bytes those loads would have
+    # moved, and each worker's cache as of its latest answer (CacheBook.report)
+    cache_hits: float = 0
+    cache_bytes_saved: float = 0
+    cache: dict[int, list[int]] = field(default_factory=dict)
 
     # decode iterations only: what the pipeline model needs (main's own time = decode time - wait),
     # and where a layer's time goes (summed over layers, `_LayerClock`): main splitting, placing and
@@ -174,6 +179,11 @@ class ExpertTraffic:
         self._add_expert(
             result.worker, result.part == 0, result.bytes_loaded, result.load_s, result.compute_s
         )
+        if result.cached and result.part == 0:
+            self.cache_hits += 1
+            self.cache_bytes_saved += result.cached
+        if result.cache:
+            self.cache[result.worker] = result.cache
 
     def add_share(self, result: ExpertsResult, i: int, share: int, of: int) -> None:
         """This request's `share` of `of` segments of expert `result.experts[i]` (a decode answer):
@@ -184,6 +194,11 @@ class ExpertTraffic:
         self._add_decode(load_s, compute_s, nbytes, part)
         self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
         self._add_expert(result.worker, part, nbytes, load_s, compute_s)
+        if result.cached and result.cached[i]:
+            self.cache_hits += part
+            self.cache_bytes_saved += result.cached[i] * part
+        if result.cache:
+            self.cache[result.worker] = result.cache
 
     def _add_decode(self, load_s: float, compute_s: float, nbytes: float, count: float = 1) -> None:
         d = self.decode

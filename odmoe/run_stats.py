@@ -74,6 +74,7 @@ def request_stats(
         "substitutions_per_layer": dict(sorted(traffic.substitutions_per_layer.items())),
         "substituted": [list(s) for s in traffic.substituted],  # [iteration, layer, missing, computed]
         "hedging": hedging_stats(traffic),
+        "cache": cache_stats(traffic),
         **shadow_stats(experts, run.request_id),
         "resumed_tokens": len(run.resumed),
         "finish_reason": run.finish_reason,
@@ -82,6 +83,17 @@ def request_stats(
         "alignment": run.plan.report(),
     }
     return stats
+
+
+def cache_stats(t: ExpertTraffic) -> dict:
+    """worker.cache: this request's experts computed from a worker's cache and the bytes that saved;
+    per worker, its cache so far (cumulative over every request it served)."""
+    fields = ("capacity", "cached", "hits", "misses", "bytes_saved", "evictions")
+    return {
+        "hits": t.cache_hits,
+        "bytes_saved": t.cache_bytes_saved,
+        "workers": {f"worker{w}": dict(zip(fields, row, strict=False)) for w, row in sorted(t.cache.items())},
+    }
 
 
 def hedging_stats(t: ExpertTraffic) -> dict:

@@ -1,0 +1,91 @@
+"""Real local clusters with the workers' expert cache (worker.cache): tokens and final logits equal
+transformers' to the bit whatever the budget, the policy, the batch or a lost worker; the cache
+actually serves (hits, bytes saved)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import odmoe
+from odmoe import LocalCluster
+from tests.conftest import FAMILY_NAMES
+from tests.test_cluster_fidelity import PROMPTS, reference
+
+pytestmark = pytest.mark.integration
+NEW_TOKENS = 24
+
+
+def _expert_bytes(path: str) -> int:
+    """Bytes of one expert of the model (float32 on disk and on the workers)."""
+    from odmoe.checkpoint import Checkpoint
+
+    config = Checkpoint(path).config
+    size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return 3 * config.hidden_size * size * 4
+
+
+def _check(cluster, path: str, new_tokens: int = NEW_TOKENS) -> list[dict]:
+    stats = []
+    for prompt in PROMPTS:
+        want_ids, want_logits = reference(path, prompt, new_tokens=new_tokens)
+        got = cluster.client.generate(prompt, max_new_tokens=new_tokens, return_logits=True)
+        assert got.token_ids == want_ids, f"diverged on {prompt!r}"
+        assert torch.equal(got.final_logits, want_logits)
+        stats.append(got.stats)
+    return stats
+
+
+@pytest.mark.parametrize("policy", ["prediction", pytest.param("lru", marks=pytest.mark.extended)])
+def test_a_small_cache_keeps_tokens_and_serves_hits(policy, model_dirs, reap_children):
+    """Two experts per worker (of 16 each is home for): evictions all the time, tokens unchanged;
+    then requests together (one batch) with the same cache."""
+    path = model_dirs["mixtral"]
+    words = [f"worker.cache={2 * _expert_bytes(path)}", f"worker.cache_policy={policy}"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        stats = _check(cluster, path)
+        workers = stats[-1]["cache"]["workers"]
+        assert {w["capacity"] for w in workers.values()} == {2}
+        assert sum(s["cache"]["hits"] for s in stats) > 0
+        assert sum(w["evictions"] for w in workers.values()) > 0
+        wanted = {p: reference(path, p, new_tokens=12)[0] for p in PROMPTS}
+        got, errors = {}, []
+
+        def ask(prompt: str) -> None:
+            try:
+                with odmoe.Client(cluster.address, credentials=cluster.credentials) as client:
+                    got[prompt] = client.generate(prompt, max_new_tokens=12).token_ids
+            except BaseException as exc:  # asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors and got == wanted
+
+
+@pytest.mark.extended  # a cluster per family: CI runs it
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_every_family_with_room_for_every_expert(family, model_dirs, reap_children):
+    path = model_dirs[family]
+    with LocalCluster(path, workers=2, group_size=2, overrides=["worker.cache=all"]) as cluster:
+        stats = _check(cluster, path, new_tokens=12)
+    # from the second request on, nearly every expert comes from a cache
+    assert stats[-1]["cache"]["hits"] > 0 and stats[-1]["bytes_loaded"] < stats[0]["bytes_loaded"]
+
+
+@pytest.mark.extended
+def test_a_lost_worker_s_experts_become_misses_elsewhere(model_dirs, reap_children):
+    path = model_dirs["olmoe"]
+    want, _ = reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)
+    words = ["worker.cache=all", "fault.node=worker1", "fault.iteration=6"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert got.token_ids == want
+        assert got.stats["failover"]["live_workers"] == [0]
+        again = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert again.token_ids == want
