@@ -6,6 +6,7 @@ import csv
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -168,10 +169,18 @@ def _keep_serving(cluster: LocalCluster) -> int:
             file=sys.stderr,
         )
     print("odmoe: Ctrl-C stops the cluster", file=sys.stderr, flush=True)
+    # Ctrl-C (and a plain kill) must stop every node even when this process was started in the
+    # background by a non-interactive shell, which makes it ignore SIGINT from the start
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     while all(node.process.poll() is None for node in cluster.nodes if node.name == "main"):
         time.sleep(0.5)
     print("odmoe-launch: main exited; stopping the cluster", file=sys.stderr)
     return 1
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def format_stats(stats: dict) -> str:

@@ -448,15 +448,11 @@ def test_health_is_503_when_no_worker_can_serve(cluster):
 
 def test_role_local_serve_keeps_serving_until_ctrl_c(model_dirs, reap_children):
     """`odmoe-launch role=local serve=true` prints the API's URL, answers on it, and Ctrl-C stops
-    every node."""
+    every node, even when started with SIGINT ignored (what a non-interactive shell's `&` does: it
+    once left the launcher deaf to Ctrl-C)."""
+    words = ["role=local", "serve=true", "server.http_port=0", f"model.path={model_dirs['mixtral']}"]
     launch = subprocess.Popen(
-        [
-            "odmoe-launch",
-            "role=local",
-            "serve=true",
-            "server.http_port=0",
-            f"model.path={model_dirs['mixtral']}",
-        ],
+        ["bash", "-c", "trap '' INT; exec odmoe-launch \"$@\"", "bash", *words],
         stderr=subprocess.PIPE,
         text=True,
     )
