@@ -211,11 +211,13 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     for cell in cells:
         hits, misses = (lru.hits, lru.misses) if lru else (0, 0)
+        loaded = lru.slots.counters.bytes_loaded if lru else 0
         runs = [timed_generate(model, ids, cell["new_tokens"], args.device) for ids in cell["prompts"]]
         entry = {"name": cell["name"], "runs": runs}
         if lru:
             looked_up = lru.hits - hits + lru.misses - misses
             entry["lru_hit_rate"] = (lru.hits - hits) / looked_up if looked_up else None
+            entry["bytes_loaded"] = lru.slots.counters.bytes_loaded - loaded
         results.append(entry)
     report = {
         "system": args.system,

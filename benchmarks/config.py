@@ -26,6 +26,7 @@ SUITES = (
     "dataplane",
     "placement",
     "serving",
+    "cache",
     "eval",
     "gpu",
     "quick",
@@ -176,6 +177,20 @@ class ServingSuite:
     # GuideLLM beside our clients (the path of its executable, "" = skip): HTTP API, same concurrencies
     guidellm: str = ""
     guidellm_requests: int = 16  # requests per concurrency
+
+
+CACHE_SYSTEMS = ("odmoe", "odmoe_lru", "lru_offloader", "resident_workers")
+
+
+@dataclass
+class CacheSuite:
+    # The workers' expert cache by budget: a share of every expert's bytes, cluster-wide (0: cacheless)
+    budgets: list[float] = field(default_factory=lambda: [0.0, 0.125, 0.25, 0.5, 0.75, 1.0])
+    systems: list[str] = field(default_factory=lambda: list(CACHE_SYSTEMS))
+    prompts: int = 4
+    prompt_tokens: int = 32
+    new_tokens: int = 48
+    overrides: list[str] = field(default_factory=list)  # more odmoe-launch words for the odmoe clusters
 
 
 @dataclass
@@ -402,6 +417,7 @@ class BenchConfig:
     dataplane: DataplaneSuite = field(default_factory=DataplaneSuite)
     placement: PlacementSuite = field(default_factory=PlacementSuite)
     serving: ServingSuite = field(default_factory=ServingSuite)
+    cache: CacheSuite = field(default_factory=CacheSuite)
     eval: EvalSuite = field(default_factory=EvalSuite)
     gpu: GpuSuite = field(default_factory=GpuSuite)
     log_level: str = "WARNING"
@@ -446,6 +462,11 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("serving: concurrency, requests_per_client, max_running and prompts must be >= 1")
     if any(r <= 0 for r in sv.rates) or sv.open_requests < 1:
         raise ValueError("serving.rates must be > 0 and serving.open_requests >= 1")
+    ca = cfg.cache
+    if bad := sorted(set(ca.systems) - set(CACHE_SYSTEMS)):
+        raise ValueError(f"cache.systems: {bad} not among {', '.join(CACHE_SYSTEMS)}")
+    if not ca.budgets or any(not 0 <= b <= 1 for b in ca.budgets) or min(ca.prompts, ca.new_tokens) < 1:
+        raise ValueError("cache.budgets must lie in [0, 1]; cache.prompts and new_tokens >= 1")
     ev = cfg.eval
     if ev.limit < 0 or min(ev.num_concurrent, ev.scoring_prompts, ev.scoring_batch) < 1:
         raise ValueError("eval: limit must be >= 0; num_concurrent, scoring_prompts, scoring_batch >= 1")

@@ -639,3 +639,29 @@ def serving(report: dict, out: Path, subtitle: str) -> None:
         fontsize=9,
     )
     _save(fig, out)
+
+
+def cache(report: dict, out: Path, subtitle: str) -> None:
+    """Decode tokens/s, hit rate and bytes loaded per token by cache budget, per system."""
+    rows = report["rows"]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    systems = [s for s in dict.fromkeys(r["system"] for r in rows) if s != "resident_workers"]
+    resident = next((r for r in rows if r["system"] == "resident_workers"), None)
+    for system in systems:
+        mine = sorted((r for r in rows if r["system"] == system), key=lambda r: r["budget"])
+        b = [r["budget"] * 100 for r in mine]
+        axes[0].plot(b, [r["decode_tokens_per_s"] for r in mine], "o-", label=system)
+        axes[1].plot(b, [r["hit_rate"] or 0.0 for r in mine], "o-", label=system)
+        axes[2].plot(b, [r["bytes_per_token"] / 2**20 for r in mine], "o-", label=system)
+    if resident:
+        axes[0].axhline(resident["decode_tokens_per_s"], color="grey", ls=":", label="resident workers")
+    axes[0].set(xlabel="cache budget, % of every expert's bytes", ylabel="decode tokens/s")
+    axes[1].set(xlabel="cache budget, %", ylabel="experts computed from a cache", ylim=(0, 1.02))
+    axes[2].set(xlabel="cache budget, %", ylabel="MiB loaded per generated token")
+    for ax in axes:
+        ax.legend(fontsize=8)
+    differ = sum(r["differ"] for r in rows)
+    fig.suptitle(
+        f"expert cache: requests whose tokens differ from transformers: {differ}\n{subtitle}", fontsize=9
+    )
+    _save(fig, out)

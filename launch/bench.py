@@ -16,6 +16,7 @@
     odmoe-bench suite=dataplane         # a remote decode layer's cost against the raw ZeroMQ round trip
     odmoe-bench suite=placement         # start-up through Ray (role=ray) vs role=local (the ray extra)
     odmoe-bench suite=serving           # many users at once: tokens/s, TTFT, ITL by concurrency and rate
+    odmoe-bench suite=cache             # the workers' expert cache by budget: prediction vs LRU vs offloader
     odmoe-bench suite=eval              # lm-eval through the API vs one process: scores, scoring cost
     odmoe-bench suite=gpu               # one GPU: odmoe vs resident, accelerate offload, LRU (CUDA only)
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
@@ -56,6 +57,7 @@ def run_suites(cfg: BenchConfig) -> None:
     from odmoe.benchmarks.suites import (
         ablation,
         alignment,
+        cache,
         compression,
         dataplane,
         eval_harness,
@@ -91,6 +93,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "dataplane": dataplane.run,
         "placement": placement.run,
         "serving": serving.run,
+        "cache": cache.run,
         "eval": eval_harness.run,
     }
     if cfg.suite == "gpu":  # its own real-width model; stops at once without CUDA

@@ -195,6 +195,7 @@ class WorkerNode:
         self.predicted_through: dict[int, int] = {}
         self._computing: set[tuple[int, int]] = set()  # cached experts a message is about to compute
         self._at: Position = (-1, -1)  # the decode layer main last asked this worker for
+        self._home_memo: tuple = (None, 0, 0)  # (live, cache version) -> home, home cached
         # prefill batches being assembled, by (peer, step, expert): parts by part number
         self.batches: OrderedDict[tuple, dict[int, torch.Tensor]] = OrderedDict()
         self.hidden_size = self.store.gate_up_shape[-1]
@@ -209,6 +210,18 @@ class WorkerNode:
         expert_bytes = elements * self.store.dtype.itemsize
         home = sum(self.topology.home(layer, e) == self.index for layer, e in self.store.keys())
         return cache_capacity(spec, expert_bytes, home, lambda: _free_device_bytes(device))
+
+    def _cache_report(self) -> list[int]:
+        """CacheBook.report with the experts this worker is home for now, and of them cached (counted
+        again only when the live workers or the cache's contents changed)."""
+        if not self.cache.enabled:
+            return []
+        memo = (tuple(self.live or ()), self.cache.version)
+        if self._home_memo[0] != memo:
+            home = sum(self._serves(k) for k in self.store.keys())
+            cached = sum(self._serves(k) for k in self.cache.cached)
+            self._home_memo = (memo, home, cached)
+        return self.cache.report(*self._home_memo[1:])
 
     def _serves(self, key: tuple[int, int]) -> bool:
         """Whether this worker is `key`'s home now (only its home keeps an expert cached)."""
@@ -751,7 +764,7 @@ class WorkerNode:
             device_peak_bytes=device_peak_bytes(self.slots.device),
             handled_s=time.perf_counter() - self.received,
             cached=list(cached) or [0] * n,
-            cache=self.cache.report() if self.cache.enabled else [],
+            cache=self._cache_report(),
         )
 
     def _on_device(self, rows: torch.Tensor) -> torch.Tensor:
@@ -813,5 +826,5 @@ class WorkerNode:
             device_peak_bytes=device_peak_bytes(self.slots.device),
             handled_s=time.perf_counter() - self.received,
             cached=cached,
-            cache=self.cache.report() if self.cache.enabled else [],
+            cache=self._cache_report(),
         )

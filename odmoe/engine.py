@@ -271,7 +271,10 @@ class MainEngine:
         run.leader = self._prefill_leader(run, ids)
         if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
             run.first_tick = run.leader.first_tick
-        if self.shadow is not None and request.max_new_tokens > 0:  # a prompt only scored: nothing to predict
+        # A prompt only scored has nothing to predict; while the workers' caches hold every expert
+        # they serve, predictions would load nothing (and the shadow's compute would slow main's)
+        if self.shadow is not None and request.max_new_tokens > 0 and not self.experts.caches_complete():
+            run.shadow = self.shadow
             self.shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
         self.running.append((ticket, run))
 
@@ -409,7 +412,7 @@ class MainEngine:
     def _align_shadow(self, run: RequestRun) -> None:
         """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1,
         where the plan says; with the next iteration it will align, so a waiting shadow knows."""
-        if self.shadow is None:
+        if run.shadow is None:
             return
         iteration = run.iteration + 1
         wrong, predicted = run.ctx.traffic.timely_recall.arrived.get(iteration - 1, (0, 0))
@@ -423,7 +426,7 @@ class MainEngine:
         run.plan.sent(iteration, send_token, send_kv)
         token = run.new_ids[-1]
         next_align = run.plan.next_after(iteration)
-        self.shadow.align(run.request_id, iteration, token if send_token else -1, keys, values, next_align)
+        run.shadow.align(run.request_id, iteration, token if send_token else -1, keys, values, next_align)
 
     def _retire(self, requests: RequestQueue) -> None:
         """Requests over, cancelled or past their deadline leave now (at the tick boundary)."""
@@ -454,7 +457,7 @@ class MainEngine:
         (the paper's recall counts those that came late too), or after RECALL_WAIT_S."""
         held = []
         for ticket, run, ended_at, deadline in self.finishing:
-            shadow = self.shadow
+            shadow = run.shadow
             ready = shadow is None or shadow.ended(run.request_id) or time.monotonic() >= deadline
             if not ready and wait:
                 shadow.wait_ended(run.request_id, deadline)
@@ -464,8 +467,8 @@ class MainEngine:
                 continue
             recall = self.experts.recall(run.ctx, wait_s=0.0)
             stats = request_stats(run, self.experts, self.main, recall, ended_at)
-            if self.shadow is not None:
-                self.shadow.forget(run.request_id)
+            if run.shadow is not None:
+                run.shadow.forget(run.request_id)
             self.observer.finished(ticket, stats)
             # main's spans reach the trace file before the client learns the request is done
             self.experts.tracer.flush()
@@ -483,8 +486,8 @@ class MainEngine:
         for _, follower in self.running:
             if follower.leader is run:
                 follower.leader = None
-        if self.shadow is not None:
-            self.shadow.end(run.request_id)
+        if run.shadow is not None:
+            run.shadow.end(run.request_id)
 
     def _fail(self, entry: tuple[Ticket, RequestRun], error: BaseException) -> None:
         ticket, run = entry

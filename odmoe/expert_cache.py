@@ -120,6 +120,7 @@ class CacheBook:
     misses: int = 0
     bytes_saved: int = 0
     evictions: dict[int, int] = field(default_factory=dict)  # layer -> experts dropped from the cache
+    version: int = 0  # changes whenever what is cached changes
 
     def __post_init__(self) -> None:
         if self.policy not in CACHE_POLICIES:
@@ -152,6 +153,7 @@ class CacheBook:
 
     def admit(self, key: ExpertKey) -> None:
         self.cached[key] = self.clock
+        self.version += 1
 
     def victim(self, candidates: list[ExpertKey], distance_of: Callable[[ExpertKey], float]) -> ExpertKey:
         """Which of `candidates` (cached experts not in use, and perhaps a newcomer) to drop."""
@@ -167,11 +169,12 @@ class CacheBook:
 
     def drop(self, key: ExpertKey) -> None:
         if self.cached.pop(key, None) is not None:
+            self.version += 1
             self.evictions[key[0]] = self.evictions.get(key[0], 0) + 1
 
-    def report(self) -> list[int]:
+    def report(self, home: int = 0, home_cached: int = 0) -> list[int]:
         """What a worker sends main with each answer: [capacity, cached, hits, misses, bytes saved,
-        evictions], cumulative since it started."""
+        evictions] cumulative since it started, then [experts it is home for now, of them cached]."""
         return [
             self.capacity,
             len(self.cached),
@@ -179,4 +182,15 @@ class CacheBook:
             self.misses,
             self.bytes_saved,
             sum(self.evictions.values()),
+            home,
+            home_cached,
         ]
+
+
+def complete(reports: Mapping[int, list[int]], live: list[int]) -> bool:
+    """Whether every live worker's latest report says its cache holds every expert it is home for
+    (then predictions would load nothing)."""
+    rows = [reports.get(w) for w in live]
+    if not rows or any(r is None or len(r) < 8 for r in rows):
+        return False
+    return sum(r[6] for r in rows) > 0 and all(r[7] >= r[6] for r in rows)

@@ -48,6 +48,7 @@ import torch
 from odmoe.codec import CodecError
 from odmoe.config import PrefillConfig
 from odmoe.dropped import DropLog
+from odmoe.expert_cache import complete
 from odmoe.expert_math import ExpertRows, combine, split_by_expert
 from odmoe.faults import FaultTrigger
 from odmoe.lockstep import in_task, park
@@ -338,6 +339,7 @@ class RemoteExperts:
         self.current = RunContext("")  # the request whose forward pass is running (the engine sets it)
         self.stream, self.tick = "", 0  # the decode batch's name and iteration (the engine sets them)
         self.tracer = tracer or Tracer("main")
+        self.cache_reports: dict[int, list[int]] = {}  # worker -> its cache's latest report (worker.cache)
         self.substituter = substituter  # None: every miss is reloaded (lossless)
         self.fault: FaultTrigger | None = None  # fault injection at a chosen layer (tests, benchmarks)
         self.dropped = DropLog(log, "main")
@@ -365,6 +367,11 @@ class RemoteExperts:
             self.current = RunContext(request, budget=self._budget())
         self.current.begin(iteration)
         self.stream, self.tick = request, iteration
+
+    def caches_complete(self) -> bool:
+        """Whether every live worker's cache holds every expert it serves (odmoe.expert_cache.complete):
+        a shadow's predictions would then load nothing."""
+        return complete(self.cache_reports, sorted(self.members.live))
 
     def context(self, request: str) -> RunContext:
         return RunContext(request, budget=self._budget())
@@ -643,6 +650,8 @@ class RemoteExperts:
             return None
         for expert in call.experts:
             self.tracer.message("main", "result", step, expert, sent=False)
+        if result.cache:
+            self.cache_reports[worker] = result.cache
         call.answer = (result, tensors)
         return result
 
@@ -798,6 +807,8 @@ class RemoteExperts:
             self.dropped.drop(f"worker {worker} answered expert {result.expert} with malformed rows")
             return
         self.tracer.message("main", "result", step, result.expert, sent=False)
+        if result.cache:
+            self.cache_reports[worker] = result.cache
         ctx.traffic.add(result)
         call.parts[result.part] = tensors[0]
 

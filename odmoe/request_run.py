@@ -123,6 +123,7 @@ class RequestRun:
         self.scored = not request.prompt_logprobs  # the prompt's scoring pass is done (or not asked)
         self.leader: RequestRun | None = None  # prefill_group: the run whose prefill this one copies
         self.done = False
+        self.shadow = None  # the ShadowLink predicting for it (None: none, or no use: odmoe.engine)
 
     @property
     def request_id(self) -> str:

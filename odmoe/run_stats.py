@@ -88,7 +88,7 @@ def request_stats(
 def cache_stats(t: ExpertTraffic) -> dict:
     """worker.cache: this request's experts computed from a worker's cache and the bytes that saved;
     per worker, its cache so far (cumulative over every request it served)."""
-    fields = ("capacity", "cached", "hits", "misses", "bytes_saved", "evictions")
+    fields = ("capacity", "cached", "hits", "misses", "bytes_saved", "evictions", "home", "home_cached")
     return {
         "hits": t.cache_hits,
         "bytes_saved": t.cache_bytes_saved,

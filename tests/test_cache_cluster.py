@@ -74,8 +74,10 @@ def test_every_family_with_room_for_every_expert(family, model_dirs, reap_childr
     path = model_dirs[family]
     with LocalCluster(path, workers=2, group_size=2, overrides=["worker.cache=all"]) as cluster:
         stats = _check(cluster, path, new_tokens=12)
-    # from the second request on, nearly every expert comes from a cache
+    # from the second request on, nearly every expert comes from a cache; once every worker holds all
+    # it serves, requests go without the shadow (its predictions would load nothing)
     assert stats[-1]["cache"]["hits"] > 0 and stats[-1]["bytes_loaded"] < stats[0]["bytes_loaded"]
+    assert stats[0]["shadow"] is True
 
 
 @pytest.mark.extended

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from odmoe.expert_cache import CacheBook, cache_capacity, expected_distance, next_use
+from odmoe.expert_cache import CacheBook, cache_capacity, complete, expected_distance, next_use
 from odmoe.launch.settings import compose
 from odmoe.messages import ComputeExpert, ComputeExperts, Prediction, Step, from_frames
 from odmoe.placement import Topology
@@ -29,6 +29,17 @@ def test_a_bad_cache_spec_is_refused_by_the_config():
         compose(["worker.cache=lots"])
     with pytest.raises(ValueError, match="cache_policy"):
         compose(["worker.cache_policy=fifo"])
+
+
+def test_caches_are_complete_only_when_every_live_worker_holds_all_it_is_home_for():
+    full, partial, idle = [8, 8, 0, 0, 0, 0, 8, 8], [4, 4, 0, 0, 0, 0, 8, 4], [8, 0, 0, 0, 0, 0, 0, 0]
+    assert complete({0: full, 1: full}, [0, 1])
+    assert not complete({0: full, 1: partial}, [0, 1])
+    assert complete({0: full, 1: partial}, [0])  # worker 1 is gone: its experts are 0's now
+    assert not complete({0: full}, [0, 1])  # nothing heard from worker 1 yet
+    assert complete({0: full, 1: idle}, [0, 1])  # home for nothing: nothing missing
+    assert not complete({0: idle}, [0])  # no cache holds anything
+    assert not complete({0: full[:6]}, [0])  # an older worker's report says nothing of homes
 
 
 def test_next_use_follows_the_predictions():
@@ -74,7 +85,7 @@ def test_the_victim_is_the_one_needed_farthest_ahead_and_lru_the_oldest():
     assert lru.victim([(0, 1), (0, 2), (1, 1)], distance.__getitem__) == (0, 2)  # least recently used
     assert book.hits == 1 and book.bytes_saved == 10
     book.drop((0, 2))
-    assert book.report() == [3, 2, 1, 0, 10, 1] and book.evictions == {0: 1}
+    assert book.report(5, 2) == [3, 2, 1, 0, 10, 1, 5, 2] and book.evictions == {0: 1}
 
 
 def test_use_rate_is_uses_per_visit_of_the_layer():
@@ -125,6 +136,7 @@ def test_a_worker_keeps_what_it_computed_and_answers_the_same_from_its_cache(wor
     assert again.bytes_loaded == 0 and again.cached == first.bytes_loaded  # no load: from the cache
     assert torch.equal(y1, y2)
     assert again.cache[:4] == [16, 1, 1, 1]  # capacity, cached, hits, misses
+    assert again.cache[6:] == [16, 1]  # home for 16 experts, 1 of them cached
     # an expert this worker is not home for (odd ones are worker 1's) is not kept
     _answer(worker.compute(ComputeExpert(Step("b", 5, 1), 3, "eager"), hidden))
     assert {s.holds for s in worker.slots.cached()} == {(0, 2)}

@@ -1,0 +1,161 @@
+"""Suite `cache`: the workers' spare memory as one expert cache (worker.cache), by budget.
+
+Budgets are fractions of every expert's bytes, cluster-wide (`cache.budgets`: 0 = cacheless, the
+paper's; 1 = room for every expert once): each worker gets budget x all experts' bytes / workers.
+Per budget:
+- `odmoe`: the cluster, its caches steered by the shadow's predictions (worker.cache_policy=prediction);
+- `odmoe_lru`: the same cluster and budget, least-recently-used eviction (what prediction adds);
+- `lru_offloader`: one process whose LRU cache holds as many experts as the cluster's caches and
+  just-in-time slots together (the same total device memory), misses over the same emulated link;
+and once, `resident_workers` (every expert kept on the workers, nothing loaded: the ceiling).
+Each system serves the same prompts after a warm-up request (caches start cold and warm over the
+requests, as a server's do). Reported: decode tokens/s, the share of experts computed from a cache
+(hit rate), bytes loaded per generated token, and whether every system's tokens equal transformers'.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from odmoe.benchmarks import plots
+from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
+from odmoe.benchmarks.config import BenchConfig
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.checkpoint import Checkpoint
+from odmoe.load_dtypes import expert_dtype
+from odmoe.main_model import resolve_dtype
+
+
+def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
+    suite = cfg.cache
+    tok = AutoTokenizer.from_pretrained(model_path)
+    prompts = [prompt_ids(tok, 200 + i, suite.prompt_tokens) for i in range(suite.prompts)]
+    wanted = [reference_tokens(model_path, ids, suite.new_tokens) for ids in prompts]
+    expert_bytes, experts = _expert_size(model_path)
+    workers = cfg.cluster.workers
+    rows = []
+    for budget in suite.budgets:
+        per_worker = int(budget * experts * expert_bytes / workers)
+        for system in suite.systems:
+            if system == "resident_workers" and budget != max(suite.budgets):
+                continue  # the ceiling: measured once
+            print(f"-- budget {budget:g}: {system}", flush=True)
+            row = _measure(cfg, model_path, system, per_worker, expert_bytes, prompts, suite.new_tokens)
+            row.update(budget=budget, system=system)
+            row["differ"] = sum(a != b for a, b in zip(row.pop("token_ids"), wanted, strict=True))
+            rows.append(row)
+    resident = next((r["decode_tokens_per_s"] for r in rows if r["system"] == "resident_workers"), None)
+    cacheless = next(
+        (r["bytes_per_token"] for r in rows if r["system"] == "odmoe" and r["budget"] == 0), None
+    )
+    for r in rows:
+        r["vs_resident"] = r["decode_tokens_per_s"] / resident if resident else None
+        r["bytes_vs_cacheless"] = r["bytes_per_token"] / cacheless if cacheless else None
+    report = {
+        "experts": experts,
+        "expert_bytes": expert_bytes,
+        "workers": workers,
+        "prompts": suite.prompts,
+        "new_tokens": suite.new_tokens,
+        "rows": rows,
+        "identical": all(r["differ"] == 0 for r in rows),
+    }
+    _print(report)
+    out.write("cache", "cache", report)
+    plots.cache(report, out.path("cache", "png"), out.describe(suite.new_tokens))
+    return report
+
+
+def _expert_size(model_path: str) -> tuple[int, int]:
+    """Bytes of one expert as the workers hold it, and how many routed experts the model has."""
+    ckpt = Checkpoint(model_path)
+    dtype = expert_dtype(ckpt.config, resolve_dtype("auto", ckpt))
+    one = ckpt.expert(ckpt.moe_layers[0], 0)
+    return (one.gate_up.numel() + one.down.numel()) * dtype.itemsize, len(ckpt.moe_layers) * ckpt.num_experts
+
+
+def _measure(cfg, model_path, system, per_worker, expert_bytes, prompts, new_tokens) -> dict:
+    if system == "lru_offloader":
+        # the cluster's device memory for experts: its caches and its just-in-time slots
+        slots = cfg.cluster.workers * 2
+        lru_experts = slots + cfg.cluster.workers * (per_worker // expert_bytes)
+        return _offloader(cfg, model_path, prompts, new_tokens, lru_experts)
+    extra = {
+        "odmoe": [f"worker.cache={per_worker}", "worker.cache_policy=prediction"],
+        "odmoe_lru": [f"worker.cache={per_worker}", "worker.cache_policy=lru"],
+        "resident_workers": ["worker.resident=true", "shadow.enabled=false"],
+    }[system]
+    run = run_cluster(model_path, cluster_words(cfg, *extra, *cfg.cache.overrides), prompts, new_tokens)
+    s = run.stats
+    new = sum(x["new_tokens"] for x in s)
+    decode_experts = sum(x["decode"]["experts"] for x in s)
+    hits = sum(x["cache"]["hits"] for x in s)
+    computed = sum(x["experts_loaded"] for x in s)
+    return {
+        "decode_tokens_per_s": statistics.mean(x["decode_tokens_per_s"] for x in s),
+        "hit_rate": hits / computed if computed and system != "resident_workers" else None,
+        "bytes_per_token": sum(x["bytes_loaded"] for x in s) / new,
+        "decode_experts": decode_experts,
+        "stall_ms_per_token": statistics.mean(x["stall_s"] * 1e3 / max(x["new_tokens"] - 1, 1) for x in s),
+        "timely_recall": _pooled(s, "timely_recall"),
+        "capacity_experts": per_worker // expert_bytes,
+        "token_ids": run.token_ids,
+    }
+
+
+def _pooled(stats: list[dict], key: str) -> float | None:
+    rows = [x[key] for x in stats if x.get(key) and x[key].get("activated")]
+    total = sum(r["activated"] for r in rows)
+    return sum(r["overall"] * r["activated"] for r in rows) / total if total else None
+
+
+def _offloader(cfg, model_path, prompts, new_tokens, lru_experts) -> dict:
+    with tempfile.TemporaryDirectory(prefix="odmoe-cache-") as tmp:
+        cells_file, out_file = Path(tmp) / "cells.json", Path(tmp) / "out.json"
+        cells_file.write_text(json.dumps([{"name": "cache", "prompts": prompts, "new_tokens": new_tokens}]))
+        cmd = [
+            sys.executable, "-m", "odmoe.benchmarks.baselines", "--system", "lru_offloader",
+            "--model", model_path, "--cells", str(cells_file), "--out", str(out_file),
+            "--threads", "1", "--lru-experts", str(lru_experts),
+            "--bandwidth-gbps", str(cfg.link.bandwidth_gbps), "--latency-ms", str(cfg.link.latency_ms),
+        ]  # fmt: skip
+        subprocess.run(cmd, check=True)
+        report = json.loads(out_file.read_text())
+    cell = report["cells"][0]
+    new = sum(r["new_tokens"] for r in cell["runs"])
+    return {
+        "decode_tokens_per_s": statistics.mean(r["decode_tokens_per_s"] for r in cell["runs"]),
+        "hit_rate": cell["lru_hit_rate"],
+        "bytes_per_token": cell["bytes_loaded"] / new,
+        "capacity_experts": lru_experts,
+        "token_ids": [r["token_ids"] for r in cell["runs"]],
+    }
+
+
+def _print(report: dict) -> None:
+    print(
+        f"\nexpert cache: {report['experts']} experts of {report['expert_bytes'] / 2**20:.2f} MiB, "
+        f"{report['workers']} workers; budget = share of every expert's bytes, cluster-wide"
+    )
+    print(
+        f"{'budget':>7} {'system':<16} {'experts':>8} {'decode tok/s':>13} {'vs resident':>12} "
+        f"{'hit rate':>9} {'MiB/token':>10} {'vs cacheless':>13} {'differ':>7}"
+    )
+    for r in report["rows"]:
+        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
+        vs = "-" if r["vs_resident"] is None else f"{r['vs_resident']:.3f}"
+        vb = "-" if r["bytes_vs_cacheless"] is None else f"{r['bytes_vs_cacheless']:.3f}"
+        print(
+            f"{r['budget']:>7g} {r['system']:<16} {r['capacity_experts']:>8} "
+            f"{r['decode_tokens_per_s']:>13.1f} {vs:>12} {hit:>9} {r['bytes_per_token'] / 2**20:>10.3f} "
+            f"{vb:>13} {r['differ']:>7}"
+        )
+    print(f"tokens identical to transformers everywhere: {report['identical']}")
