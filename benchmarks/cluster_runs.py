@@ -19,8 +19,10 @@ from odmoe.benchmarks.config import BenchConfig
 
 
 def cluster_words(cfg: BenchConfig, *extra: str) -> list[str]:
-    """The odmoe-launch words every cluster of a suite shares, then the suite's own."""
+    """The odmoe-launch words every cluster of a suite shares, then the suite's own (after the
+    preset, so they win over it)."""
     return [
+        *([f"preset={cfg.cluster.preset}"] if cfg.cluster.preset else []),
         f"cluster.workers={cfg.cluster.workers}",
         f"cluster.group_size={cfg.cluster.group_size}",
         f"shadow.precision={cfg.cluster.shadow_precision}",

@@ -50,6 +50,10 @@ class BenchCluster:
     workers: int = 2
     group_size: int = 2
     shadow_precision: str = "fp32"
+    # The odmoe-launch preset every suite's clusters start from: paper (cacheless workers, waiting
+    # alignment: what the suites reproduce and compare) or "" (odmoe's defaults). A suite measuring
+    # a setting the preset fixes says so in its own words, which come after.
+    preset: str = "paper"
     overrides: list[str] = field(default_factory=list)  # more odmoe-launch words for every cluster
 
 

@@ -90,6 +90,24 @@ class ServerMetrics:
         self.resent_calls = Counter(
             "odmoe:resent_calls", "Expert calls re-sent after a worker was lost", registry=r
         )
+        # worker.cache: workers report cumulative figures; counters grow by what changed since the
+        # last report (a restarted worker starts again from 0: its whole figure is new)
+        self.cache_events = {
+            field: Counter(f"odmoe:expert_cache_{field}", text, ["worker"], registry=r)
+            for field, text in (
+                ("hits", "Experts computed from a worker's cache (no load)"),
+                ("misses", "Experts a caching worker had to load"),
+                ("bytes_saved", "Expert bytes not loaded thanks to a cache hit"),
+                ("evictions", "Experts dropped from a full cache"),
+            )
+        }
+        self.cache_capacity = Gauge(
+            "odmoe:expert_cache_capacity", "Experts a worker's cache can hold", ["worker"], registry=r
+        )
+        self.cache_cached = Gauge(
+            "odmoe:expert_cache_cached", "Experts in a worker's cache now", ["worker"], registry=r
+        )
+        self._cache_seen: dict[tuple[str, str], int] = {}
         self._last_token: dict[int, float] = {}
         self._tokens: dict[int, int] = {}  # tokens streamed so far, per running request
 
@@ -126,6 +144,17 @@ class ServerMetrics:
             value = (stats.get(key) or {}).get("overall")
             if value is not None:
                 gauge.set(value)
+        self._cache(stats.get("cache") or {})
+
+    def _cache(self, stats: dict) -> None:
+        for worker, row in (stats.get("workers") or {}).items():
+            self.cache_capacity.labels(worker).set(row.get("capacity", 0))
+            self.cache_cached.labels(worker).set(row.get("cached", 0))
+            for field, counter in self.cache_events.items():
+                now = int(row.get(field, 0))
+                before = self._cache_seen.get((worker, field), 0)
+                counter.labels(worker).inc(now - before if now >= before else now)
+                self._cache_seen[(worker, field)] = now
 
     def tick(self, running: int, decoding: int) -> None:
         """One engine iteration with `running` requests of which `decoding` decode a token."""

@@ -14,6 +14,10 @@ the paper's Eq. 1, t_w = worker time incl. communication -- and this model repro
 (see tests); a second slot lets loading overlap computing and stretches the window to
 G(t_main + t_w). Misses are mixed in by expectation: a fraction `recall` of layers takes the
 predicted path, the rest the load-after-routing path.
+
+A worker's expert cache (worker.cache) is mixed in the same way: a fraction `cache_hit` of layers
+finds its expert already on the device and neither loads nor occupies the loader; the rest load as
+above. What fraction a cache of a given size hits is the caller's estimate (benchmarks/simulate.py).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class PipelineParams:
     shadow_offset_s: float = 0.0
     t_shadow_layer_s: float = 0.0  # the shadow's time per layer (its prediction lead depends on it)
     slots: int = 2
+    cache_hit: float = 0.0  # fraction of experts found in a worker's cache (no load)
 
     def eq1_window_s(self) -> float:
         """Paper Eq. 1: time a group has to load its next expert without stalling."""
@@ -68,10 +73,12 @@ def simulate(p: PipelineParams, iterations: int = 64) -> PipelineResult:
             miss_loaded = max(arrives, load_free[g]) + p.t_load_s
             ready = {"hit": max(hit_loaded, arrives, busy_until[g]), "miss": max(miss_loaded, busy_until[g])}
             done = {k: v + p.t_compute_s + p.t_net_s for k, v in ready.items()}
-            layer_done = p.recall * done["hit"] + (1 - p.recall) * done["miss"]
             no_stall = max(arrives, busy_until[g]) + p.t_compute_s + p.t_net_s
+            loading = p.recall * done["hit"] + (1 - p.recall) * done["miss"]
+            layer_done = p.cache_hit * no_stall + (1 - p.cache_hit) * loading
             stall_total += layer_done - no_stall
             loaded = p.recall * hit_loaded + (1 - p.recall) * miss_loaded
+            loaded = p.cache_hit * load_free[g] + (1 - p.cache_hit) * loaded
             load_free[g] = loaded if p.slots >= 2 else layer_done
             busy_until[g] = layer_done - p.t_net_s
             now = layer_done

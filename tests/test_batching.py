@@ -109,6 +109,7 @@ def batching(model_dirs):
     """One speculative cluster of up to 4 running requests, shared by the schedules below."""
     path = model_dirs["mixtral"]
     words = ["server.max_running=4", "alignment.mode=speculative", "prefill.chunk_tokens=4"]
+    words.append("worker.cache=0")  # experts loaded for every use: what a batch shares is counted (below)
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         yield cluster, path
 

@@ -4,8 +4,10 @@ actually serves (hits, bytes saved)."""
 
 from __future__ import annotations
 
+import re
 import threading
 
+import httpx
 import pytest
 import torch
 
@@ -66,6 +68,11 @@ def test_a_small_cache_keeps_tokens_and_serves_hits(policy, model_dirs, reap_chi
         for t in threads:
             t.join(timeout=300)
         assert not errors and got == wanted
+        # the cache's figures reach Prometheus, per worker
+        page = httpx.get(cluster.http_url + "/metrics", **cluster.http_auth).text
+        hits = re.findall(r'^odmoe:expert_cache_hits_total\{worker="worker\d"\} (\S+)$', page, re.M)
+        assert len(hits) == 2 and sum(map(float, hits)) > 0, page[-2000:]
+        assert 'odmoe:expert_cache_capacity{worker="worker0"} 2.0' in page
 
 
 @pytest.mark.extended  # a cluster per family: CI runs it
@@ -91,3 +98,13 @@ def test_a_lost_worker_s_experts_become_misses_elsewhere(model_dirs, reap_childr
         assert got.stats["failover"]["live_workers"] == [0]
         again = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
         assert again.token_ids == want
+
+
+@pytest.mark.extended
+def test_a_compressed_store_caches_ready_to_compute_experts(model_dirs, reap_children):
+    """worker.store=compressed: a hit computes the cached (decompressed) expert, tokens unchanged."""
+    path = model_dirs["qwen2_moe"]
+    words = [f"worker.cache={3 * _expert_bytes(path)}", "worker.store=compressed"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        stats = _check(cluster, path, new_tokens=12)
+    assert sum(s["cache"]["hits"] for s in stats) > 0

@@ -41,3 +41,13 @@ def test_late_predictions_stall_even_at_full_recall():
     early = simulate(PipelineParams(**load))
     late = simulate(PipelineParams(**dict(load, shadow_offset_s=2e-3, t_shadow_layer_s=5e-3)))
     assert late.stall_s_per_token > early.stall_s_per_token
+
+
+def test_a_cache_hit_costs_no_load():
+    slow = dict(BASE, t_load_s=30e-3)  # far beyond the window: every load stalls
+    loads_free = simulate(PipelineParams(**dict(slow, t_load_s=0.0)))
+    everything_cached = simulate(PipelineParams(**slow, cache_hit=1.0))
+    assert everything_cached.seconds_per_token == pytest.approx(loads_free.seconds_per_token)
+    speeds = [simulate(PipelineParams(**slow, cache_hit=h)).tokens_per_s for h in (0.0, 0.35, 0.7, 1.0)]
+    assert all(a <= b * (1 + 1e-9) for a, b in zip(speeds, speeds[1:], strict=False))
+    assert speeds[0] < 0.6 * speeds[-1]

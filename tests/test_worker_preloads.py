@@ -11,6 +11,7 @@ from odmoe.nodes.worker import WorkerNode
 @pytest.fixture
 def worker(model_dirs):
     words = ["role=worker", "worker.index=0", f"model.path={model_dirs['mixtral']}", "security.enabled=false"]
+    words.append("worker.cache=0")  # the paper's cacheless worker (a cache keeps what it computed)
     cfg = compose(words)
     node = WorkerNode(cfg, model_dirs["mixtral"])
     yield node
