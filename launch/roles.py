@@ -198,12 +198,17 @@ def format_stats(stats: dict) -> str:
         **stats,
     }
     rss = ", ".join(f"{k} {v / mib:.0f} MiB" for k, v in s["peak_rss_bytes"].items())
+    cache = s.get("cache") or {}
+    hits = cache.get("hits", 0)
     return "\n".join(
         [
             f"-- {s['new_tokens']} new tokens after {s['prompt_tokens']} prompt tokens",
             f"   TTFT {s['ttft_s'] * 1e3:.1f} ms, decode {s['decode_tokens_per_s']:.2f} tokens/s",
-            f"   experts loaded {s['experts_loaded']} ({s['bytes_loaded'] / mib:.1f} MiB), "
-            f"worker load {s['worker_load_s'] * 1e3:.1f} ms vs compute {s['worker_compute_s'] * 1e3:.1f} ms",
+            f"   experts computed {s['experts_loaded']}: loaded {s['experts_loaded'] - hits:.0f} "
+            f"({s['bytes_loaded'] / mib:.1f} MiB), from the workers' caches {hits:.0f} "
+            f"({cache.get('bytes_saved', 0) / mib:.1f} MiB not loaded)",
+            f"   worker load {s['worker_load_s'] * 1e3:.1f} ms "
+            f"vs compute {s['worker_compute_s'] * 1e3:.1f} ms",
             f"   peak RSS: {rss}",
             f"   recall {_pct((s.get('recall') or {}).get('overall'))} (in time: "
             f"{_pct((s.get('timely_recall') or {}).get('overall'))}), "
