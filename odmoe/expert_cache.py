@@ -174,7 +174,9 @@ class CacheBook:
 
     def report(self, home: int = 0, home_cached: int = 0) -> list[int]:
         """What a worker sends main with each answer: [capacity, cached, hits, misses, bytes saved,
-        evictions] cumulative since it started, then [experts it is home for now, of them cached]."""
+        evictions] cumulative since it started, then [experts it is home for now, of them cached],
+        then (layer, evictions) pairs."""
+        per_layer = [n for layer, count in sorted(self.evictions.items()) for n in (layer, count)]
         return [
             self.capacity,
             len(self.cached),
@@ -184,6 +186,7 @@ class CacheBook:
             sum(self.evictions.values()),
             home,
             home_cached,
+            *per_layer,
         ]
 
 

@@ -115,7 +115,8 @@ class ExpertResult:
     handled_s: float = 0.0
     # worker.cache: the bytes this expert's load would have moved, when the worker's cache had it (0:
     # it was loaded for this call or preloaded for it); and the worker's cache so far
-    # (odmoe.expert_cache.CacheBook.report: capacity, cached, hits, misses, bytes saved, evictions)
+    # (odmoe.expert_cache.CacheBook.report: capacity, cached, hits, misses, bytes saved, evictions,
+    # experts it is home for, of them cached, then (layer, evictions) pairs)
     cached: int = 0
     cache: list[int] = field(default_factory=list)
     kind: str = "result"

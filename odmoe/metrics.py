@@ -107,6 +107,13 @@ class ServerMetrics:
         self.cache_cached = Gauge(
             "odmoe:expert_cache_cached", "Experts in a worker's cache now", ["worker"], registry=r
         )
+        self.cache_layer_hits = Counter(
+            "odmoe:expert_cache_layer_hits", "Cache hits by MoE layer", ["layer"], registry=r
+        )
+        self.cache_layer_evictions = Counter(
+            "odmoe:expert_cache_layer_evictions", "Cache evictions by worker and MoE layer",
+            ["worker", "layer"], registry=r,
+        )  # fmt: skip
         self._cache_seen: dict[tuple[str, str], int] = {}
         self._last_token: dict[int, float] = {}
         self._tokens: dict[int, int] = {}  # tokens streamed so far, per running request
@@ -147,14 +154,21 @@ class ServerMetrics:
         self._cache(stats.get("cache") or {})
 
     def _cache(self, stats: dict) -> None:
+        for layer, hits in (stats.get("hits_per_layer") or {}).items():
+            self.cache_layer_hits.labels(str(layer)).inc(hits)
         for worker, row in (stats.get("workers") or {}).items():
+            for layer, now in (row.get("evictions_per_layer") or {}).items():
+                self._grow(self.cache_layer_evictions.labels(worker, str(layer)), (worker, f"L{layer}"), now)
             self.cache_capacity.labels(worker).set(row.get("capacity", 0))
             self.cache_cached.labels(worker).set(row.get("cached", 0))
             for field, counter in self.cache_events.items():
-                now = int(row.get(field, 0))
-                before = self._cache_seen.get((worker, field), 0)
-                counter.labels(worker).inc(now - before if now >= before else now)
-                self._cache_seen[(worker, field)] = now
+                self._grow(counter.labels(worker), (worker, field), int(row.get(field, 0)))
+
+    def _grow(self, child, key: tuple[str, str], now: int) -> None:
+        """A counter following a worker's cumulative figure (from 0 again after a restart)."""
+        before = self._cache_seen.get(key, 0)
+        child.inc(now - before if now >= before else now)
+        self._cache_seen[key] = now
 
     def tick(self, running: int, decoding: int) -> None:
         """One engine iteration with `running` requests of which `decoding` decode a token."""

@@ -109,6 +109,7 @@ class ExpertTraffic:
     # moved, and each worker's cache as of its latest answer (CacheBook.report)
     cache_hits: float = 0
     cache_bytes_saved: float = 0
+    cache_hits_per_layer: dict[int, float] = field(default_factory=dict)
     cache: dict[int, list[int]] = field(default_factory=dict)
 
     # decode iterations only: what the pipeline model needs (main's own time = decode time - wait),
@@ -181,8 +182,7 @@ class ExpertTraffic:
             result.worker, result.part == 0, result.bytes_loaded, result.load_s, result.compute_s
         )
         if result.cached and result.part == 0:
-            self.cache_hits += 1
-            self.cache_bytes_saved += result.cached
+            self._cache_hit(result.step.layer, 1, result.cached)
         if result.cache:
             self.cache[result.worker] = result.cache
 
@@ -196,10 +196,14 @@ class ExpertTraffic:
         self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
         self._add_expert(result.worker, part, nbytes, load_s, compute_s)
         if result.cached and result.cached[i]:
-            self.cache_hits += part
-            self.cache_bytes_saved += result.cached[i] * part
+            self._cache_hit(result.step.layer, part, result.cached[i] * part)
         if result.cache:
             self.cache[result.worker] = result.cache
+
+    def _cache_hit(self, layer: int, count: float, saved: float) -> None:
+        self.cache_hits += count
+        self.cache_bytes_saved += saved
+        self.cache_hits_per_layer[layer] = self.cache_hits_per_layer.get(layer, 0) + count
 
     def _add_decode(self, load_s: float, compute_s: float, nbytes: float, count: float = 1) -> None:
         d = self.decode

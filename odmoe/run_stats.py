@@ -86,13 +86,22 @@ def request_stats(
 
 
 def cache_stats(t: ExpertTraffic) -> dict:
-    """worker.cache: this request's experts computed from a worker's cache and the bytes that saved;
-    per worker, its cache so far (cumulative over every request it served)."""
+    """worker.cache: this request's experts computed from a worker's cache and the bytes that saved,
+    in all and per layer; per worker, its cache so far (cumulative over every request it served),
+    with its evictions per layer."""
     fields = ("capacity", "cached", "hits", "misses", "bytes_saved", "evictions", "home", "home_cached")
+
+    def worker(row: list[int]) -> dict:
+        out = dict(zip(fields, row, strict=False))
+        pairs = row[len(fields) :]  # then (layer, evictions) pairs: CacheBook.report
+        out["evictions_per_layer"] = dict(zip(pairs[::2], pairs[1::2], strict=True))
+        return out
+
     return {
         "hits": t.cache_hits,
         "bytes_saved": t.cache_bytes_saved,
-        "workers": {f"worker{w}": dict(zip(fields, row, strict=False)) for w, row in sorted(t.cache.items())},
+        "hits_per_layer": dict(sorted(t.cache_hits_per_layer.items())),
+        "workers": {f"worker{w}": worker(row) for w, row in sorted(t.cache.items())},
     }
 
 

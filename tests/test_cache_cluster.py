@@ -52,6 +52,8 @@ def test_a_small_cache_keeps_tokens_and_serves_hits(policy, model_dirs, reap_chi
         assert {w["capacity"] for w in workers.values()} == {2}
         assert sum(s["cache"]["hits"] for s in stats) > 0
         assert sum(w["evictions"] for w in workers.values()) > 0
+        assert all(sum(w["evictions_per_layer"].values()) == w["evictions"] for w in workers.values())
+        assert all(sum(s["cache"]["hits_per_layer"].values()) == s["cache"]["hits"] for s in stats)
         wanted = {p: reference(path, p, new_tokens=12)[0] for p in PROMPTS}
         got, errors = {}, []
 

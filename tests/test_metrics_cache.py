@@ -13,7 +13,8 @@ from odmoe.metrics import ServerMetrics
 
 def _stats(hits: int, evictions: int) -> dict:
     row = {"capacity": 4, "cached": 3, "hits": hits, "misses": 1, "bytes_saved": 10 * hits}
-    return {"new_tokens": 1, "cache": {"workers": {"worker0": {**row, "evictions": evictions}}}}
+    row |= {"evictions": evictions, "evictions_per_layer": {2: evictions}}
+    return {"new_tokens": 1, "cache": {"hits_per_layer": {1: 1.0}, "workers": {"worker0": row}}}
 
 
 def _value(page: str, name: str) -> float:
@@ -31,3 +32,5 @@ def test_cache_counters_follow_cumulative_reports_across_a_restart():
     assert _value(page, "odmoe:expert_cache_evictions_total") == 1
     assert _value(page, "odmoe:expert_cache_capacity") == 4
     assert _value(page, "odmoe:expert_cache_cached") == 3
+    assert 'odmoe:expert_cache_layer_evictions_total{layer="2",worker="worker0"} 1.0' in page
+    assert 'odmoe:expert_cache_layer_hits_total{layer="1"} 3.0' in page
