@@ -64,6 +64,8 @@ FAMILIES: dict[str, Family] = {
     # multi-token-prediction layers, which `Checkpoint` skips.
     "deepseek_v2": Family("deepseek_v2", num_experts_field="n_routed_experts", **_MLP_STYLE),
     "deepseek_v3": Family("deepseek_v3", num_experts_field="n_routed_experts", **_MLP_STYLE),
+    # GLM-4.5 / 4.6: DeepSeek-V3's MoE block and routing under another attention; the same disk layout
+    "glm4_moe": Family("glm4_moe", num_experts_field="n_routed_experts", **_MLP_STYLE),
 }
 
 # Matches any routed-expert tensor on disk, per-expert or fused; shared experts

@@ -32,6 +32,7 @@ from transformers import (
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
+    Glm4MoeConfig,
     MixtralConfig,
     OlmoeConfig,
     PretrainedConfig,
@@ -42,8 +43,9 @@ from transformers import (
 
 log = logging.getLogger("odmoe.model_factory")
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
+GROUP_ROUTED = (*DEEPSEEK, "glm4_moe")  # routing limited to the best expert groups
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 DTYPES = ("float32", "float16", "bfloat16")
@@ -113,7 +115,7 @@ class ModelSpec:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.heads % self.kv_heads:
             raise ValueError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
-        if self.family in DEEPSEEK:
+        if self.family in GROUP_ROUTED:
             groups, topk_group = deepseek_groups(self.experts)
             if self.top_k > topk_group * (self.experts // groups):
                 raise ValueError(
@@ -166,6 +168,8 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         )
     if spec.family in DEEPSEEK:
         return deepseek_config(spec, common)
+    if spec.family == "glm4_moe":
+        return glm4_moe_config(spec, common)
     return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
 
 
@@ -217,6 +221,29 @@ def deepseek_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
         norm_topk_prob=True,
         num_nextn_predict_layers=0,  # no multi-token-prediction layer (main never runs one)
         **shape,
+    )
+
+
+def glm4_moe_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
+    """GLM-4.5 / 4.6 (`glm4_moe`) in miniature: DeepSeek-V3's routing (sigmoid scores + a correction
+    bias, group-limited top-k, normalised and scaled weights), grouped-query attention with partial
+    rotary embeddings and q/k norms, the first layer dense, one shared expert."""
+    groups, topk_group = deepseek_groups(spec.experts)
+    return Glm4MoeConfig(
+        **common,
+        intermediate_size=2 * spec.intermediate,
+        moe_intermediate_size=spec.intermediate,
+        n_routed_experts=spec.experts,
+        n_shared_experts=1,
+        first_k_dense_replace=1 if spec.layers > 1 else 0,
+        n_group=groups,
+        topk_group=topk_group,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        use_qk_norm=True,
+        head_dim=spec.hidden // spec.heads,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        num_nextn_predict_layers=0,  # no multi-token-prediction layer (main never runs one)
     )
 
 
