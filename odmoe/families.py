@@ -66,6 +66,16 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek_v3", num_experts_field="n_routed_experts", **_MLP_STYLE),
     # GLM-4.5 / 4.6: DeepSeek-V3's MoE block and routing under another attention; the same disk layout
     "glm4_moe": Family("glm4_moe", num_experts_field="n_routed_experts", **_MLP_STYLE),
+    # Phi-3.5-MoE: Mixtral's disk layout and expert MLP; its sparsemixer router runs on main as is
+    "phimoe": Family(
+        "phimoe",
+        moe_module="block_sparse_moe",
+        gate_proj="w1",
+        up_proj="w3",
+        down_proj="w2",
+        num_experts_field="num_local_experts",
+        renames=((".block_sparse_moe.gate.", ".mlp.router."), (".block_sparse_moe.", ".mlp.")),
+    ),
 }
 
 # Matches any routed-expert tensor on disk, per-expert or fused; shared experts

@@ -35,6 +35,7 @@ from transformers import (
     Glm4MoeConfig,
     MixtralConfig,
     OlmoeConfig,
+    PhimoeConfig,
     PretrainedConfig,
     PreTrainedTokenizerFast,
     Qwen2MoeConfig,
@@ -43,7 +44,7 @@ from transformers import (
 
 log = logging.getLogger("odmoe.model_factory")
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe")
+FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "phimoe")
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 GROUP_ROUTED = (*DEEPSEEK, "glm4_moe")  # routing limited to the best expert groups
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
@@ -170,6 +171,8 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         return deepseek_config(spec, common)
     if spec.family == "glm4_moe":
         return glm4_moe_config(spec, common)
+    if spec.family == "phimoe":  # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
+        return PhimoeConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
     return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
 
 

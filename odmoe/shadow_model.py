@@ -166,13 +166,13 @@ def load_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrai
 
 
 def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Module]]:
-    """(layer, router) of every routed MoE layer: the `mlp.gate` whose weight is [experts, hidden]
-    (Qwen2-MoE's one-output shared-expert gate is not one). Its forward returns
-    (logits [T, E], top_k_weights [T, k], top_k_index [T, k])."""
+    """(layer, router) of every routed MoE layer: the `mlp.gate` (Phi-3.5-MoE: `mlp.router`) whose
+    weight is [experts, hidden] (Qwen2-MoE's one-output shared-expert gate is not one). Its forward
+    returns (logits [T, E], top_k_weights [T, k], top_k_index [T, k])."""
     found = [
         (int(name.split(".layers.")[1].split(".")[0]), module)
         for name, module in model.named_modules()
-        if name.endswith(".mlp.gate")
+        if name.endswith((".mlp.gate", ".mlp.router"))
         and getattr(module, "weight", None) is not None
         and module.weight.dim() == 2
         and module.weight.shape[0] == num_experts
