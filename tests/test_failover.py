@@ -90,7 +90,8 @@ def test_worker_frozen_mid_decode_is_detected_by_heartbeat_and_comes_back(
 def test_shadow_killed_mid_decode_then_restarted_is_used_again(model_dirs, reap_children):
     path = model_dirs["qwen3_moe"]
     iteration = RNG.randrange(2, 20)
-    overrides = ["fault.node=shadow", f"fault.iteration={iteration}"]
+    # worker.cache=0: with every expert cached a request would run without the shadow, used or not
+    overrides = ["fault.node=shadow", f"fault.iteration={iteration}", "worker.cache=0"]
     want, _ = reference(path, PROMPTS[2])
     with LocalCluster(path, workers=2, group_size=2, overrides=overrides) as cluster:
         got = cluster.client.generate(PROMPTS[2], max_new_tokens=32)

@@ -100,7 +100,12 @@ def test_fp32_shadow_aligned_every_iteration_is_an_exact_emulator(model_dirs, re
         model_dirs["mixtral"],
         workers=2,
         group_size=2,
-        overrides=["shadow.precision=fp32", "alignment.token_period=1", "alignment.kv_period=1"],
+        overrides=[
+            "shadow.precision=fp32",
+            "alignment.token_period=1",
+            "alignment.kv_period=1",
+            "worker.cache=0",
+        ],
     ) as c:
         sub = _listen_as_main(c)
         try:
@@ -122,7 +127,7 @@ def test_injected_wrong_predictions_lower_recall_by_that_fraction(model_dirs, re
         model_dirs["mixtral"],
         workers=2,
         group_size=2,
-        overrides=["shadow.precision=fp32", "shadow.inject_wrong=0.5"],
+        overrides=["shadow.precision=fp32", "shadow.inject_wrong=0.5", "worker.cache=0"],
     ) as c:
         runs = [c.client.generate(p, max_new_tokens=32).stats["recall"] for p in PROMPTS]
     hits = sum(r["overall"] * r["activated"] for r in runs)
@@ -152,7 +157,10 @@ def test_predictions_arrive_ahead_of_main_with_alignment_every_iteration(tmp_pat
         make_model(ModelSpec(family="mixtral", layers=12, hidden=64, intermediate=128, vocab=1024), tmp_path)
     )
     with LocalCluster(
-        path, workers=2, group_size=2, overrides=["alignment.token_period=1", "alignment.kv_period=1"]
+        path,
+        workers=2,
+        group_size=2,
+        overrides=["alignment.token_period=1", "alignment.kv_period=1", "worker.cache=0"],
     ) as cluster:
         cluster.client.generate(PROMPTS[0], max_new_tokens=4)
         runs = [cluster.client.generate(p, max_new_tokens=32).stats for p in PROMPTS]
@@ -207,6 +215,7 @@ def test_fidelity_matrix(family, precision, model_dirs, reap_children):
         f"alignment.token_period={p}",
         f"alignment.kv_period={q}",
         "shadow.inject_wrong=0.5",
+        "worker.cache=0",
     ]
     with LocalCluster(path, workers=4, group_size=2, overrides=overrides) as cluster:
         for prompt in PROMPTS:

@@ -30,6 +30,7 @@ MODES = {"speculative": SPECULATIVE, "hedged": HEDGED + ["alignment.mode=specula
 
 def _run(path: str, overrides: list[str], prompts=PROMPTS[:2]) -> list[dict]:
     stats = []
+    overrides = [*overrides, "worker.cache=0"]  # cached experts would let requests skip the shadow
     with LocalCluster(path, workers=2, group_size=2, overrides=overrides) as cluster:
         for prompt in prompts:
             got = cluster.client.generate(prompt, max_new_tokens=32)
