@@ -36,6 +36,22 @@ CACHE_GB = (0, 4, 8, 16)  # per worker
 CACHE_LOAD_GBS, CACHE_SHADOW_S = 16, 2e-3  # the grid's middle: pinned-ish PCIe 4.0, a 2 ms shadow layer
 
 
+def paper_params(load_gbs: float, shadow_layer_s: float, cache_hit: float = 0.0) -> PipelineParams:
+    """The paper's setting with this host->device load bandwidth, shadow speed and cache hit rate."""
+    return PipelineParams(
+        layers=LAYERS,
+        groups=GROUPS,
+        t_main_s=T_MAIN,
+        t_compute_s=T_COMPUTE,
+        t_load_s=EXPERT_BYTES / (load_gbs * 1e9),
+        t_net_s=T_NET,
+        recall=RECALL,
+        shadow_offset_s=LATE_DEPARTURE,
+        t_shadow_layer_s=shadow_layer_s,
+        cache_hit=cache_hit,
+    )
+
+
 def measured_hit_rate(fraction: float) -> float | None:
     """The hit rate suite=cache measured for odmoe (prediction) at this fraction of the experts' bytes,
     interpolated between its budgets; None without benchmarks/results/cache.json."""
@@ -73,20 +89,7 @@ def cache_rows() -> list[dict]:
             if hit is None:
                 line += f"{'-':>14}" if name == "measured" else ""
                 continue
-            result = simulate(
-                PipelineParams(
-                    layers=LAYERS,
-                    groups=GROUPS,
-                    t_main_s=T_MAIN,
-                    t_compute_s=T_COMPUTE,
-                    t_load_s=EXPERT_BYTES / (CACHE_LOAD_GBS * 1e9),
-                    t_net_s=T_NET,
-                    recall=RECALL,
-                    shadow_offset_s=LATE_DEPARTURE,
-                    t_shadow_layer_s=CACHE_SHADOW_S,
-                    cache_hit=hit,
-                )
-            )
+            result = simulate(paper_params(CACHE_LOAD_GBS, CACHE_SHADOW_S, cache_hit=hit))
             row[name] = {"hit_rate": hit, "tokens_per_s": result.tokens_per_s}
             row[name]["fraction_of_full_speed"] = result.tokens_per_s / FULL_SPEED
             width = 14 if name == "measured" else 7
@@ -110,18 +113,7 @@ def main() -> None:
     for gbs in bandwidths:
         line = f"{gbs:>8}"
         for t_shadow in shadow_layers:
-            params = PipelineParams(
-                layers=LAYERS,
-                groups=GROUPS,
-                t_main_s=T_MAIN,
-                t_compute_s=T_COMPUTE,
-                t_load_s=EXPERT_BYTES / (gbs * 1e9),
-                t_net_s=T_NET,
-                recall=RECALL,
-                shadow_offset_s=LATE_DEPARTURE,
-                t_shadow_layer_s=t_shadow,
-            )
-            result = simulate(params)
+            result = simulate(paper_params(gbs, t_shadow))
             rows.append(
                 {
                     "load_gbytes_s": gbs,
