@@ -1,5 +1,5 @@
 PY ?= python
-.PHONY: help install proto proto-check lint test test-all test-newest cluster bench
+.PHONY: help install proto proto-check lint test test-extended soak test-all test-newest cluster bench
 SUITE ?= quick
 
 help:  ## list targets
@@ -20,6 +20,12 @@ lint:  ## ruff lint + format check
 
 test:  ## the default test suite (what CI runs)
 	$(PY) -m pytest
+
+test-extended:  ## the multi-process tests kept out of the default run for time (~40 min)
+	$(PY) -m pytest -m extended
+
+soak:  ## 1,000 requests through random node failures (~10 min)
+	$(PY) -m pytest -m slow tests/test_soak.py
 
 test-all:  ## everything, slow soak tests included
 	$(PY) -m pytest -m ""
