@@ -1,5 +1,5 @@
 PY ?= python
-.PHONY: help install proto proto-check lint test test-extended soak test-all test-newest cluster bench
+.PHONY: help suites install proto proto-check lint test test-extended soak test-all test-newest cluster bench
 SUITE ?= quick
 
 help:  ## list targets
@@ -36,5 +36,8 @@ test-newest:  ## the tests against the newest versions pyproject's ranges allow,
 cluster:  ## a whole local cluster answering one prompt on the demo model (trained on first use)
 	odmoe-launch role=local
 
-bench:  ## a benchmark suite: make bench SUITE=recall|alignment|ablation|grid|timeline|quick
+suites:  ## every benchmark suite and what it measures (from conf/bench/suite/*.yaml)
+	$(PY) -m odmoe.benchmarks.config
+
+bench:  ## a benchmark suite: make bench SUITE=<name> (make suites lists them; quick: all, small)
 	odmoe-bench suite=$(SUITE)

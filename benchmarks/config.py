@@ -8,7 +8,10 @@ every suite with small settings on the tiny default model (what CI exercises).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 
+# Every suite, in the order `suite=quick` runs them; each has conf/bench/suite/<name>.yaml, whose
+# opening comment says what it measures (`suite_summaries`, `make suites`).
 SUITES = (
     "recall",
     "alignment",
@@ -509,3 +512,23 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("gpu: new_tokens >= 2, a known shadow_precision and dtype bfloat16/float16/float32")
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")
+
+
+def suite_summaries() -> dict[str, str]:
+    """Each suite's opening comment in conf/bench/suite/<name>.yaml, joined into one line: the one
+    place the help texts (`make suites`, `odmoe-bench`'s docs) take what a suite measures from."""
+    folder = resources.files("odmoe.conf.bench") / "suite"
+    out = {}
+    for name in SUITES:
+        head = []
+        for line in (folder / f"{name}.yaml").read_text().splitlines()[1:]:  # [0]: `# @package _global_`
+            if not line.startswith("#"):
+                break
+            head.append(line.lstrip("#").strip())
+        out[name] = " ".join(head)
+    return out
+
+
+if __name__ == "__main__":  # `make suites`
+    for suite_name, summary in suite_summaries().items():
+        print(f"odmoe-bench suite={suite_name:<12} {summary}")

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.baselines import build, timed_generate
-from odmoe.benchmarks.config import SUITES, prefill_configuration
+from odmoe.benchmarks.config import SUITES, prefill_configuration, suite_summaries
 from odmoe.benchmarks.predictors import FrequencyPredictor
 from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
 from odmoe.benchmarks.suites.recall import score
@@ -276,3 +276,17 @@ def test_clusters_are_compared_with_the_lru_offloader_prompt_by_prompt(capsys):
     assert rows[0]["vs_lru_per_prompt"] == pytest.approx([1.2, 0.8, 1.5])
     assert "faster on 2 of 3 prompts" in capsys.readouterr().out
     assert "vs_lru_per_prompt" not in rows[2]
+
+
+def test_every_suite_has_its_config_its_module_and_a_line_in_each_help_text():
+    """The suites are listed in one place (SUITES, each conf/bench/suite/<name>.yaml's opening
+    comment); a suite added without its config, module or help line fails here."""
+    repo = Path(__file__).resolve().parents[1]
+    configs = {p.stem for p in (repo / "conf/bench/suite").glob("*.yaml")}
+    assert configs == set(SUITES)
+    summaries = suite_summaries()
+    assert all(len(summaries[name]) > 20 for name in SUITES), summaries
+    modules = {p.stem for p in (repo / "benchmarks/suites").glob("*.py")} - {"__init__"}
+    assert modules | {"quick"} == (set(SUITES) - {"eval"}) | {"eval_harness"}
+    bench_help = (repo / "launch/bench.py").read_text()
+    assert [n for n in SUITES if f"suite={n} " not in bench_help] == []
