@@ -74,6 +74,7 @@ from odmoe.messages import (
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import LayerUnavailable
 from odmoe.security import NodeSecurity, secure_client, secure_server
+from odmoe.substitution import profile_path, use_rates
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.worker")
@@ -140,7 +141,7 @@ class WorkerNode:
         self.on_host = device.type == "cpu"  # computes where the rows arrive
         self.live: list[int] | None = None  # None until main says: every worker
         capacity = 0 if self.resident else self._cache_capacity(w.cache, device)
-        self.cache = CacheBook(capacity, w.cache_policy)
+        self.cache = CacheBook(capacity, w.cache_policy, prior=self._cache_prior(w, model_path, capacity))
         self.slots = (
             ResidentExperts(self.store, device)
             if self.resident
@@ -203,6 +204,20 @@ class WorkerNode:
         self.fault = FaultTrigger(cfg.fault, f"worker{self.index}")
         self.dropped = DropLog(log, f"worker {self.index}")
         self.received = time.perf_counter()  # when the message being handled arrived
+
+    def _cache_prior(self, w, model_path: str, capacity: int) -> dict:
+        """odmoe-profile's use rate per expert for the cache's eviction, when there is one to use."""
+        if not capacity or w.cache_policy != "prediction" or w.cache_profile == "off":
+            return {}
+        path = profile_path(model_path, w.cache_profile)
+        rates = use_rates(path)
+        if rates:
+            log.info("worker %d: the cache starts from %s's use rates", self.index, path)
+        elif w.cache_profile:  # named, so expected to be there
+            log.warning(
+                "worker %d: worker.cache_profile=%s: no profile there; online counts only", self.index, path
+            )
+        return rates
 
     def _cache_capacity(self, spec: str, device: torch.device) -> int:
         """`worker.cache` in experts: those this worker is home for bound "all" (odmoe.expert_cache)."""

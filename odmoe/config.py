@@ -104,6 +104,9 @@ class WorkerConfig:
     # auto is the default (the fastest exact setting: suite=cache); preset=paper sets 0.
     cache: str = "auto"
     cache_policy: str = "prediction"  # which cached expert leaves: prediction (shadow-steered) | lru
+    # prediction's prior rate of use per expert, before this worker has seen traffic: odmoe-profile's
+    # file ("": MODEL/odmoe-profile/profile.npz when the model has one; "off": online counts only)
+    cache_profile: str = ""
 
 
 SHADOW_MODES = ("emulate", "random")

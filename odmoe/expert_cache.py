@@ -13,7 +13,8 @@ Contract (pure: numbers and positions in, decisions out; the worker owns the buf
     pending prediction of the shadow says exactly when; otherwise its layer's next visit that no
     prediction has covered yet (one already predicted without it does not count), plus, for each
     further visit it is expected to skip, one round of the layers (its rate of use per visit so
-    far, Laplace-smoothed); ties go to the least recently used;
+    far, Laplace-smoothed, starting from `odmoe-profile`'s rate when the model has a profile:
+    `prior`, worth PRIOR_VISITS visits); ties go to the least recently used;
   - policy "lru": the least recently used (the ablation baseline: the same budget without the
     shadow's knowledge).
 Positions are (iteration, layer): the order main visits decode layers in. A cache changes where an
@@ -34,6 +35,9 @@ AUTO_MARGIN_BYTES = 1 << 30
 ExpertKey = tuple[int, int]  # (layer, expert)
 Position = tuple[int, int]  # (iteration, layer)
 FAR = (1 << 62, 0)  # an expert nothing will use (not this worker's to serve)
+# A profile's use rate counts as this many visits already seen: enough to order experts before a
+# worker has seen any, few enough that what this cluster's own traffic shows takes over soon.
+PRIOR_VISITS = 16
 
 
 def cache_capacity(
@@ -121,6 +125,8 @@ class CacheBook:
     bytes_saved: int = 0
     evictions: dict[int, int] = field(default_factory=dict)  # layer -> experts dropped from the cache
     version: int = 0  # changes whenever what is cached changes
+    # (layer, expert) -> uses per visit of its layer measured offline (odmoe-profile), if any
+    prior: Mapping[ExpertKey, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.policy not in CACHE_POLICIES:
@@ -137,8 +143,12 @@ class CacheBook:
         self.visits[layer] = self.visits.get(layer, 0) + 1
 
     def use_rate(self, key: ExpertKey) -> float:
-        """How often `key` was used per visit of its layer (Laplace: 1/2 before anything is known)."""
-        return (self.uses.get(key, 0) + 1) / (self.visits.get(key[0], 0) + 2)
+        """How often `key` was used per visit of its layer (Laplace: 1/2 before anything is known;
+        with a profile, its rate as PRIOR_VISITS visits seen)."""
+        uses, visits = self.uses.get(key, 0) + 1, self.visits.get(key[0], 0) + 2
+        if key in self.prior:
+            uses, visits = uses + PRIOR_VISITS * self.prior[key], visits + PRIOR_VISITS
+        return uses / visits
 
     def used(self, key: ExpertKey, hit: bool, nbytes: int = 0, decode: bool = True) -> None:
         """`key` was computed: from the cache (`hit`, saving `nbytes` of loading) or loaded for it."""

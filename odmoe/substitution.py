@@ -13,6 +13,7 @@ outputs in main's model (no second router computation).
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -31,6 +32,22 @@ class ProfileMissing(FileNotFoundError):
 
 def profile_path(model_path: str, given: str = "") -> Path:
     return Path(given) if given else Path(model_path) / PROFILE_FILE
+
+
+def use_rates(path: Path) -> dict[tuple[int, int], float]:
+    """{(layer, expert): activations per token} from odmoe-profile's files (`path` and its .json
+    beside it, which says how many tokens were profiled); {} when either is missing."""
+    summary = path.with_suffix(".json")
+    if not (path.is_file() and summary.is_file()):
+        return {}
+    tokens = json.loads(summary.read_text()).get("tokens", 0)
+    data = np.load(path)
+    rates = {}
+    for name in data.files:
+        if name.startswith("activations_") and tokens > 0:
+            layer = int(name.rsplit("_", 1)[1])
+            rates.update({(layer, e): float(n) / tokens for e, n in enumerate(data[name])})
+    return rates
 
 
 def load_profile(path: Path) -> Profile:

@@ -99,6 +99,48 @@ def test_use_rate_is_uses_per_visit_of_the_layer():
     assert book.use_rate((0, 1)) == 3 / 10 and book.use_rate((0, 2)) == 1 / 10
 
 
+def test_a_profile_orders_experts_before_any_traffic_and_the_traffic_takes_over():
+    book = CacheBook(2, prior={(0, 1): 0.9, (0, 2): 0.1})
+    assert book.use_rate((0, 1)) == pytest.approx((1 + 16 * 0.9) / 18)
+    assert book.use_rate((0, 1)) > book.use_rate((0, 3)) > book.use_rate((0, 2))  # (0, 3): unprofiled
+    for _ in range(200):  # this cluster's traffic: expert 2 every visit, expert 1 never
+        book.visit(0)
+        book.used((0, 2), hit=False)
+    assert book.use_rate((0, 2)) > 0.9 > 0.1 > book.use_rate((0, 1))
+
+
+def test_use_rates_read_what_odmoe_profile_writes(tmp_path):
+    import numpy as np
+
+    from odmoe.profiling import ExpertProfile, LayerCounts, save_profile
+    from odmoe.substitution import use_rates
+
+    counts = LayerCounts.empty(4)
+    counts.add(torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]]), torch.ones(4, 2))
+    path = save_profile(ExpertProfile({5: counts}, tokens=4), tmp_path / "profile.npz", 0.9, 2)
+    assert use_rates(path) == {(5, 0): 1.0, (5, 1): 0.5, (5, 2): 0.25, (5, 3): 0.25}
+    assert use_rates(tmp_path / "none.npz") == {}
+    assert np.load(path)["activations_5"].tolist() == [4, 2, 1, 1]
+
+
+def test_a_worker_starts_its_cache_from_the_models_profile_unless_told_off(model_dirs, tmp_path):
+    from odmoe.nodes.worker import WorkerNode
+    from odmoe.profiling import ExpertProfile, LayerCounts, save_profile
+
+    model = model_dirs["mixtral"]
+    counts = LayerCounts.empty(8)
+    counts.add(torch.tensor([[0, 1]]), torch.ones(1, 2))
+    profile = save_profile(ExpertProfile({0: counts}, tokens=1), tmp_path / "p.npz", 0.9, 2)
+    words = ["role=worker", "worker.index=0", f"model.path={model}", "security.enabled=false"]
+    words.append("worker.cache=all")
+    for setting, want in ((str(profile), {(0, 1): 1.0, (0, 5): 0.0}), ("off", {})):
+        node = WorkerNode(compose([*words, f"worker.cache_profile={setting}"]), model)
+        try:
+            assert {k: node.cache.prior[k] for k in want} == want and bool(node.cache.prior) == bool(want)
+        finally:
+            node.sock.close(0)
+
+
 def test_homes_send_every_expert_of_a_layer_to_one_worker_each():
     topo = Topology(4, 2, homes=True)
     # layer 0 -> group 0 (workers 0, 1): even experts at 0, odd at 1, predicted, hedged or missed
