@@ -175,6 +175,10 @@ def rows(
     return out, nested
 
 
+def table_lines(table: list[str]) -> list[str]:
+    return ["| key | type | default | odmoe-launch | meaning |", "|---|---|---|---|---|", *table, ""]
+
+
 def section(key: str, cls: type, launch: dict, yaml_notes: dict[str, str], out: list[str]) -> None:
     table, nested = rows(cls, f"{key}.", launch, yaml_notes)
     out.append(f"## `{key}`\n")
@@ -183,10 +187,7 @@ def section(key: str, cls: type, launch: dict, yaml_notes: dict[str, str], out: 
         out.append(" ".join(doc.split()) + "\n")
     out.append(f"Schema: `{cls.__module__}.{cls.__qualname__}`.\n")
     if table:
-        out.append("| key | type | default | odmoe-launch | meaning |")
-        out.append("|---|---|---|---|---|")
-        out.extend(table)
-        out.append("")
+        out.extend(table_lines(table))
     for child_key, child in nested:
         section(child_key, child, launch, yaml_notes, out)
 
@@ -211,10 +212,7 @@ def page() -> str:
     out = [INTRO]
     top, nested = rows(OdmoeConfig, "", launch, yaml_notes)
     out.append("## Top level\n")
-    out.append("| key | type | default | odmoe-launch | meaning |")
-    out.append("|---|---|---|---|---|")
-    out.extend(top)
-    out.append("")
+    out.extend(table_lines(top))
     for key, cls in nested:
         section(key, cls, launch, yaml_notes, out)
     return "\n".join(out) + "\n"
