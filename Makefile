@@ -1,5 +1,5 @@
 PY ?= python
-.PHONY: help suites install proto proto-check lint test test-extended soak test-all test-newest cluster bench
+.PHONY: help suites install proto proto-check lint test test-demo test-extended soak test-all test-newest cluster bench
 SUITE ?= quick
 
 help:  ## list targets
@@ -20,6 +20,9 @@ lint:  ## ruff lint + format check
 
 test:  ## the default test suite (what CI runs)
 	$(PY) -m pytest
+
+test-demo:  ## the README's first command from an empty model cache, its text compared with the README's (~2 min)
+	$(PY) -m pytest -m demo tests/test_demo.py
 
 test-extended:  ## the multi-process tests kept out of the default run for time (~40 min)
 	$(PY) -m pytest -m extended

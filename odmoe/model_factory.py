@@ -264,8 +264,24 @@ def corpus_files(max_bytes: int = 2_000_000) -> list[str]:
     return files
 
 
+CORPORA = ("stdlib", "demo")  # the interpreter's own sources | the shipped demo corpus
+
+
+def corpus_documents(corpus: str = "stdlib", max_bytes: int = 2_000_000) -> list[str]:
+    """The texts a tokenizer or a model learns from: `stdlib` reads the running interpreter's
+    sources (up to max_bytes, so they differ between Python versions); `demo` is the corpus that
+    ships with odmoe (odmoe.demo_corpus), the same everywhere, whole (max_bytes does not apply)."""
+    if corpus == "demo":
+        from odmoe.demo_corpus import documents
+
+        return list(documents())
+    if corpus != "stdlib":
+        raise ValueError(f"corpus {corpus!r} is not one of {', '.join(CORPORA)}")
+    return [Path(p).read_text(errors="replace") for p in corpus_files(max_bytes)]
+
+
 @functools.lru_cache(maxsize=4)  # making several families in one process trains once
-def build_tokenizer(vocab_size: int, max_positions: int) -> PreTrainedTokenizerFast:
+def build_tokenizer(vocab_size: int, max_positions: int, corpus: str = "stdlib") -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -276,7 +292,10 @@ def build_tokenizer(vocab_size: int, max_positions: int) -> PreTrainedTokenizerF
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    tok.train(corpus_files(), trainer)
+    if corpus == "stdlib":
+        tok.train(corpus_files(), trainer)  # how every model before the demo corpus was made
+    else:
+        tok.train_from_iterator(corpus_documents(corpus), trainer)
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",

@@ -2,7 +2,8 @@
 margins, and the demo model odmoe-launch answers with by default.
 
 Contract: `train_model(spec, out_dir, settings)` trains a small Mixtral-architecture model from
-scratch on the Python standard library's sources (every machine has them), for a fixed number of
+scratch on Python sources (the benchmark models: the interpreter's standard library, which every
+machine has; the demo: the corpus shipped in odmoe/data, the same everywhere), for a fixed number of
 steps (not a wall-clock budget: the weights must not depend on the machine's speed), logs progress,
 and saves checkpoint + tokenizer atomically, with `odmoe_training.json` beside them: held-out loss
 before and after, and routing statistics (per-layer expert load, top-k margin distribution).
@@ -22,7 +23,8 @@ sequence-wise loss.
 
 `DEMO_SPEC` is the demo model (`model.path=demo`): small enough to train on first use in about two
 minutes on two cores, long enough that its greedy continuation of `def fibonacci(n):` looks like
-Python. `ensure_builtin_model("demo" | "tiny")` is where the names `model.path` accepts are made.
+Python. It trains in a child process with torch's and MKL's kernels pinned (DEMO_KERNELS), so every
+x86-64 machine trains the same bits and the README's text is what a new user sees. `ensure_builtin_model("demo" | "tiny")` is where the names `model.path` accepts are made.
 """
 
 from __future__ import annotations
@@ -33,7 +35,11 @@ import hashlib
 import json
 import logging
 import math
+import os
+import platform
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
@@ -44,11 +50,12 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
+from odmoe.demo_corpus import CORPUS_SHA256
 from odmoe.model_factory import (
     ModelSpec,
     add_chat_template,
     build_tokenizer,
-    corpus_files,
+    corpus_documents,
     default_cache_dir,
     ensure_default_model,
     hf_config,
@@ -118,26 +125,34 @@ class TrainSettings:
     bias_update_rate: float = 1e-3  # DeepSeek-V3's e_score_correction_bias step per optimizer step
     threads: int = 0  # torch intra-op threads while training; 0: leave torch's setting alone
     code_only: bool = False  # train on code_only(source): no comments or docstrings
+    corpus: str = "stdlib"  # "stdlib" (this interpreter's sources) or "demo" (shipped with odmoe)
 
 
 # Per family: the step count is fixed (not a wall-clock budget). The DeepSeek model's 16 experts x
 # 3 layers make a step slower on CPU than its size suggests, so it trains for fewer.
 TRAINED_SETTINGS = {"mixtral": TrainSettings(), "deepseek_v3": TrainSettings(steps=400, warmup=30)}
-# The demo: code without comments or docstrings (prose was half the bytes), small batches (more
-# updates in the same time learnt faster than 16 x 128), a 4 MB corpus (tokenizing 12 MB alone takes
-# ~40 s), one thread (as fast here as two for these small matmuls, faster when the cores are busy,
-# and the same reduction order on every machine).
+# The demo: the corpus that ships with odmoe (odmoe.demo_corpus: standard-library code without
+# comments or docstrings, the same text on every Python version), small batches (more updates in
+# the same time learnt faster than 16 x 128), one thread (as fast here as two for these small
+# matmuls, faster when the cores are busy, and the same reduction order on every machine).
 DEMO_SETTINGS = TrainSettings(
     steps=700,
     batch=8,
     seq_len=128,
     lr=4e-3,
     warmup=30,
-    corpus_bytes=4_000_000,
+    corpus_bytes=0,  # the whole shipped corpus (2.4 MB of code)
     held_out_batches=4,
     threads=1,
-    code_only=True,
+    corpus="demo",
 )
+# The demo's weights must be the same bits on every machine, and the CPU chooses the arithmetic:
+# torch runs its vector kernels at the widest width the CPU has (AVX-512 here) and MKL picks its
+# own code path, and each changes the rounding. Measured here (60 steps): the default, torch at
+# AVX2, MKL at AVX2, and both at AVX2 gave four different sets of weights. So the demo trains in a
+# child process with both pinned to AVX2, which every x86-64 CPU of the last decade runs; other
+# CPUs (ARM) run other kernels and may train a slightly different demo model (a warning says so).
+DEMO_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 PROGRESS_EVERY_S = 5.0  # a user waits for the demo model: a progress line at least this often
 
 
@@ -163,11 +178,10 @@ def code_only(source: str) -> str:
         return ""
 
 
-def _token_stream(tokenizer, max_bytes: int, only_code: bool = False) -> torch.Tensor:
+def _token_stream(tokenizer, settings: TrainSettings) -> torch.Tensor:
     ids: list[int] = []
-    for path in corpus_files(max_bytes):
-        text = Path(path).read_text(errors="replace")
-        ids.extend(tokenizer(code_only(text) if only_code else text, verbose=False)["input_ids"])
+    for text in corpus_documents(settings.corpus, settings.corpus_bytes):
+        ids.extend(tokenizer(code_only(text) if settings.code_only else text, verbose=False)["input_ids"])
         ids.append(tokenizer.eos_token_id)
     return torch.tensor(ids, dtype=torch.long)
 
@@ -273,8 +287,8 @@ def train_model(
 
 def _train(out_dir: Path, spec: ModelSpec, settings: TrainSettings) -> Path:
     torch.manual_seed(settings.seed)
-    tokenizer = build_tokenizer(spec.vocab, spec.max_positions)
-    stream = _token_stream(tokenizer, settings.corpus_bytes, settings.code_only)
+    tokenizer = build_tokenizer(spec.vocab, spec.max_positions, settings.corpus)
+    stream = _token_stream(tokenizer, settings)
     split = int(len(stream) * 0.98)
     train, held_out = stream[:split], stream[split:]
     log.info("corpus: %d tokens (%d held out)", len(stream), len(held_out))
@@ -329,6 +343,8 @@ def _train(out_dir: Path, spec: ModelSpec, settings: TrainSettings) -> Path:
         "held_out_loss_before": loss_before,
         "held_out_loss_after": _held_out_loss(model, held_out, settings),
         "train_seconds": time.perf_counter() - start,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector kernels used
+        "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
         **routing_stats(model, held_out, settings, spec.top_k),
     }
     _save(model, tokenizer, spec, report, out_dir)
@@ -357,14 +373,14 @@ def _save(model, tokenizer, spec: ModelSpec, report: dict, out_dir: Path) -> Non
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _ensure(target: Path, spec: ModelSpec, settings: TrainSettings, what: str) -> Path:
+def _ensure(target: Path, spec: ModelSpec, settings: TrainSettings, what: str, train=train_model) -> Path:
     """Train into target once; concurrent callers (nodes started together) wait for one trainer."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "odmoe_training.json").is_file():
             log.info("training %s into %s (first use only)", what, target)
-            train_model(target, spec, settings)
+            train(target, spec, settings)
         add_chat_template(target)  # a model trained before the template existed
     return target
 
@@ -384,13 +400,48 @@ def ensure_trained_model(
 
 def ensure_demo_model(cache_dir: Path | None = None) -> Path:
     """The demo model, trained once per cache directory (about two minutes on 2 cores). Its name
-    carries a digest of its spec and settings, so changing either trains a new one."""
+    carries a digest of its spec, settings, corpus and kernels, so changing any trains a new one."""
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
-    digest = hashlib.sha1(json.dumps([asdict(DEMO_SPEC), asdict(DEMO_SETTINGS)]).encode()).hexdigest()[:8]
+    recipe = [asdict(DEMO_SPEC), asdict(DEMO_SETTINGS), CORPUS_SHA256, DEMO_KERNELS]
+    digest = hashlib.sha1(json.dumps(recipe).encode()).hexdigest()[:8]
     name = f"demo-{DEMO_SPEC.name}-steps{DEMO_SETTINGS.steps}-{digest}"
     return _ensure(
-        cache_dir / name, DEMO_SPEC, DEMO_SETTINGS, "the demo model (about two minutes on two cores)"
+        cache_dir / name,
+        DEMO_SPEC,
+        DEMO_SETTINGS,
+        "the demo model (about two minutes on two cores)",
+        train=_train_with_pinned_kernels,
     )
+
+
+def _train_with_pinned_kernels(target: Path, spec: ModelSpec, settings: TrainSettings) -> None:
+    """Train in a child process whose torch and MKL start with DEMO_KERNELS (both read them once,
+    when first used, so the process that asks, which has torch loaded already, cannot)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        log.warning(
+            "this %s CPU computes with other kernels than the x86-64 ones the demo pins: its demo "
+            "model, and so its text, may differ slightly from the README's",
+            platform.machine(),
+        )
+        train_model(target, spec, settings)
+        return
+    code = (
+        "import logging, sys; from pathlib import Path; import odmoe.training as t; "
+        "logging.basicConfig(level='INFO', format='%(asctime)s %(name)s %(levelname)s %(message)s'); "
+        "t.train_model(Path(sys.argv[1]), t.ModelSpec(**t.json.loads(sys.argv[2])), "
+        "t.TrainSettings(**t.json.loads(sys.argv[3])))"
+    )
+    argv = [sys.executable, "-c", code, str(target), json.dumps(asdict(spec)), json.dumps(asdict(settings))]
+    done = subprocess.run(argv, env={**os.environ, **DEMO_KERNELS}, check=False)
+    if done.returncode:
+        raise RuntimeError(f"training the demo model failed (exit {done.returncode}); its log is above")
+    report = json.loads((target / "odmoe_training.json").read_text())
+    if report["cpu_capability"] != DEMO_KERNELS["ATEN_CPU_CAPABILITY"].upper():
+        log.warning(
+            "the demo trained with %s kernels, not AVX2 (this CPU has no AVX2?): its text may differ "
+            "slightly from the README's",
+            report["cpu_capability"],
+        )
 
 
 BUILTIN_MODELS = ("demo", "tiny")  # model.path names: odmoe's own models, made on first use
