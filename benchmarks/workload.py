@@ -12,28 +12,10 @@ import sysconfig
 from pathlib import Path
 
 from odmoe.model_factory import _SKIP_DIRS, corpus_files
+from odmoe.training import TRAINED_SETTINGS
 
-TRAINING_CORPUS_BYTES = 12_000_000  # odmoe.training.TrainSettings.corpus_bytes
-
-
-TRAINED = {"trained": "mixtral", "trained_deepseek": "deepseek_v3"}  # model= name -> family
-
-
-def resolve_model(name: str) -> str:
-    """ "trained" / "trained_deepseek" -> the Mixtral-style / DeepSeek-V3-shaped trained benchmark
-    model (trained once, cached); "tiny" / "demo" -> odmoe-launch's random-init / demo model."""
-    from odmoe.training import BUILTIN_MODELS, ensure_builtin_model, ensure_trained_model
-
-    if name in TRAINED:
-        return str(ensure_trained_model(family=TRAINED[name]))
-    if name in BUILTIN_MODELS:
-        return str(ensure_builtin_model(name))
-    path = Path(name).expanduser()
-    if not path.is_dir():
-        raise ValueError(
-            f"model={name!r}: not 'trained', 'trained_deepseek', 'demo', 'tiny' or a checkpoint directory"
-        )
-    return str(path.resolve())
+# What the trained benchmark model read, so prompts come from elsewhere (odmoe.training).
+TRAINING_CORPUS_BYTES = TRAINED_SETTINGS["mixtral"].corpus_bytes
 
 
 @functools.lru_cache(maxsize=1)

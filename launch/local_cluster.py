@@ -44,6 +44,7 @@ from odmoe.client import Client
 from odmoe.config import OdmoeConfig
 from odmoe.launch.settings import compose
 from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent, popen_node  # noqa: F401 - re-exported
+from odmoe.model_names import resolve_model
 from odmoe.security import ClientCredentials, init_key_dir
 
 log = logging.getLogger("odmoe.local")
@@ -73,16 +74,9 @@ class NodeProcess:
 
 
 def resolve_model_path(cfg: OdmoeConfig) -> str:
-    """`model.path` as a checkpoint directory: `demo` / `tiny` name odmoe's own models (made on
-    first use under model.cache_dir; null is `tiny`, as before the names existed); anything else is
-    a directory (write `./demo` for a directory of that name)."""
-    from odmoe.training import BUILTIN_MODELS, ensure_builtin_model
-
-    name = cfg.model.path or "tiny"
-    if name in BUILTIN_MODELS:
-        cache = Path(cfg.model.cache_dir).expanduser() if cfg.model.cache_dir else None
-        return str(ensure_builtin_model(name, cache))
-    return str(Path(name).expanduser().resolve())
+    """`model.path` as a checkpoint directory (odmoe.model_names: `demo`, `tiny`, `trained`,
+    `trained_deepseek` or a directory; unset is `tiny`), made on first use under model.cache_dir."""
+    return resolve_model(cfg.model.path, cfg.model.cache_dir)
 
 
 class LocalCluster:

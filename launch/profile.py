@@ -62,8 +62,9 @@ def _progress(start: float):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES, resolve_model
     from odmoe.model_factory import corpus_files
+    from odmoe.model_names import resolve_model
+    from odmoe.training import TRAINED_SETTINGS
 
     try:
         path = resolve_model(args.model)
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"odmoe-profile: {exc}", file=sys.stderr)
         return 2
-    files = args.text or corpus_files(TRAINING_CORPUS_BYTES)
+    files = args.text or corpus_files(TRAINED_SETTINGS["mixtral"].corpus_bytes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
     tokenizer = AutoTokenizer.from_pretrained(path)

@@ -23,7 +23,7 @@ class RoleConfig:
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a directory, or "demo" / "tiny" (None: tiny), made under cache_dir
+    path: str | None = None  # a directory, or demo / tiny / trained / trained_deepseek (None: tiny)
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
     cache_dir: str | None = None  # default ~/.cache/odmoe/models
     # Where main computes (embeddings, attention + KV cache, routers, shared experts, lm_head):

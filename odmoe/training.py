@@ -24,7 +24,8 @@ sequence-wise loss.
 `DEMO_SPEC` is the demo model (`model.path=demo`): small enough to train on first use in about two
 minutes on two cores, long enough that its greedy continuation of `def fibonacci(n):` looks like
 Python. It trains in a child process with torch's and MKL's kernels pinned (DEMO_KERNELS), so every
-x86-64 machine trains the same bits and the README's text is what a new user sees. `ensure_builtin_model("demo" | "tiny")` is where the names `model.path` accepts are made.
+x86-64 machine trains the same bits and the README's text is what a new user sees.
+`ensure_builtin_model("demo" | "tiny")` makes them; odmoe.model_names maps every name to a model.
 """
 
 from __future__ import annotations
@@ -373,14 +374,14 @@ def _save(model, tokenizer, spec: ModelSpec, report: dict, out_dir: Path) -> Non
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _ensure(target: Path, spec: ModelSpec, settings: TrainSettings, what: str, train=train_model) -> Path:
+def _ensure(target: Path, spec: ModelSpec, settings: TrainSettings, what: str, train=None) -> Path:
     """Train into target once; concurrent callers (nodes started together) wait for one trainer."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / f".{target.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not (target / "odmoe_training.json").is_file():
             log.info("training %s into %s (first use only)", what, target)
-            train(target, spec, settings)
+            (train or train_model)(target, spec, settings)
         add_chat_template(target)  # a model trained before the template existed
     return target
 
@@ -410,7 +411,7 @@ def ensure_demo_model(cache_dir: Path | None = None) -> Path:
         DEMO_SPEC,
         DEMO_SETTINGS,
         "the demo model (about two minutes on two cores)",
-        train=_train_with_pinned_kernels,
+        train=lambda *args: _train_with_pinned_kernels(*args),  # looked up when called (tests stub it)
     )
 
 

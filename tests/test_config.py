@@ -81,11 +81,24 @@ def test_model_path_names(path, tmp_path, monkeypatch):
         Path(out).mkdir(parents=True)
 
     monkeypatch.setattr(odmoe.training, "train_model", fake_training)
+    monkeypatch.setattr(odmoe.training, "_train_with_pinned_kernels", fake_training)
     cfg = replace(cfg, model=replace(cfg.model, path="demo"))
     assert Path(resolve_model_path(cfg)).name.startswith("demo-mixtral-l4-h128-")
     assert trained == [odmoe.training.DEMO_SPEC]  # what the demo would train (stubbed out here)
+    cfg = replace(cfg, model=replace(cfg.model, path="trained"))  # the benchmarks' names too
+    assert Path(resolve_model_path(cfg)).name.startswith("trained-mixtral-l4-h256-")
+    assert trained[-1] == odmoe.training.TRAINED_SPEC
+    (tmp_path / "demo").mkdir()
     cfg = replace(cfg, model=replace(cfg.model, path=str(tmp_path / "demo")))
     assert resolve_model_path(cfg) == str(tmp_path / "demo")  # a directory is a directory
+
+
+def test_a_model_name_that_is_neither_a_model_nor_a_path_names_both(tmp_path):
+    from odmoe.checkpoint import CheckpointError
+    from odmoe.model_names import resolve_model
+
+    with pytest.raises(CheckpointError, match=r"does not exist \(nor is .traind. one of .*, trained"):
+        resolve_model("traind", tmp_path)
 
 
 def test_miss_policy_defaults_to_lossless_reload_and_takes_its_knobs():

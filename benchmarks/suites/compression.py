@@ -36,12 +36,13 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig, BenchLink
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids, resolve_model
+from odmoe.benchmarks.workload import prompt_ids
 from odmoe.bitfields import byte_view, join_into, split
 from odmoe.checkpoint import Checkpoint
 from odmoe.compressed_tensor import DEFAULT_CHUNK_ELEMS, MemoryBytes, compress, exponent_compressor
 from odmoe.expert_pack import write_pack
 from odmoe.expert_sources import CompressedExpert
+from odmoe.model_names import resolve_model
 
 KINDS = ("gate_up", "down")
 METHODS = ("odmoe", "zstd", "lz4", "zipnn")
