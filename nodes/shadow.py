@@ -375,7 +375,10 @@ class ShadowNode:
             run.rows.append((start, end, tensors[0], tensors[1]))
         back = spec.on_main(align.iteration, align.token)
         if back is not None:
-            run.cache.crop_to(spec.keep_length(back))
+            if run.cache.croppable:
+                run.cache.crop_to(spec.keep_length(back))
+            else:
+                run.cache = self._refilled(run, back)
             spec.roll_back(back)
             log.debug("request %s: main's token differs at iteration %d: rolled back", run.request, back)
         self._place_rows(run.cache, run.rows)
@@ -604,6 +607,24 @@ class ShadowNode:
             self.publish(tick, layer)
         for run in runs:
             run.next_iteration += 1
+
+    def _refilled(self, run: _Run, iteration: int) -> RowCache:
+        """A rollback for a hybrid model: a linear-attention layer's recurrent state has no earlier
+        positions to cut back to, so the cache is built again by one forward pass over the tokens
+        before `iteration`'s input (the prompt and the tokens fed since, which held). Rollbacks are
+        rare when the shadow predicts well; each costs one prefill of the sequence so far."""
+        tokens = [*run.begin.prompt_ids, *(run.spec.fed[n] for n in range(1, iteration))]
+        cache, running, self._running = DynamicCache(config=self.model.config), self._running, None
+        try:  # like a prefill: the router hooks see no running request and publish nothing
+            self.model(
+                input_ids=torch.tensor([tokens], device=self.scfg.device),
+                past_key_values=cache,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+        finally:
+            self._running = running
+        return RowCache(cache)
 
     @staticmethod
     def _place_rows(cache: RowCache, rows: list) -> None:

@@ -66,6 +66,10 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family("deepseek_v3", num_experts_field="n_routed_experts", **_MLP_STYLE),
     # GLM-4.5 / 4.6: DeepSeek-V3's MoE block and routing under another attention; the same disk layout
     "glm4_moe": Family("glm4_moe", num_experts_field="n_routed_experts", **_MLP_STYLE),
+    # Qwen3-Next (and the Qwen3.5 MoE models built on it): Qwen's fused experts and shared expert;
+    # its hybrid attention (gated DeltaNet with a recurrent state, every 4th layer full) runs on main
+    # as transformers has it
+    "qwen3_next": Family("qwen3_next", num_experts_field="num_experts", **_MLP_STYLE),
     # Phi-3.5-MoE: Mixtral's disk layout and expert MLP; its sparsemixer router runs on main as is
     "phimoe": Family(
         "phimoe",

@@ -14,6 +14,13 @@ hand over whatever transformers' DynamicCache holds, which is all the state the 
   are MLA's small ones: (kv_lora_rank + qk_rope_head_dim) numbers per layer and token.
 Dense first layers (DeepSeek's `first_k_dense_replace`) have attention and a cache like any other
 layer, so every layer is aligned, MoE or not.
+
+Hybrid models (Qwen3-Next: three gated-DeltaNet layers to one full-attention layer) have rows only
+in their attention layers; a linear-attention layer holds a fixed-size recurrent state (a conv
+window and a [heads, d_k, d_v] matrix) that every token updates. Alignment copies the attention
+layers' rows (`row_layers`, in order) and leaves the recurrent states to the shadow, which builds
+them from the tokens it is aligned with, at its own precision: copying them would cost the whole
+state (MBs per layer for the published models) at every alignment, not a few rows per token.
 """
 
 from __future__ import annotations
@@ -22,17 +29,27 @@ import torch
 from transformers import DynamicCache
 
 
+def row_layers(cache: DynamicCache) -> list:
+    """The cache's layers that hold K/V rows, in order: all of them but linear-attention layers."""
+    return [layer for layer in cache.layers if not hasattr(layer, "recurrent_states")]
+
+
+def has_recurrent_state(cache: DynamicCache) -> bool:
+    """A linear-attention layer's state cannot be cut back to an earlier position (`crop`)."""
+    return any(hasattr(layer, "recurrent_states") for layer in cache.layers)
+
+
 def newest_rows(cache: DynamicCache, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The last `rows` positions of every layer's keys and values (batch 0)."""
-    keys = torch.stack([layer.keys[0, :, -rows:] for layer in cache.layers])
-    values = torch.stack([layer.values[0, :, -rows:] for layer in cache.layers])
+    """The last `rows` positions of every row layer's keys and values (batch 0)."""
+    keys = torch.stack([layer.keys[0, :, -rows:] for layer in row_layers(cache)])
+    values = torch.stack([layer.values[0, :, -rows:] for layer in row_layers(cache)])
     return keys, values
 
 
 def overwrite_newest_rows(cache: DynamicCache, keys: torch.Tensor, values: torch.Tensor) -> None:
-    """Replace the cache's last `rows` positions in every layer with main's K/V."""
+    """Replace the cache's last `rows` positions in every row layer with main's K/V."""
     rows = keys.shape[2]
-    for i, layer in enumerate(cache.layers):
+    for i, layer in enumerate(row_layers(cache)):
         layer.keys[0, :, -rows:] = keys[i].to(layer.keys.device, layer.keys.dtype)
         layer.values[0, :, -rows:] = values[i].to(layer.values.device, layer.values.dtype)
 
@@ -41,6 +58,6 @@ def overwrite_rows(cache: DynamicCache, start: int, keys: torch.Tensor, values: 
     """Replace positions [start, start + rows) in every layer with main's K/V (a speculative shadow
     may be ahead of them: its newer rows stay)."""
     end = start + keys.shape[2]
-    for i, layer in enumerate(cache.layers):
+    for i, layer in enumerate(row_layers(cache)):
         layer.keys[0, :, start:end] = keys[i].to(layer.keys.device, layer.keys.dtype)
         layer.values[0, :, start:end] = values[i].to(layer.values.device, layer.values.dtype)

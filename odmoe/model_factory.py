@@ -40,11 +40,22 @@ from transformers import (
     PreTrainedTokenizerFast,
     Qwen2MoeConfig,
     Qwen3MoeConfig,
+    Qwen3NextConfig,
 )
 
 log = logging.getLogger("odmoe.model_factory")
 
-FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "phimoe")
+FAMILIES = (
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "deepseek_v2",
+    "deepseek_v3",
+    "glm4_moe",
+    "phimoe",
+    "qwen3_next",
+)
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 GROUP_ROUTED = (*DEEPSEEK, "glm4_moe")  # routing limited to the best expert groups
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
@@ -171,9 +182,33 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         return deepseek_config(spec, common)
     if spec.family == "glm4_moe":
         return glm4_moe_config(spec, common)
+    if spec.family == "qwen3_next":
+        return qwen3_next_config(spec, common)
     if spec.family == "phimoe":  # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
         return PhimoeConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
     return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
+
+
+def qwen3_next_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
+    """Qwen3-Next in miniature: hybrid layers, three gated-DeltaNet (linear attention with a
+    recurrent state) to one full attention as the real model interleaves them, Qwen's fused
+    experts with a sigmoid-gated shared expert beside them, partial rotary, q/k norms."""
+    head = spec.hidden // spec.heads
+    kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(spec.layers)]
+    return Qwen3NextConfig(
+        intermediate_size=spec.intermediate,
+        moe_intermediate_size=spec.intermediate,
+        shared_expert_intermediate_size=spec.intermediate,
+        num_experts=spec.experts,
+        head_dim=head,
+        layer_types=kinds,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=head,
+        linear_value_head_dim=head,
+        linear_num_key_heads=spec.kv_heads,
+        linear_num_value_heads=spec.heads,
+        **common,
+    )
 
 
 def deepseek_groups(experts: int) -> tuple[int, int]:

@@ -33,6 +33,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from odmoe.kv_rows import has_recurrent_state, row_layers
+
 
 def batchable(cache: DynamicCache) -> bool:
     return bool(cache.layers) and all(type(layer) is DynamicLayer for layer in cache.layers)
@@ -48,7 +50,13 @@ class RowCache:
 
     @property
     def layers(self) -> int:
-        return len((self.cache or self.batch.cache).layers)
+        """Layers with K/V rows (what an Align's tensors stack)."""
+        return len(row_layers(self.cache or self.batch.cache))
+
+    @property
+    def croppable(self) -> bool:
+        """False for a hybrid model's cache: its recurrent states cannot go back (see `crop_to`)."""
+        return self.cache is None or not has_recurrent_state(self.cache)
 
     @property
     def length(self) -> int:
@@ -68,11 +76,11 @@ class RowCache:
         """Positions [start, start + rows) of every layer := main's K/V rows ([layers, heads, rows, D])."""
         rows = keys.shape[2]
         if self.cache is not None:
-            where, layers, b = slice(start, start + rows), self.cache.layers, 0
+            where, layers, b = slice(start, start + rows), row_layers(self.cache), 0
         else:
             b = self.batch.index(self.request)
             where = self.batch.valid[b].nonzero().flatten()[start : start + rows]
-            layers = self.batch.cache.layers
+            layers = row_layers(self.batch.cache)
         for i, layer in enumerate(layers):
             layer.keys[b, :, where] = keys[i].to(layer.keys.device, layer.keys.dtype)
             layer.values[b, :, where] = values[i].to(layer.values.device, layer.values.dtype)

@@ -6,7 +6,10 @@ user's checkpoint would be:
   with partial rotary embeddings and q/k norms; the first layer dense, a shared expert (16 experts in
   4 groups, top-4).
 - Phi-3.5-MoE (`phimoe`): Mixtral's disk layout and expert MLP, the sparsemixer router, LayerNorm
-  and biased attention (8 experts, top-2)."""
+  and biased attention (8 experts, top-2).
+- Qwen3-Next (`qwen3_next`): hybrid attention (three gated-DeltaNet layers with recurrent states to
+  one full-attention layer), Qwen's fused experts and a sigmoid-gated shared expert (8 experts,
+  top-2); its alignment and rollback have tests of their own (tests/test_hybrid_alignment.py)."""
 
 from __future__ import annotations
 
