@@ -33,6 +33,7 @@ import queue
 import signal
 import threading
 import time
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -157,11 +158,21 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.context_length = self.engine.max_positions
         self.stopped = threading.Event()
         self.engine_started = threading.Event()
+        self.engine_failed: Exception | None = None
 
     # -- the engine thread -------------------------------------------------------------------
-    def run_engine(self) -> None:
+    def run_engine(self, on_failure: Callable[[], None] = lambda: None) -> None:
+        """The decode loop until main stops. An error it does not expect (a bug) ends it: its
+        requests get an error (not a wait that never ends), and main stops with exit status 1, so
+        clients fail over to a standby main and a supervisor sees it, instead of a main that looks
+        healthy and queues requests for a loop that is gone."""
         self.engine_started.set()
-        self.engine.serve(self.requests, self.stopped.is_set, between_ticks=self._maintain)
+        try:
+            self.engine.serve(self.requests, self.stopped.is_set, between_ticks=self._maintain)
+        except Exception as exc:
+            log.exception("main's decode loop failed; main stops (this is a bug: please report it)")
+            self.engine_failed = exc
+            on_failure()
 
     # -- what both front doors call ----------------------------------------------------------
     def submit(self, request: GenerateRequest, timeout_s: float | None = None) -> Ticket:
@@ -175,6 +186,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
 
     def health(self) -> str | None:
         """None when main can serve a request now, else why not (the HTTP /health's 503)."""
+        if self.engine_failed is not None:
+            return f"main's decode loop failed: {self.engine_failed}"
         if self.stopped.is_set():
             return "main is shutting down"
         if not self.engine_started.is_set():
@@ -359,7 +372,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                     f"main cannot serve HTTP on {http_host}:{http_port} ({exc}): set server.http_port "
                     "(0: any free port) or server.http=false"
                 ) from exc
-        engine = threading.Thread(target=self.run_engine, name="odmoe-engine", daemon=True)
+        done = threading.Event()
+        engine = threading.Thread(target=self.run_engine, args=(done.set,), name="odmoe-engine", daemon=True)
         engine.start()
         server.start()
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -376,7 +390,6 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             self.cfg.cluster.workers,
             self.cfg.cluster.group_size,
         )
-        done = threading.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: done.set())
         done.wait()
@@ -390,6 +403,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.experts.close()
         if self.experts.shadow is not None:
             self.experts.shadow.close()
+        if self.engine_failed is not None:
+            raise SystemExit(1)
 
 
 def _top(top) -> list:

@@ -236,7 +236,7 @@ class SecurityConfig:
         return f"worker{worker_index}" if role == "worker" else role
 
 
-FAULT_ACTIONS = ("kill", "stop")
+FAULT_ACTIONS = ("kill", "stop", "raise")
 
 
 @dataclass
@@ -245,7 +245,7 @@ class FaultConfig:
     itself when it reaches the given point, so a failure lands exactly there."""
 
     node: str = ""  # "main" | "shadow" | "worker<i>"; "" = no fault
-    action: str = "kill"  # kill (SIGKILL) | stop (SIGSTOP)
+    action: str = "kill"  # kill (SIGKILL) | stop (SIGSTOP) | raise (an unexpected error there)
     request: int = 1  # the node's n-th request (1-based)
     iteration: int = 1  # 0 = prefill, n = the n-th decode iteration
     layer: int = -1  # MoE layer; -1 = the first one the node reaches in that iteration

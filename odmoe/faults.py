@@ -5,8 +5,10 @@ calls `at(request, iteration, layer, part)` at every point it passes (main per M
 sends the rows, a worker per compute message before it computes, the shadow per router). The first
 point at or past the configured one - in the node's n-th request - fires, once: it appends a JSON
 line to `fault.record` (what and when, wall clock, so a benchmark can time detection against it),
-then SIGKILLs or SIGSTOPs the process. A freeze with `resume_after_s` leaves behind a detached
-`sleep; kill -CONT`, since a stopped process cannot wake itself. "At or past" rather than "at":
+then SIGKILLs or SIGSTOPs the process, or (`raise`) raises InjectedFault there: an unexpected
+error inside the node, the stand-in for a bug, to check that the node fails loudly, not silently.
+A freeze with `resume_after_s` leaves behind a detached `sleep; kill -CONT`, since a stopped
+process cannot wake itself. "At or past" rather than "at":
 a worker is not asked for every layer, and the fault must still land.
 """
 
@@ -20,6 +22,10 @@ from pathlib import Path
 
 from odmoe.config import FaultConfig
 from odmoe.trace import now_us
+
+
+class InjectedFault(RuntimeError):
+    """`fault.action=raise`: an error where none is expected."""
 
 
 class FaultTrigger:
@@ -47,6 +53,8 @@ class FaultTrigger:
             line = {"node": self.node, "action": f.action, "at_us": now_us(), "pid": os.getpid(), **where}
             with Path(f.record).open("a") as out:
                 out.write(json.dumps(line) + "\n")
+        if f.action == "raise":
+            raise InjectedFault(f"fault.action=raise at {where} ({self.node})")
         if f.action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
         if f.resume_after_s > 0:
