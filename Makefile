@@ -21,7 +21,7 @@ lint:  ## ruff lint + format check
 test:  ## the default test suite (what CI runs)
 	$(PY) -m pytest
 
-test-demo:  ## the README's first command from an empty model cache, its text compared with the README's (~2 min)
+test-demo:  ## the README's first command from an empty model cache, its text compared with the README's (~4 min)
 	$(PY) -m pytest -m demo tests/test_demo.py
 
 test-extended:  ## the multi-process tests kept out of the default run for time (~40 min)

@@ -75,7 +75,8 @@ class NodeProcess:
 
 def resolve_model_path(cfg: OdmoeConfig) -> str:
     """`model.path` as a checkpoint directory (odmoe.model_names: `demo`, `tiny`, `trained`,
-    `trained_deepseek` or a directory; unset is `tiny`), made on first use under model.cache_dir."""
+    `trained_deepseek`, `trained_qwen3_next` or a directory; unset is `tiny`), made on first use under
+    model.cache_dir."""
     return resolve_model(cfg.model.path, cfg.model.cache_dir)
 
 

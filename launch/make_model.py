@@ -34,7 +34,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--train",
         action="store_true",
         help="train a benchmark model instead of random init: --family mixtral (default; ~15 M "
-        "parameters) or deepseek_v3 (~8 M); the size options are then fixed, only --seed applies",
+        "parameters), deepseek_v3 (~8 M) or qwen3_next (~10 M, hybrid attention); the size options "
+        "are then fixed, only --seed applies",
     )
     parser.add_argument(
         "--demo",
@@ -60,10 +61,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"odmoe-make-model: {exc}", file=sys.stderr)
         return 2
     if args.demo:
-        from odmoe.training import DEMO_SETTINGS, DEMO_SPEC, train_model
+        from odmoe.training import DEMO_SPEC, train_demo
 
         spec = DEMO_SPEC
-        out = train_model(args.out, spec, DEMO_SETTINGS)
+        out = train_demo(args.out)  # as model.path=demo trains it: the same weights
     elif args.train:
         from dataclasses import replace
 

@@ -4,8 +4,8 @@ Contract: `resolve_model(name, cache_dir)` returns a checkpoint directory for `m
 (odmoe-launch, LocalCluster, Ray), `model=` (odmoe-bench) and odmoe-profile's argument alike:
 - `demo`: the small model trained on first use from the corpus shipped with odmoe (odmoe-launch's
   default); `tiny`: the random-init model the tests use (also what an unset `model.path` means);
-- `trained` / `trained_deepseek`: the benchmark models (Mixtral-style / DeepSeek-V3-shaped, ~10 min
-  of training on first use);
+- `trained` / `trained_deepseek` / `trained_qwen3_next`: the benchmark models (Mixtral-style,
+  DeepSeek-V3-shaped, Qwen3-Next hybrid; 5-10 min of training on first use);
 - anything else: a directory, `~` expanded (write `./demo` for a directory named like a model).
 Models are made under `cache_dir` (default ~/.cache/odmoe/models) once, safely under concurrency.
 A name that is neither a model nor an existing path raises CheckpointError (a ValueError) naming
@@ -19,7 +19,8 @@ from pathlib import Path
 from odmoe.checkpoint import CheckpointError
 
 BUILTIN = ("demo", "tiny")  # odmoe-launch's own: made in a second (tiny) or two minutes (demo)
-TRAINED = {"trained": "mixtral", "trained_deepseek": "deepseek_v3"}  # benchmark models -> family
+# benchmark models -> family
+TRAINED = {"trained": "mixtral", "trained_deepseek": "deepseek_v3", "trained_qwen3_next": "qwen3_next"}
 MODEL_NAMES = (*BUILTIN, *TRAINED)
 
 

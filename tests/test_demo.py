@@ -1,9 +1,10 @@
 """The README's first command, run as a new user runs it, prints the text the README shows.
 
 It starts from an empty model cache (a fresh HOME), so the demo model is trained from the corpus
-that ships with odmoe, with the kernels it pins, and then answered by a whole local cluster. About
-two minutes on two cores: marked `demo`, out of the default run; CI runs it (`-m demo`, `make
-test-demo`).
+that ships with odmoe, with the kernels it pins, and then answered by a whole local cluster; then
+`odmoe-make-model --demo` trains it again, independently, and must write the same bytes. About
+three and a half minutes on two cores: marked `demo`, out of the default run; CI runs it (`-m
+demo`, `make test-demo`).
 """
 
 from __future__ import annotations
@@ -57,3 +58,14 @@ def test_the_readme_first_command_prints_what_the_readme_shows(tmp_path):
     assert "training the demo model" in done.stderr  # it was made here, not found in a cache
     assert done.stdout.rstrip("\n") == text
     assert count in done.stderr
+    # odmoe-make-model --demo trains the same model again, independently: the same bytes
+    again = subprocess.run(
+        [str(exe.with_name("odmoe-make-model")), "--demo", "--out", str(tmp_path / "again")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    (cached,) = (tmp_path / ".cache" / "odmoe" / "models").glob("demo-*/model.safetensors")
+    assert (tmp_path / "again" / "model.safetensors").read_bytes() == cached.read_bytes()
