@@ -53,6 +53,7 @@ from odmoe.engine import (
     PromptEvent,
     ShuttingDown,
 )
+from odmoe.error_status import message_of, status_of
 from odmoe.faults import FaultTrigger
 from odmoe.heartbeat import Heartbeat
 from odmoe.http_api import start_http
@@ -61,8 +62,8 @@ from odmoe.membership import Membership
 from odmoe.memory import parse_bytes
 from odmoe.metrics import ServerMetrics
 from odmoe.nodes.ready import announce_ready
-from odmoe.remote_experts import RemoteExperts, WorkerFailed, WorkerUnavailable
-from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull, RequestQueue, Ticket
+from odmoe.remote_experts import RemoteExperts
+from odmoe.request_queue import END, QueueClosed, QueueFull, RequestQueue, Ticket
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.sampling import SamplingParams
 from odmoe.security import BearerToken, NodeSecurity
@@ -240,24 +241,12 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         limits = [t for t in (request.timeout_s, context.time_remaining()) if t]
         try:
             ticket = self.submit(req, min(limits) if limits else None)
-        except InvalidRequest as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except QueueFull as exc:
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
-        except QueueClosed as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except (InvalidRequest, QueueFull, QueueClosed) as exc:
+            context.abort(status_of(exc).grpc, message_of(exc))
         context.add_callback(ticket.cancel)
         while (event := self._next_reply(ticket, context)) is not END:
-            if isinstance(event, DeadlineExceeded):
-                context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, str(event))
-            if isinstance(event, WorkerUnavailable):
-                context.abort(grpc.StatusCode.UNAVAILABLE, str(event))
-            if isinstance(event, WorkerFailed):
-                context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(event))
-            if isinstance(event, InvalidRequest):
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(event))
-            if isinstance(event, Exception):
-                context.abort(grpc.StatusCode.INTERNAL, f"{type(event).__name__}: {event}")
+            if isinstance(event, Exception):  # the same table as the HTTP door's (odmoe.error_status)
+                context.abort(status_of(event).grpc, message_of(event))
             if isinstance(event, DoneEvent):
                 logits = b"" if event.final_logits is None else event.final_logits.float().numpy().tobytes()
                 done = odmoe_pb2.Done(stats_json=json.dumps(event.stats), final_logits=logits)

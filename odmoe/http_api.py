@@ -49,9 +49,9 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from odmoe.engine import DoneEvent, GenerateRequest, InvalidRequest, PromptEvent, TokenEvent
+from odmoe.error_status import message_of, status_of
 from odmoe.openai_logprobs import Scored, TokenTexts, chat_content, completion_logprobs
-from odmoe.remote_experts import WorkerFailed, WorkerUnavailable
-from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull
+from odmoe.request_queue import END, QueueClosed, QueueFull
 from odmoe.sampling import MAX_SEED, SamplingParams
 from odmoe.security import ServerSecrets
 
@@ -381,15 +381,9 @@ def _requests(
 
 # -- running a request ---------------------------------------------------------------------------
 def _error_of(event: Exception) -> ApiError:
-    if isinstance(event, DeadlineExceeded):
-        return ApiError(504, str(event), kind="timeout_error")
-    if isinstance(event, WorkerUnavailable):
-        return ApiError(503, str(event), kind="service_unavailable")
-    if isinstance(event, InvalidRequest):
-        return ApiError(400, str(event))
-    if isinstance(event, WorkerFailed):
-        return ApiError(500, str(event), kind="server_error")
-    return ApiError(500, f"{type(event).__name__}: {event}", kind="server_error")
+    """The same table as the gRPC door's (odmoe.error_status)."""
+    status = status_of(event)
+    return ApiError(status.http, message_of(event), kind=status.kind)
 
 
 async def _events(ticket, request: Request | None):
@@ -429,11 +423,7 @@ async def _answer(backend, request: Request, body: _Common, reqs: list[GenerateR
     except (InvalidRequest, QueueFull, QueueClosed) as exc:
         for ticket in tickets:  # all choices or none
             ticket.cancel()
-        if isinstance(exc, InvalidRequest):
-            raise ApiError(400, str(exc)) from None
-        if isinstance(exc, QueueFull):
-            raise ApiError(429, str(exc), kind="rate_limit_error") from None
-        raise ApiError(503, str(exc), kind="service_unavailable") from None
+        raise _error_of(exc) from None
     if body.stream:
         options = body.stream_options or StreamOptions()
         running = len(reqs[0].token_ids) or len(backend.tokenizer(reqs[0].prompt)["input_ids"])
