@@ -52,12 +52,28 @@ def prompt_ids(tokenizer, i: int, length: int) -> list[int]:
     return ids[:length]
 
 
-def reference_tokens(model_path: str, ids: list[int], new_tokens: int) -> list[int]:
-    """transformers' own greedy generate() in this process: what every cluster must reproduce."""
-    import torch
+@functools.lru_cache(maxsize=2)
+def _reference_model(model_path: str):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_path)
+    return AutoModelForCausalLM.from_pretrained(model_path).eval()
+
+
+def reference_tokens(
+    model_path: str, ids: list[int], new_tokens: int, sampling: dict | None = None
+) -> list[int]:
+    """transformers' own generate() in this process, what every cluster must reproduce: the one
+    reference decode of the suites. Greedy, or `sampling` = generate()'s sampling keywords plus
+    `seed` (torch.manual_seed(seed) first, as odmoe's seeded sampling promises)."""
+    import torch
+
+    kwargs = dict(sampling or {})
+    seed = kwargs.pop("seed", None)
+    if seed is not None:
+        torch.manual_seed(seed)
+    kwargs.setdefault("do_sample", False)
     x = torch.tensor([ids])
-    out = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=new_tokens)
+    out = _reference_model(model_path).generate(
+        x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, **kwargs
+    )
     return out[0, len(ids) :].tolist()

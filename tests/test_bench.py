@@ -290,3 +290,23 @@ def test_every_suite_has_its_config_its_module_and_a_line_in_each_help_text():
     assert modules | {"quick"} == (set(SUITES) - {"eval"}) | {"eval_harness"}
     bench_help = (repo / "launch/bench.py").read_text()
     assert [n for n in SUITES if f"suite={n} " not in bench_help] == []
+
+
+def test_the_suites_reference_decode_is_transformers_greedy_and_seeded(model_dirs):
+    """benchmarks/workload.reference_tokens: the one reference decode every suite compares with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from odmoe.benchmarks.workload import reference_tokens
+
+    path, ids = model_dirs["mixtral"], [5, 9, 200, 31]
+    model = AutoModelForCausalLM.from_pretrained(path)
+    x = torch.tensor([ids])
+    greedy = model.generate(x, attention_mask=torch.ones_like(x), do_sample=False, max_new_tokens=6)
+    assert reference_tokens(path, ids, 6) == greedy[0, 4:].tolist()
+    torch.manual_seed(11)
+    sampled = model.generate(
+        x, attention_mask=torch.ones_like(x), do_sample=True, temperature=0.8, max_new_tokens=6
+    )
+    seeded = reference_tokens(path, ids, 6, {"do_sample": True, "temperature": 0.8, "seed": 11})
+    assert seeded == sampled[0, 4:].tolist()

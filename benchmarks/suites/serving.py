@@ -31,14 +31,13 @@ import time
 
 import grpc
 import httpx
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import odmoe
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir, fmt
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 
 SAMPLINGS = [{}, {"do_sample": True, "temperature": 0.8, "seed": 11}]  # greedy, seeded
 
@@ -87,17 +86,11 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
 def _alone_references(path: str, prompts: list[list[int]], new_tokens: int) -> dict:
     """(prompt index, sampling index) -> transformers' tokens for that request in one process."""
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
-    wanted = {}
-    for p, ids in enumerate(prompts):
-        for s, sampling in enumerate(SAMPLINGS):
-            x = torch.tensor([ids])
-            kwargs = {k: v for k, v in sampling.items() if k != "seed"}
-            if "seed" in sampling:
-                torch.manual_seed(sampling["seed"])
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, **kwargs)
-            wanted[(p, s)] = tuple(out[0, x.shape[1] :].tolist())
-    return wanted
+    return {
+        (p, s): tuple(reference_tokens(path, ids, new_tokens, sampling))
+        for p, ids in enumerate(prompts)
+        for s, sampling in enumerate(SAMPLINGS)
+    }
 
 
 def _one(cluster, ids: list[int], new_tokens: int, sampling: dict, client=None) -> dict:
