@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from odmoe.main_model import experts_modules
 from odmoe.miss_policy import MissConfig
-from odmoe.shadow_model import router_modules
+from odmoe.router_tap import RouterTap, wrong_experts
 from odmoe.substitution import Substituter
 
 Predictions = dict[int, torch.Tensor]  # layer -> [T, k] expert ids
@@ -34,18 +34,13 @@ Predictions = dict[int, torch.Tensor]  # layer -> [T, k] expert ids
 
 @torch.inference_mode()
 def shadow_predictions(shadow: PreTrainedModel, ids: list[int], num_experts: int) -> Predictions:
-    seen: Predictions = {}
-    handles = [
-        router.register_forward_hook(lambda _m, _i, out, layer=layer: seen.__setitem__(layer, out[2].clone()))
-        for layer, router in router_modules(shadow, num_experts)
-    ]
+    tap = RouterTap(shadow, num_experts)
     try:
         x = torch.tensor([ids])
         shadow(input_ids=x, attention_mask=torch.ones_like(x))
     finally:
-        for h in handles:
-            h.remove()
-    return seen
+        tap.close()
+    return {layer: chosen.clone() for layer, chosen in tap.chosen.items()}
 
 
 def inject_wrong(predicted: Predictions, rate: float, num_experts: int, seed: int) -> Predictions:
@@ -56,15 +51,8 @@ def inject_wrong(predicted: Predictions, rate: float, num_experts: int, seed: in
     out = {}
     for layer, rows in sorted(predicted.items()):
         new = rows.clone()
-        for t in range(rows.shape[0]):
-            experts = rows[t].tolist()
-            row = list(experts)
-            for i in range(len(row)):
-                if rng.random() < rate:
-                    wrong = [e for e in range(num_experts) if e not in experts and e not in row]
-                    if wrong:
-                        row[i] = rng.choice(wrong)
-            new[t] = torch.tensor(row)
+        for t in range(rows.shape[0]):  # the shadow node's own rule (odmoe.router_tap)
+            new[t] = torch.tensor(wrong_experts(rows[t].tolist(), rate, num_experts, rng))
         out[layer] = new
     return out
 

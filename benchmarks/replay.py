@@ -20,13 +20,8 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks.predictors import FrequencyPredictor, next_layer_gate
 from odmoe.kv_rows import newest_rows, overwrite_newest_rows
-from odmoe.shadow_model import (
-    group_limit,
-    load_shadow_model,
-    mask_groups,
-    router_modules,
-    unmasked_choice_scores,
-)
+from odmoe.router_tap import RouterTap
+from odmoe.shadow_model import load_shadow_model, router_modules
 
 Position = tuple[int, int]  # (decode iteration, layer)
 
@@ -45,44 +40,13 @@ class Trajectory:
         return len(self.tokens) - 1  # decode iterations 1..N-1 (iteration 0 is the prefill)
 
 
-class _RouterTap:
-    """Forward hooks on every router: the last call's top-k expert ids per layer, [T, k]."""
-
-    def __init__(self, model, num_experts: int, top_k: int = 0):
-        self.seen: dict[int, torch.Tensor] = {}
-        # layer -> (top-(k+1) candidates, their scores, every expert's unmasked score or None, the
-        # router's group limit or None): what the shadow node decides its hedges from (when top_k)
-        self.scores: dict[int, tuple] = {}
-        self.top_k = top_k
-        self.handles = [
-            router.register_forward_hook(self._hook(layer))
-            for layer, router in router_modules(model, num_experts)
-        ]
-
-    def _hook(self, layer: int):
-        def hook(module, _inputs, output):
-            self.seen[layer] = output[2].detach()
-            if self.top_k:  # what the shadow node publishes as candidates (hedging reads them)
-                limit = group_limit(module)
-                unmasked = unmasked_choice_scores(module, output[0][-1])
-                probs, candidates = mask_groups(unmasked, limit).topk(self.top_k + 1)
-                every = unmasked.tolist() if limit else None
-                self.scores[layer] = (candidates.tolist(), probs.tolist(), every, limit)
-
-        return hook
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 @torch.inference_mode()
 def reference_trajectory(
     model, prompt_ids: list[int], new_tokens: int, num_experts: int, top_k: int, eos_ids: set[int]
 ) -> Trajectory:
     """Greedy decoding as main does it (DynamicCache, logits_to_keep=1, stop at EOS)."""
     traj = Trajectory(list(prompt_ids))
-    routers = _RouterTap(model, num_experts)
+    routers = RouterTap(model, num_experts)
     layers = model.model.layers
     entering: dict[int, torch.Tensor] = {}  # layer -> residual stream entering it (last position)
     pre = [
@@ -102,7 +66,7 @@ def reference_trajectory(
             logits = model(
                 input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1
             ).logits
-            for layer, index in routers.seen.items():
+            for layer, index in routers.chosen.items():
                 for row in index.tolist():
                     frequency.observe(layer, row)
                 if iteration >= 1:
@@ -140,8 +104,9 @@ def replay_shadow(
 ) -> dict[Position, list[int]]:
     """What a shadow node with this model and schedule predicts for each decode (iteration, layer).
     With `scores` (a dict) and `top_k`, it also gets each position's top-(k+1) (candidates, scores),
-    and for a group-limited router every expert's unmasked score and the limit (`_RouterTap.scores`)."""
-    routers = _RouterTap(shadow, num_experts, top_k if scores is not None else 0)
+    and for a group-limited router every expert's unmasked score and the limit (what the shadow
+    node publishes: `odmoe.router_tap.rank`)."""
+    routers = RouterTap(shadow, num_experts, rank_top_k=top_k if scores is not None else 0)
     predicted: dict[Position, list[int]] = {}
     device = next(shadow.parameters()).device
     try:
@@ -165,10 +130,11 @@ def replay_shadow(
                 logits_to_keep=1,
             ).logits
             own = int(logits[0, -1].argmax())
-            for layer, index in routers.seen.items():
+            for layer, index in routers.chosen.items():
                 predicted[(iteration, layer)] = sorted(index[-1].tolist())
                 if scores is not None:
-                    scores[(iteration, layer)] = routers.scores[layer]
+                    ranked = routers.ranked[layer]
+                    scores[(iteration, layer)] = (ranked.candidates, ranked.probs, ranked.every, ranked.limit)
     finally:
         routers.close()
     return predicted

@@ -68,15 +68,13 @@ from odmoe.messages import (
 )
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
+from odmoe.router_tap import RouterTap, rank, wrong_experts
 from odmoe.security import NodeSecurity, secure_server
 from odmoe.shadow_batch import RowCache, ShadowBatch, batchable
 from odmoe.shadow_model import (
-    group_limit,
     load_shadow_model,
-    mask_groups,
     model_bytes,
     router_modules,
-    unmasked_choice_scores,
 )
 from odmoe.speculation import Speculation
 from odmoe.trace import Tracer, now_us
@@ -203,51 +201,45 @@ class ShadowNode:
 
     # -- predictions -------------------------------------------------------------------------
     def _hook_routers(self) -> None:
-        for layer, router in router_modules(self.model, self.num_experts):
-            router.register_forward_hook(self._make_hook(layer, group_limit(router)))
+        self.tap = RouterTap(self.model, self.num_experts, on_route=self._on_route)
 
-    def _make_hook(self, layer: int, limit: GroupLimit | None):
-        """The router hook: this request's choice at `layer` (`limit`: the router's expert groups,
+    def _on_route(self, layer: int, module, output) -> None:
+        """Every router call: this request's choice at `layer` (with the router's expert groups,
         where it picks only from some: group hedges need them), handed to the driver, which
         publishes once every request of the tick has chosen."""
-
-        def hook(module, _inputs, output):
-            if self.batch is not None and self.batch.stepping:  # one row per batched request
-                ticks = set()
-                for row, request in self.batch.stepping:
-                    run = self.runs[request]  # each at its own tick (a speculative row may be ahead)
-                    self.fault.at(run.request, run.iteration, layer)
-                    self._choose(run.tick, layer, request, self.choice(module, output, layer, limit, row))
-                    ticks.add(run.tick)
-                for tick in sorted(ticks):
-                    self.publish(tick, layer)
-                return
-            run = self._running
-            if run is None or run.iteration < 1:
-                return  # prefill: nothing to predict
-            self.fault.at(run.request, run.iteration, layer)
-            choice = self.choice(module, output, layer, limit)
-            if not in_task():  # the tick's only request: publish at once
-                self._choose(run.tick, layer, run.request, choice)
-                self.publish(run.tick, layer)
-                return
-            park(choice)
-            self._running = run
-
-        return hook
+        limit = self.tap.limits[layer]
+        if self.batch is not None and self.batch.stepping:  # one row per batched request
+            ticks = set()
+            for row, request in self.batch.stepping:
+                run = self.runs[request]  # each at its own tick (a speculative row may be ahead)
+                self.fault.at(run.request, run.iteration, layer)
+                self._choose(run.tick, layer, request, self.choice(module, output, layer, limit, row))
+                ticks.add(run.tick)
+            for tick in sorted(ticks):
+                self.publish(tick, layer)
+            return
+        run = self._running
+        if run is None or run.iteration < 1:
+            return  # prefill: nothing to predict
+        self.fault.at(run.request, run.iteration, layer)
+        choice = self.choice(module, output, layer, limit)
+        if not in_task():  # the tick's only request: publish at once
+            self._choose(run.tick, layer, run.request, choice)
+            self.publish(run.tick, layer)
+            return
+        park(choice)
+        self._running = run
 
     def choice(self, module, output, layer: int, limit: GroupLimit | None, row: int = -1) -> _Choice:
         """What a router's output predicts for one of its rows (the newest token's by default): its
         experts, the top-(k+1) candidates with their scores, and the hedges (`odmoe.hedging`)."""
-        unmasked = unmasked_choice_scores(module, output[0][row])  # [E]
-        scores = mask_groups(unmasked, limit)  # what the router ranks by: its choice_scores
-        probs, candidates = scores.topk(min(self.top_k + 1, self.num_experts))
+        ranked = rank(module, output[0][row], self.top_k, limit)  # the one rule (odmoe.router_tap)
         experts = self._inject(output[2][row].tolist())
-        candidates, probs = candidates.tolist(), probs.tolist()
         margin = self.scfg.hedge_margin
-        every = unmasked.tolist() if limit and margin > 0 else None  # group hedges rank groups by it
-        hedges = shadow_hedges(candidates, probs, self.top_k, margin, every, limit)
-        return _Choice(layer, experts, candidates, probs, [h for h in hedges if h not in experts])
+        every = ranked.every if margin > 0 else None  # group hedges rank groups by it
+        hedges = shadow_hedges(ranked.candidates, ranked.probs, self.top_k, margin, every, limit)
+        others = [h for h in hedges if h not in experts]
+        return _Choice(layer, experts, ranked.candidates, ranked.probs, others)
 
     def _choose(self, tick: int, layer: int, request: str, choice: _Choice) -> None:
         self.choices.setdefault((tick, layer), {})[request] = choice
@@ -283,13 +275,7 @@ class ShadowNode:
         """Fault injection: replace each predicted expert, with probability inject_wrong, by a wrong one."""
         if self.scfg.inject_wrong <= 0:
             return experts
-        out = list(experts)
-        for i in range(len(out)):
-            if self.rng.random() < self.scfg.inject_wrong:
-                wrong = [e for e in range(self.num_experts) if e not in experts and e not in out]
-                if wrong:
-                    out[i] = self.rng.choice(wrong)
-        return out
+        return wrong_experts(experts, self.scfg.inject_wrong, self.num_experts, self.rng)
 
     # -- control -----------------------------------------------------------------------------
     def _next_control(self, block: bool):

@@ -7,8 +7,8 @@ generated token (its budget). Only single-token steps (decode, batch 1) are ever
 of one expert are never split between two experts, and prefill has no prediction.
 
 Inputs the gates need: the buddy lists and TAE percentiles from `odmoe-profile` (loaded here), and
-for `importance` the router's scores over all experts, read by `RouterTap` from the routers' own
-outputs in main's model (no second router computation).
+for `importance` the router's scores over all experts, read by `odmoe.router_tap.RouterTap` from the
+routers' own outputs in main's model (no second router computation).
 """
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from odmoe.miss_policy import MissConfig, Profile, TokenBudget, choose_substitutes
+
+if TYPE_CHECKING:
+    from odmoe.router_tap import RouterTap
 
 log = logging.getLogger("odmoe.main")
 PROFILE_FILE = "odmoe-profile/profile.npz"
@@ -62,31 +66,6 @@ def load_profile(path: Path) -> Profile:
     )
 
 
-class RouterTap:
-    """Keeps the latest router scores [T, E] of every MoE layer of a model (forward hooks)."""
-
-    def __init__(self, model: torch.nn.Module, num_experts: int):
-        from odmoe.shadow_model import choice_scores, router_modules
-
-        self.scores: dict[int, torch.Tensor] = {}
-        self._choice = choice_scores
-        self.handles = [
-            router.register_forward_hook(self._hook(layer))
-            for layer, router in router_modules(model, num_experts)
-        ]
-
-    def close(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-
-    def _hook(self, layer: int):
-        def keep(module, _inputs, output):
-            logits = output[0] if isinstance(output, tuple) else output
-            self.scores[layer] = self._choice(module, logits.detach())
-
-        return keep
-
-
 class Substituter:
     def __init__(self, cfg: MissConfig, profile: Profile | None = None, tap: RouterTap | None = None):
         cfg.validate()
@@ -109,6 +88,8 @@ class Substituter:
     @classmethod
     def for_model(cls, cfg: MissConfig, model_path: str, model: torch.nn.Module, num_experts: int):
         profile = load_profile(profile_path(model_path, cfg.profile)) if cfg.policy == "buddy" else None
+        from odmoe.router_tap import RouterTap  # the router hooks: only for the importance policy
+
         tap = RouterTap(model, num_experts) if cfg.policy == "importance" else None
         return cls(cfg, profile, tap)
 
@@ -133,8 +114,8 @@ class Substituter:
     ) -> dict[int, int]:
         """One token (`row` of the current forward pass, its budget's key) at one layer."""
         scores = None
-        if self.tap is not None and layer in self.tap.scores:
-            scores = self.tap.scores[layer][row].tolist()
+        if self.tap is not None and layer in self.tap.logits:
+            scores = self.tap.scores(layer)[row].tolist()
         chosen = choose_substitutes(
             self.cfg,
             [e for e in activated if e not in predicted],

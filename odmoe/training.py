@@ -61,7 +61,8 @@ from odmoe.model_factory import (
     ensure_default_model,
     hf_config,
 )
-from odmoe.shadow_model import choice_scores, router_modules
+from odmoe.router_tap import RouterTap
+from odmoe.shadow_model import choice_scores
 
 log = logging.getLogger("odmoe.training")
 
@@ -233,25 +234,6 @@ def _held_out_loss(model, stream: torch.Tensor, settings: TrainSettings) -> floa
     return sum(losses) / len(losses)
 
 
-class _RouterChoices:
-    """Forward hooks on every router: per layer, the last call's logits [T, E] and choice [T, k]."""
-
-    def __init__(self, model):
-        self.routers = router_modules(model, _num_experts(model))
-        self.seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.handles = [r.register_forward_hook(self._hook(layer)) for layer, r in self.routers]
-
-    def _hook(self, layer: int):
-        def hook(_module, _inputs, output):
-            self.seen[layer] = (output[0].detach(), output[2].detach())
-
-        return hook
-
-    def close(self) -> None:
-        for h in self.handles:
-            h.remove()
-
-
 def _num_experts(model) -> int:
     from odmoe.families import family_of
 
@@ -259,13 +241,13 @@ def _num_experts(model) -> int:
 
 
 @torch.no_grad()
-def _update_correction_bias(choices: _RouterChoices, rate: float) -> None:
+def _update_correction_bias(choices: RouterTap, rate: float) -> None:
     """DeepSeek-V3's auxiliary-loss-free balancing: bias += rate * sign(mean load - expert load)."""
     for layer, router in choices.routers:
         bias = getattr(router, "e_score_correction_bias", None)
-        if bias is None or layer not in choices.seen:
+        if bias is None or layer not in choices.chosen:
             continue
-        load = torch.bincount(choices.seen[layer][1].flatten(), minlength=bias.numel()).float()
+        load = torch.bincount(choices.chosen[layer].flatten(), minlength=bias.numel()).float()
         bias += rate * torch.sign(load.mean() - load)
 
 
@@ -276,14 +258,14 @@ def routing_stats(model, stream: torch.Tensor, settings: TrainSettings, top_k: i
     the allowed groups): misses concentrate where that gap is tiny."""
     gen = torch.Generator().manual_seed(settings.seed + 2)
     x = _batches(stream, settings.batch, settings.seq_len, gen)
-    choices = _RouterChoices(model)
+    choices = RouterTap(model, _num_experts(model))
     try:
         model(input_ids=x)
     finally:
         choices.close()
     loads, gaps = {}, []
     for layer, router in choices.routers:
-        logits, index = choices.seen[layer]
+        logits, index = choices.logits[layer], choices.chosen[layer]
         scores = choice_scores(router, logits).topk(top_k + 1, dim=-1).values
         counts = torch.bincount(index.flatten(), minlength=logits.shape[-1]).float()
         loads[layer] = (counts / counts.sum()).tolist()
@@ -331,7 +313,7 @@ def _train(out_dir: Path, spec: ModelSpec, settings: TrainSettings) -> Path:
         return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
 
     gen = torch.Generator().manual_seed(settings.seed)
-    choices = _RouterChoices(model)
+    choices = RouterTap(model, _num_experts(model))  # DeepSeek-V3's bias updates read its choices
     start = last_log = time.perf_counter()
     for step in range(settings.steps):
         for group in optimizer.param_groups:
