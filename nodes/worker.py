@@ -22,7 +22,7 @@ with an error result instead of killing the process, so main can report it with 
 Every incoming frame is untrusted: one that does not decode, or whose handling fails, is dropped
 with a rate-limited log line and the worker goes on serving (`DropLog`).
 
-Failover: main tells every live worker who is live (`Membership`); the worker deals predictions
+Failover: main tells every live worker who is live (`LiveWorkers`); the worker deals predictions
 over those workers by main's own rule, and subscribes to the prediction topics of every group
 whose layers it stores (it may serve them when their own group is lost). With
 `cluster.main_addresses` set it announces itself to main on start, so a worker restarted on
@@ -63,7 +63,7 @@ from odmoe.messages import (
     EndRequest,
     ExpertResult,
     ExpertsResult,
-    Membership,
+    LiveWorkers,
     Ping,
     Pong,
     Prediction,
@@ -326,7 +326,7 @@ class WorkerNode:
             if message.request == self.request:
                 self._switch_request("")  # cancelled or over: nothing it preloaded is wanted
             return None
-        if isinstance(message, Membership):
+        if isinstance(message, LiveWorkers):
             self.live = sorted(w for w in message.live if 0 <= w < self.topology.workers)
             self._subscribe(message.shadow_pub)
             return None

@@ -12,7 +12,7 @@ address every `probe_interval_s` (a worker restarted on the same address, or res
 freeze) and any address announced with `join` (the only method safe from other threads: a worker
 restarted elsewhere announces itself through main's gRPC Join). A candidate is admitted only when
 its Pong says it is that worker index and stores every layer the topology gives it; then every
-live worker gets the new `Membership`, so predictions are dealt over the same live set main places
+live worker gets the new `LiveWorkers` message, so predictions are dealt over the same live set main places
 by. Everything else runs on main's engine thread (ZeroMQ sockets are not thread-safe).
 """
 
@@ -27,8 +27,7 @@ import zmq
 
 from odmoe.codec import CodecError
 from odmoe.heartbeat import Heartbeat, WatchedSocket
-from odmoe.messages import Membership as MembershipMessage
-from odmoe.messages import Ping, Pong, from_frames, to_frames
+from odmoe.messages import LiveWorkers, Ping, Pong, from_frames, to_frames
 from odmoe.placement import Topology
 from odmoe.security import Curve
 from odmoe.trace import now_us
@@ -274,7 +273,7 @@ class Membership:
         """Tell every live worker who is live (and where predictions come from)."""
         if shadow_pub is not None:
             self.shadow_pub = shadow_pub
-        message = to_frames(MembershipMessage(sorted(self.links), self.shadow_pub))
+        message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub))
         for worker in list(self.links):
             self.send(worker, message)
 

@@ -239,10 +239,11 @@ class Pong:
 
 
 @dataclass(frozen=True)
-class Membership:
-    """main -> every live worker: the workers main now counts as live, and where the shadow
-    publishes. Workers deal predictions over these (the same rule main places by), so after a
-    worker is lost or rejoins the preloads land where main will send the rows."""
+class LiveWorkers:
+    """main -> every live worker (the wire kind "membership"): the workers main now counts as
+    live, and where the shadow publishes. Workers deal predictions over these (the same rule main
+    places by), so after a worker is lost or rejoins the preloads land where main will send the
+    rows. (Not odmoe.membership.Membership, main's bookkeeping that sends it.)"""
 
     live: list[int]
     shadow_pub: str = ""
@@ -263,7 +264,7 @@ _ALL = (
     BeginRequest,
     Align,
     EndRequest,
-    Membership,
+    LiveWorkers,
 )
 _KINDS = {cls.kind: cls for cls in _ALL}
 Message = (
@@ -280,7 +281,7 @@ Message = (
     | BeginRequest
     | Align
     | EndRequest
-    | Membership
+    | LiveWorkers
 )
 # Kinds whose tensors are part of their meaning (an Align carries 0 or 2: the shadow checks; a
 # result 1: main checks, since an error result is sent without rows in tests).

@@ -20,15 +20,13 @@ from odmoe.messages import (
     ComputeExperts,
     ExpertResult,
     ExpertsResult,
+    LiveWorkers,
     Pong,
     Prediction,
     Release,
     Step,
     from_frames,
     to_frames,
-)
-from odmoe.messages import (
-    Membership as MembershipMessage,
 )
 from odmoe.placement import Topology
 from odmoe.remote_experts import RemoteExperts
@@ -46,7 +44,7 @@ SAMPLES = [
     Prediction(STEP, [1, 4], [1, 4, 5], [0.5, 0.25, 0.125]),
     Prediction(STEP, [1, 4, 2], [1, 4, 5], [0.5, 0.25, 0.125], [5], ["r-1", "r-2"], [[1, 4], [2, 4]]),
     Align("r-1", 4, 9, True, 1.5),
-    MembershipMessage([0, 1], "tcp://127.0.0.1:5"),
+    LiveWorkers([0, 1], "tcp://127.0.0.1:5"),
 ]
 
 
