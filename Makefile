@@ -1,5 +1,5 @@
 PY ?= python
-.PHONY: help suites install proto proto-check lint test test-demo test-extended soak test-all test-newest cluster bench
+.PHONY: help suites install proto proto-check lint typecheck test-fast test test-demo test-extended soak test-all test-newest cluster bench
 SUITE ?= quick
 
 help:  ## list targets
@@ -15,8 +15,14 @@ proto:  ## regenerate odmoe/rpc/*_pb2*.py from protos/ (never edit those by hand
 proto-check:  ## fail if the generated code drifted from protos/
 	$(PY) -m pytest -q tests/test_proto_drift.py
 
-lint:  ## ruff lint + format check
-	ruff check . && ruff format --check .
+lint:  ## ruff lint + format check, and the pure modules' types (mypy)
+	ruff check . && ruff format --check . && $(PY) -m mypy
+
+typecheck:  ## mypy on the pure modules (pyproject's tool.mypy)
+	$(PY) -m mypy
+
+test-fast:  ## the fast tier: pure modules + the engine with in-process workers vs transformers (~1 min)
+	$(PY) -m pytest -m fast
 
 test:  ## the default test suite (what CI runs)
 	$(PY) -m pytest

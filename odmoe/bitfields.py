@@ -21,7 +21,11 @@ import numpy as np
 import torch
 
 # dtype -> the unsigned little-endian integer view of its bits
-_UINT = {torch.bfloat16: np.dtype("<u2"), torch.float16: np.dtype("<u2"), torch.float32: np.dtype("<u4")}
+_UINT: dict[torch.dtype, np.dtype] = {
+    torch.bfloat16: np.dtype("<u2"),
+    torch.float16: np.dtype("<u2"),
+    torch.float32: np.dtype("<u4"),
+}
 DTYPES = tuple(_UINT)
 
 

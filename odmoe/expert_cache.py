@@ -145,7 +145,8 @@ class CacheBook:
     def use_rate(self, key: ExpertKey) -> float:
         """How often `key` was used per visit of its layer (Laplace: 1/2 before anything is known;
         with a profile, its rate as PRIOR_VISITS visits seen)."""
-        uses, visits = self.uses.get(key, 0) + 1, self.visits.get(key[0], 0) + 2
+        uses: float = self.uses.get(key, 0) + 1
+        visits: float = self.visits.get(key[0], 0) + 2
         if key in self.prior:
             uses, visits = uses + PRIOR_VISITS * self.prior[key], visits + PRIOR_VISITS
         return uses / visits
@@ -203,7 +204,7 @@ class CacheBook:
 def complete(reports: Mapping[int, list[int]], live: list[int]) -> bool:
     """Whether every live worker's latest report says its cache holds every expert it is home for
     (then predictions would load nothing)."""
-    rows = [reports.get(w) for w in live]
-    if not rows or any(r is None or len(r) < 8 for r in rows):
+    rows = [r for w in live if (r := reports.get(w)) is not None and len(r) >= 8]
+    if not live or len(rows) < len(live):  # a live worker without a (full) report
         return False
     return sum(r[6] for r in rows) > 0 and all(r[7] >= r[6] for r in rows)

@@ -78,7 +78,8 @@ def buddy_lists(matrix: np.ndarray, alpha: float, k_max: int) -> list[list[int]]
     lists = []
     for i in range(q.shape[0]):
         order = sorted((j for j in range(q.shape[1]) if q[i, j] > 0), key=lambda j: (-q[i, j], j))
-        buddies, covered = [], 0.0
+        buddies: list[int] = []
+        covered = 0.0
         for j in order:
             if len(buddies) == k_max or covered >= alpha - 1e-12:
                 break

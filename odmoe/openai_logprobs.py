@@ -51,7 +51,7 @@ class TokenTexts:
 
 def completion_logprobs(texts: TokenTexts, entries: list[Scored], offset_start: int = 0) -> dict:
     tokens = [e.token_id for e in entries]
-    top_logprobs = []
+    top_logprobs: list[dict[str, float] | None] = []
     for e in entries:
         if e.logprob is None:
             top_logprobs.append(None)
@@ -68,7 +68,7 @@ def completion_logprobs(texts: TokenTexts, entries: list[Scored], offset_start: 
 
 
 def chat_content(texts: TokenTexts, entries: list[Scored]) -> dict:
-    def item(token: int, logprob: float) -> dict:
+    def item(token: int, logprob: float | None) -> dict:
         text = texts.one(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
 

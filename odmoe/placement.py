@@ -186,7 +186,7 @@ class Topology:
         predicted: list[int],
         activated: list[int],
         live: Collection[WorkerId] | None = None,
-        hedges: list[int] = (),
+        hedges: Collection[int] = (),
     ) -> dict[int, WorkerId]:
         """Where main sends the activated experts when the shadow predicted `predicted`.
 

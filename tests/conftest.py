@@ -55,12 +55,33 @@ EXTENDED_FOR_TIME = (
 )
 
 
+# The fast tier (`-m fast`, `make test-fast`: about a minute here): every test that starts no node
+# process and trains nothing, so the pure modules and the decode loop with in-process workers
+# checked against transformers (tests/test_engine_inprocess.py and the in-process family tests).
+# Besides the marked ones (integration, extended, slow, demo, gpu), these start processes or train.
+NOT_FAST = (
+    "test_packaging.py",  # every command's --help in its own process
+    "test_spawn.py",
+    "test_proto_drift.py",  # runs protoc
+    "test_readme_commands.py",  # odmoe-keys for real
+    "test_model_factory.py::test_cli",
+    "test_training.py",
+    "test_demo_corpus.py::test_the_demo_trains",
+    "test_security.py::test_node_refuses_world_readable_secret",  # starts a node
+    "test_config.py::test_local_cluster",
+)
+NOT_FAST_MARKS = {"integration", "extended", "slow", "demo", "gpu"}
+
+
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the mark must be there when it looks
 def pytest_collection_modifyitems(items):
     for item in items:
         nodeid = item.nodeid.removeprefix("tests/")
         if nodeid.startswith(EXTENDED_FOR_TIME):
             item.add_marker(pytest.mark.extended)
+        marks = {mark.name for mark in item.iter_markers()}
+        if not marks & NOT_FAST_MARKS and not nodeid.startswith(NOT_FAST):
+            item.add_marker(pytest.mark.fast)
 
 
 def cluster_families() -> list:
