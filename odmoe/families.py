@@ -70,6 +70,9 @@ FAMILIES: dict[str, Family] = {
     # its hybrid attention (gated DeltaNet with a recurrent state, every 4th layer full) runs on main
     # as transformers has it
     "qwen3_next": Family("qwen3_next", num_experts_field="num_experts", **_MLP_STYLE),
+    # Qwen3.5's MoE language model: Qwen3-Next's architecture under its own text-only config (its
+    # published checkpoints wrap it in a vision-language `qwen3_5_moe` config: not served yet)
+    "qwen3_5_moe_text": Family("qwen3_5_moe_text", num_experts_field="num_experts", **_MLP_STYLE),
     # Phi-3.5-MoE: Mixtral's disk layout and expert MLP; its sparsemixer router runs on main as is
     "phimoe": Family(
         "phimoe",

@@ -55,6 +55,7 @@ FAMILIES = (
     "glm4_moe",
     "phimoe",
     "qwen3_next",
+    "qwen3_5_moe_text",
 )
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 GROUP_ROUTED = (*DEEPSEEK, "glm4_moe")  # routing limited to the best expert groups
@@ -182,7 +183,7 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         return deepseek_config(spec, common)
     if spec.family == "glm4_moe":
         return glm4_moe_config(spec, common)
-    if spec.family == "qwen3_next":
+    if spec.family in ("qwen3_next", "qwen3_5_moe_text"):
         return qwen3_next_config(spec, common)
     if spec.family == "phimoe":  # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
         return PhimoeConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
@@ -192,11 +193,18 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
 def qwen3_next_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
     """Qwen3-Next in miniature: hybrid layers, three gated-DeltaNet (linear attention with a
     recurrent state) to one full attention as the real model interleaves them, Qwen's fused
-    experts with a sigmoid-gated shared expert beside them, partial rotary, q/k norms."""
+    experts with a sigmoid-gated shared expert beside them, partial rotary, q/k norms. Qwen3.5's
+    MoE language model (`qwen3_5_moe_text`) is the same architecture under its own config."""
     head = spec.hidden // spec.heads
     kinds = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention" for i in range(spec.layers)]
-    return Qwen3NextConfig(
-        intermediate_size=spec.intermediate,
+    if spec.family == "qwen3_5_moe_text":
+        from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+
+        config_class, extra = Qwen3_5MoeTextConfig, {}
+    else:
+        config_class, extra = Qwen3NextConfig, {"intermediate_size": spec.intermediate}
+    return config_class(
+        **extra,
         moe_intermediate_size=spec.intermediate,
         shared_expert_intermediate_size=spec.intermediate,
         num_experts=spec.experts,

@@ -9,7 +9,8 @@ user's checkpoint would be:
   and biased attention (8 experts, top-2).
 - Qwen3-Next (`qwen3_next`): hybrid attention (three gated-DeltaNet layers with recurrent states to
   one full-attention layer), Qwen's fused experts and a sigmoid-gated shared expert (8 experts,
-  top-2); its alignment and rollback have tests of their own (tests/test_hybrid_alignment.py)."""
+  top-2); its alignment and rollback have tests of their own (tests/test_hybrid_alignment.py).
+- Qwen3.5-MoE's language model (`qwen3_5_moe_text`): the same architecture under its own config."""
 
 from __future__ import annotations
 
