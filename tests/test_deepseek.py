@@ -388,3 +388,15 @@ def test_v2_is_served_exactly_with_a_free_running_bf16_shadow(model_dirs, reap_c
     ]
     stats = _check_cluster(model_dirs["deepseek_v2"], overrides)
     assert stats[0]["shadow"] is True and stats[0]["recall"]["activated"] > 0
+
+
+@pytest.mark.extended  # a DeepSeek cluster takes 1-2 min here: CI runs it within its budget
+@pytest.mark.integration
+def test_a_lost_worker_changes_no_deepseek_token(model_dirs, reap_children):
+    """Worker 1 killed at decode iteration 6: its layers' experts go to worker 0 from then on."""
+    path = model_dirs["deepseek_v3"]
+    want, _ = reference(path, PROMPTS[0], new_tokens=16)
+    words = ["preset=paper", "fault.node=worker1", "fault.iteration=6"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=16)
+    assert got.token_ids == want and got.stats["failover"]["live_workers"] == [0]
