@@ -5,6 +5,12 @@ and whether a stop string has appeared. The output never contains a stop string 
 it; text that could still be the start of a stop string is held back until the next piece settles
 it (a stop string split across tokens is caught, and a partial one is never streamed out).
 `flush()` returns what was held back when the stream ends without a stop.
+
+Which stop ends the text when several appear: the one that is complete first, i.e. that ends
+earliest in the text (of two ending at the same character, the longer); the text stops before it.
+That is when generation stops, and it depends only on the text, never on how the text was cut into
+pieces (tokens): with stops "c" and "aca", "aca" gives "a" whether it arrives whole or as "ac" + "a"
+(choosing the earliest *start* gave "" whole and "a" cut, since "c" completes before "aca" does).
 """
 
 from __future__ import annotations
@@ -24,8 +30,9 @@ class StopStrings:
         if not self.stops:
             return piece, False
         text = self.held + piece
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(i + len(s), i) for s in self.stops if (i := text.find(s)) >= 0]
+        if found:
+            _end, cut = min(found)  # the stop complete first; at a tie, the longer (earlier start)
             self.held, self.stopped = "", True
             return text[:cut], True
         keep = max((_overlap(text, s) for s in self.stops), default=0)

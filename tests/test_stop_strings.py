@@ -35,6 +35,13 @@ def test_the_earliest_of_several_stops_wins():
     assert stopped and "".join(out) == "one "
 
 
+def test_the_stop_complete_first_wins_however_the_text_is_cut():
+    """Found by the property below (CI, 2026-11-26): "c" completes before "aca" starts to matter."""
+    assert run(["aca"], ["c", "aca"]) == (["a"], True)
+    assert "".join(run(["ac", "a"], ["c", "aca"])[0]) == "a"
+    assert run(["xaca"], ["ca", "aca"]) == (["x"], True)  # "ca" and "aca" end together: the longer
+
+
 alphabet = st.text(alphabet="abc", max_size=30)
 
 
@@ -47,8 +54,8 @@ def test_any_split_gives_the_text_up_to_the_first_stop(text, cuts, stops):
     bounds = sorted({0, len(text), *[c for c in cuts if c <= len(text)]})
     pieces = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     out, stopped = run(pieces, stops)
-    hits = [text.find(s) for s in stops if s in text]
-    want = text[: min(hits)] if hits else text
+    hits = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]  # (end, start)
+    want = text[: min(hits)[1]] if hits else text  # before the stop complete first
     assert "".join(out) == want
     assert stopped == bool(hits)
     shown = ""
