@@ -218,11 +218,12 @@ class LocalCluster:
     def resume(self, name: str) -> None:
         self.node(name).process.send_signal(signal.SIGCONT)
 
-    def restart(self, name: str) -> NodeProcess:
+    def restart(self, name: str, until_used: bool = True) -> NodeProcess:
         """Start a node of this name again (after it was killed): a worker or the shadow announces
         itself to every main; a main gets the current addresses. Returns once it serves, and for a
         worker or the shadow once main uses it again (its Join is handled at main's next tick: a
-        request sent before that ran without it, which made a test flaky)."""
+        request sent before that ran without it, which made a test flaky); `until_used=False`
+        returns as soon as it serves (the soak, whose chaos may take it down again meanwhile)."""
         old = self.node(name)
         if old.process.poll() is None:
             old.process.kill()
@@ -248,24 +249,26 @@ class LocalCluster:
             self.http_urls[index] = info.get("http_address", "")
             if self._client is not None:
                 self._client.replace_address(old_address, info["address"])
-        if name == "shadow" or name.startswith("worker"):
+        if until_used and (name == "shadow" or name.startswith("worker")):
             self._wait_taken_back(name, info["address"])
         return self.node(name)
 
     def _wait_taken_back(self, name: str, address: str) -> None:
         """Until main's Info shows the restarted node at its new address, linked (shadow) or live."""
         deadline = time.monotonic() + self.ready_timeout_s
-        while time.monotonic() < deadline:
-            info = self.client.info()
-            if name == "shadow":
-                shadow = info.get("shadow") or {}
-                if shadow.get("address") == address and shadow.get("up"):
-                    return
-            else:
-                worker = info["workers"][int(name.removeprefix("worker"))]
-                if worker["address"] == address and worker["live"]:
-                    return
-            time.sleep(0.05)
+        # its own client, not self.client: another thread may be using that one
+        with Client(self.main_addresses, credentials=self.credentials) as client:
+            while time.monotonic() < deadline:
+                info = client.info()
+                if name == "shadow":
+                    shadow = info.get("shadow") or {}
+                    if shadow.get("address") == address and shadow.get("up"):
+                        return
+                else:
+                    worker = info["workers"][int(name.removeprefix("worker"))]
+                    if worker["address"] == address and worker["live"]:
+                        return
+                time.sleep(0.05)
         limit = f"{self.ready_timeout_s:.0f}s"
         raise ClusterStartError(f"main did not take {name} at {address} back within {limit}")
 

@@ -115,7 +115,7 @@ def soak(model_path: str, words: list[str], prompts, wanted, suite) -> dict:
             """A new process on a new port (it announces itself); tried again if it fails to start."""
             for attempt in range(3):
                 try:
-                    cluster.restart(name)
+                    cluster.restart(name, until_used=False)  # fail() waits for workers itself
                     return
                 except ClusterStartError as exc:
                     print(f"  soak: {name} failed to restart (attempt {attempt + 1}): {exc}", flush=True)
