@@ -41,8 +41,9 @@ def has_recurrent_state(cache: DynamicCache) -> bool:
 
 def newest_rows(cache: DynamicCache, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The last `rows` positions of every row layer's keys and values (batch 0)."""
-    keys = torch.stack([layer.keys[0, :, -rows:] for layer in row_layers(cache)])
-    values = torch.stack([layer.values[0, :, -rows:] for layer in row_layers(cache)])
+    layers = row_layers(cache)
+    keys = torch.stack([layer.keys[0, :, -rows:] for layer in layers])
+    values = torch.stack([layer.values[0, :, -rows:] for layer in layers])
     return keys, values
 
 

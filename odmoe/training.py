@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -96,19 +96,7 @@ TRAINED_DEEPSEEK_SPEC = ModelSpec(
 # Hybrid attention (Qwen3-Next: 3 gated-DeltaNet layers to 1 full attention), so the shadow's recall
 # is measured where alignment leaves the recurrent states to the shadow; experts half as wide as
 # the Mixtral-style model's, so a step costs about as much.
-TRAINED_QWEN3_NEXT_SPEC = ModelSpec(
-    family="qwen3_next",
-    layers=4,
-    hidden=256,
-    intermediate=256,
-    experts=8,
-    top_k=2,
-    heads=8,
-    kv_heads=4,
-    vocab=4096,
-    max_positions=512,
-    seed=0,
-)
+TRAINED_QWEN3_NEXT_SPEC = replace(TRAINED_SPEC, family="qwen3_next", intermediate=256)
 TRAINED_SPECS = {
     "mixtral": TRAINED_SPEC,
     "deepseek_v3": TRAINED_DEEPSEEK_SPEC,
