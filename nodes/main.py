@@ -54,6 +54,7 @@ from odmoe.engine import (
     ShuttingDown,
 )
 from odmoe.error_status import message_of, status_of
+from odmoe.exchange_observers import FaultInjection
 from odmoe.faults import FaultTrigger
 from odmoe.heartbeat import Heartbeat
 from odmoe.http_api import start_http
@@ -129,7 +130,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             tracer=Tracer("main", cfg.trace_dir),
             substituter=Substituter.build(cfg.miss, model_path, main.model, self.checkpoint.num_experts),
         )
-        self.experts.fault = FaultTrigger(cfg.fault, "main")
+        self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
         self.experts.ping_all(cfg.worker.ready_timeout_s)
         self.connect_s = time.perf_counter() - connect_start
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()

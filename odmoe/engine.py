@@ -415,7 +415,7 @@ class MainEngine:
         if run.shadow is None:
             return
         iteration = run.iteration + 1
-        wrong, predicted = run.ctx.traffic.timely_recall.arrived.get(iteration - 1, (0, 0))
+        wrong, predicted = run.ctx.traffic.wrong_predictions(iteration - 1)
         run.plan.observe(iteration - 1, wrong, predicted)
         send_token, send_kv = run.plan.aligns(iteration)
         if not (send_token or send_kv or self.pace_shadow):

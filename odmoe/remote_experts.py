@@ -33,8 +33,11 @@ predicted one its worker preloaded: main asks that worker for the resident exper
 worker computes exactly what main combines, and the result takes the missing expert's gate weight.
 Each substitution is counted per layer (`ExpertTraffic.substitutions_per_layer`) of its request.
 
-Accounting is per request (`RunContext.traffic`): what several requests shared (an expert loaded
-once for all of them) is split between them, so the requests' sums are the cluster's totals.
+Each exchange reads top to bottom — split, place, send, take, combine — and tells its observers
+(`odmoe.exchange_observers`) what happened: the accounting (per request, `RunContext.traffic`, an
+`odmoe.expert_traffic.ExpertTraffic`: what several requests shared is split between them, so the
+requests' sums are the cluster's totals), the timeline and fault injection watch; none of them
+changes what is computed.
 """
 
 from __future__ import annotations
@@ -48,9 +51,16 @@ import torch
 from odmoe.codec import CodecError
 from odmoe.config import PrefillConfig
 from odmoe.dropped import DropLog
+from odmoe.exchange_observers import (
+    DecodeExchange,
+    Observers,
+    PrefillExchange,
+    Timeline,
+    TrafficAccounting,
+)
 from odmoe.expert_cache import complete
 from odmoe.expert_math import ExpertRows, combine, split_by_expert
-from odmoe.faults import FaultTrigger
+from odmoe.expert_traffic import ExpertTraffic, LayerClock
 from odmoe.lockstep import in_task, park
 from odmoe.membership import Membership, WorkerUnavailable
 from odmoe.messages import (
@@ -71,7 +81,7 @@ from odmoe.placement import LayerUnavailable
 from odmoe.recall import RecallCounter
 from odmoe.shadow_link import ShadowLink
 from odmoe.substitution import Substituter
-from odmoe.trace import Tracer, now_us
+from odmoe.trace import Tracer
 
 log = logging.getLogger("odmoe.main")
 __all__ = ["DecodeRows", "ExpertTraffic", "RemoteExperts", "RunContext", "WorkerFailed", "WorkerUnavailable"]
@@ -79,170 +89,6 @@ __all__ = ["DecodeRows", "ExpertTraffic", "RemoteExperts", "RunContext", "Worker
 
 class WorkerFailed(RuntimeError):
     """A worker answered but could not compute what it was asked (e.g. it lacks that expert)."""
-
-
-@dataclass
-class ExpertTraffic:
-    """What the workers did for one request (summed over layers and iterations)."""
-
-    wait_s: float = 0.0  # main blocked on workers (transfer + load + compute as seen by main)
-    worker_peak_rss: dict[int, int] = field(default_factory=dict)
-    worker_device_peak: dict[int, int] = field(default_factory=dict)  # CUDA max_memory_allocated
-    preloaded: int = 0  # decode experts the shadow's prediction had already loaded
-    reloads: int = 0  # decode experts loaded only after main asked (misses)
-    # decode: per layer, summed over iterations, the longest any worker made main wait for a load
-    stall_s_per_layer: dict[int, float] = field(default_factory=dict)
-    # Predictions as they stood when main needed them (late = missing): what the workers could use.
-    timely_recall: RecallCounter = field(default_factory=RecallCounter)
-    activated: dict[tuple[int, int], list[int]] = field(default_factory=dict)  # (iteration, layer) -> experts
-    resent: int = 0  # calls re-sent to another worker after theirs was lost
-    # lossy miss policy: layer -> missed experts computed by a resident stand-in (0 everywhere: exact)
-    substitutions_per_layer: dict[int, int] = field(default_factory=dict)
-    # every substitution as (iteration, layer, missing expert, expert computed in its place)
-    substituted: list[tuple[int, int, int, int]] = field(default_factory=list)
-    # worker -> {"experts", "bytes_loaded", "load_s", "compute_s"}; the request's totals are their sums
-    per_worker: dict[int, dict] = field(default_factory=dict)
-    # hedged prefetch (odmoe.hedging): worker -> its latest [hedge loads, hedges used, bytes hedges loaded]
-    hedging: dict[int, list[int]] = field(default_factory=dict)
-    hedge_hits: int = 0  # activated experts the shadow had hedged (not predicted) and that arrived in time
-    # worker.cache: experts computed from a worker's cache (no load), the bytes those loads would have
-    # moved, and each worker's cache as of its latest answer (CacheBook.report)
-    cache_hits: float = 0
-    cache_bytes_saved: float = 0
-    cache_hits_per_layer: dict[int, float] = field(default_factory=dict)
-    cache: dict[int, list[int]] = field(default_factory=dict)
-
-    # decode iterations only: what the pipeline model needs (main's own time = decode time - wait),
-    # and where a layer's time goes (summed over layers, `_LayerClock`): main splitting, placing and
-    # encoding; the round trip from the first send to the last answer, of which that worker handled
-    # `worker_s`; main decoding answers; main combining them
-    decode: dict = field(
-        default_factory=lambda: {
-            "wait_s": 0.0,
-            "layers": 0,
-            "experts": 0,
-            "compute_s": 0.0,
-            "loads": 0,
-            "load_s": 0.0,
-            "prepare_s": 0.0,
-            "round_trip_s": 0.0,
-            "worker_s": 0.0,
-            "take_s": 0.0,
-            "combine_s": 0.0,
-        }
-    )
-    prefill: dict = field(
-        default_factory=lambda: {
-            "wait_s": 0.0,
-            "load_s": 0.0,
-            "compute_s": 0.0,
-            "critical_s": 0.0,
-            "experts_per_layer": {},
-        }
-    )
-    _layer_busy: dict[int, float] = field(default_factory=dict)  # worker -> load+compute in this layer
-
-    def _total(self, key: str):
-        return sum(row[key] for row in self.per_worker.values())
-
-    @property
-    def experts_loaded(self) -> int:
-        return self._total("experts")
-
-    @property
-    def bytes_loaded(self) -> int:
-        return self._total("bytes_loaded")
-
-    @property
-    def load_s(self) -> float:
-        return self._total("load_s")
-
-    @property
-    def compute_s(self) -> float:
-        return self._total("compute_s")
-
-    def note_prefill_layer(self, layer: int, waited: float, experts: int) -> None:
-        p = self.prefill
-        p["wait_s"] += waited
-        p["critical_s"] += max(self._layer_busy.values(), default=0.0)  # the busiest worker bounds the layer
-        p["experts_per_layer"][layer] = experts
-        self._layer_busy = {}
-
-    def add(self, result: ExpertResult) -> None:
-        """One prefill answer (a ComputeExpert's; a prompt's scoring pass counts as prefill)."""
-        if result.step.iteration <= 0:
-            self.prefill["load_s"] += result.load_s
-            self.prefill["compute_s"] += result.compute_s
-            busy = self._layer_busy
-            busy[result.worker] = busy.get(result.worker, 0.0) + result.load_s + result.compute_s
-        else:
-            self._add_decode(result.load_s, result.compute_s, result.bytes_loaded)
-        self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
-        self._add_expert(
-            result.worker, result.part == 0, result.bytes_loaded, result.load_s, result.compute_s
-        )
-        if result.cached and result.part == 0:
-            self._cache_hit(result.step.layer, 1, result.cached)
-        if result.cache:
-            self.cache[result.worker] = result.cache
-
-    def add_share(self, result: ExpertsResult, i: int, share: int, of: int) -> None:
-        """This request's `share` of `of` segments of expert `result.experts[i]` (a decode answer):
-        what loading and computing it cost, split by segments so the requests' sums are the totals."""
-        part = share / of if of > 1 else share  # an int when nothing is shared: a lone request's stats
-        load_s, compute_s = result.load_s[i] * part, result.compute_s[i] * part
-        nbytes = result.bytes_loaded[i] * part
-        self._add_decode(load_s, compute_s, nbytes, part)
-        self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
-        self._add_expert(result.worker, part, nbytes, load_s, compute_s)
-        if result.cached and result.cached[i]:
-            self._cache_hit(result.step.layer, part, result.cached[i] * part)
-        if result.cache:
-            self.cache[result.worker] = result.cache
-
-    def _cache_hit(self, layer: int, count: float, saved: float) -> None:
-        self.cache_hits += count
-        self.cache_bytes_saved += saved
-        self.cache_hits_per_layer[layer] = self.cache_hits_per_layer.get(layer, 0) + count
-
-    def _add_decode(self, load_s: float, compute_s: float, nbytes: float, count: float = 1) -> None:
-        d = self.decode
-        d["experts"] += count
-        d["compute_s"] += compute_s
-        d["loads"] += count if nbytes > 0 else 0
-        d["load_s"] += load_s
-
-    def _add_worker(self, worker: int, peak_rss: int, device_peak: int) -> None:
-        self.worker_peak_rss[worker] = max(self.worker_peak_rss.get(worker, 0), peak_rss)
-        self.worker_device_peak[worker] = max(self.worker_device_peak.get(worker, 0), device_peak)
-
-    def _add_expert(self, worker: int, count: float, nbytes: float, load_s: float, compute_s: float) -> None:
-        w = self.per_worker.setdefault(
-            worker, {"experts": 0, "bytes_loaded": 0, "load_s": 0.0, "compute_s": 0.0}
-        )
-        w["experts"] += count
-        w["bytes_loaded"] += nbytes
-        w["load_s"] += load_s
-        w["compute_s"] += compute_s
-
-
-@dataclass
-class _LayerClock:
-    """perf_counter stamps of one layer's exchange on main (seconds)."""
-
-    sending: float = 0.0  # every call encoded, the first about to be handed to ZeroMQ
-    answered: float = 0.0  # the last answer's frames in hand
-    worker_s: float = 0.0  # how long that answer's worker handled its call (its `handled_s`)
-    take_s: float = 0.0  # decoding and checking every answer
-
-    def note(self, decode: dict, entered: float, gathered: float, combined: float) -> None:
-        decode["prepare_s"] += self.sending - entered
-        # from the first send: a send can cost main its core at once (to the worker it woke), so
-        # a stamp after the sends would count the workers' time as main's
-        decode["round_trip_s"] += self.answered - self.sending
-        decode["worker_s"] += self.worker_s
-        decode["take_s"] += self.take_s
-        decode["combine_s"] += combined - gathered
 
 
 @dataclass
@@ -304,7 +150,7 @@ class PrefillLayer:
 
 
 @dataclass
-class _BatchCall:
+class BatchCall:
     """One ComputeExperts: the experts placed on one worker for a decode layer, and its answer."""
 
     worker: int
@@ -342,13 +188,20 @@ class RemoteExperts:
         self.timeout_s = reply_timeout_s
         self.current = RunContext("")  # the request whose forward pass is running (the engine sets it)
         self.stream, self.tick = "", 0  # the decode batch's name and iteration (the engine sets them)
-        self.tracer = tracer or Tracer("main")
         self.cache_reports: dict[int, list[int]] = {}  # worker -> its cache's latest report (worker.cache)
         self.substituter = substituter  # None: every miss is reloaded (lossless)
-        self.fault: FaultTrigger | None = None  # fault injection at a chosen layer (tests, benchmarks)
         self.dropped = DropLog(log, "main")
-        self._main_since_us = 0.0  # when main last got its rows back (its own work runs from there)
-        self._resent: dict[int, int] = {}  # this decode layer: request (batch index) -> calls re-sent
+        # accounting and the timeline watch every exchange; fault injection is added by main's node
+        self._timeline = Timeline(tracer or Tracer("main"))
+        self.observe = Observers(TrafficAccounting(), self._timeline)
+
+    @property
+    def tracer(self) -> Tracer:
+        return self._timeline.tracer
+
+    @tracer.setter
+    def tracer(self, tracer: Tracer) -> None:
+        self._timeline.tracer = tracer
 
     @property
     def traffic(self) -> ExpertTraffic:
@@ -398,8 +251,7 @@ class RemoteExperts:
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         ctx = self.current
-        if self.fault is not None:
-            self.fault.at(ctx.request, ctx.iteration, layer)
+        self.observe.layer_called(ctx, layer)
         if ctx.iteration <= 0:  # a prefill (0), or a prompt's scoring pass (-1)
             if in_task():
                 park(PrefillLayer(layer))  # the engine resumes it when its prefill may go on this tick
@@ -429,31 +281,29 @@ class RemoteExperts:
         predicted = prediction.experts if prediction is not None else None
         chosen = self.substituter.decide(layer, top_k_index, top_k_weights, predicted)
         if chosen:
-            t = ctx.traffic
-            t.substitutions_per_layer[layer] = t.substitutions_per_layer.get(layer, 0) + len(chosen)
-            t.substituted += [(ctx.iteration, layer, e, p) for e, p in sorted(chosen.items())]
+            self.observe.substituted(ctx, layer, chosen)
             log.debug("iteration %d layer %d: missing -> stand-in %s", ctx.iteration, layer, chosen)
         return chosen
 
     # -- prefill: one request's exchange -------------------------------------------------------
     def _prefill_layer(self, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights) -> torch.Tensor:
-        step = Step(ctx.request, ctx.iteration, layer)
-        entered_us = now_us() if self.tracer.enabled else 0.0
+        """Split the prompt's rows by expert, place them over the workers, exchange, combine."""
+        exchange = PrefillExchange(ctx, Step(ctx.request, ctx.iteration, layer))
+        self.observe.entered(exchange.step)
         groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
-        placement = self._prefill_place(step, hidden.shape[0], groups)
+        exchange.experts = len(groups)
+        placement = self._prefill_place(exchange.step, hidden.shape[0], groups)
         start = time.perf_counter()
         one = hidden.shape[0] == 1
         rows_of = {rows.expert: hidden if one else hidden[rows.token_idx] for rows in groups}
         # the reference's grouped call covers every (token, slot) pair over all E experts (expert_math)
         grouped = [top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
-        outputs = self._exchange(ctx, step, rows_of, placement, _LayerClock(), grouped)
+        outputs = self._exchange(exchange, rows_of, placement, LayerClock(), grouped)
         if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
             outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
-        waited = time.perf_counter() - start
-        ctx.traffic.wait_s += waited
-        ctx.traffic.note_prefill_layer(layer, waited, len(groups))
-        if self.tracer.enabled:
-            self.tracer.span("main", f"prefill L{layer}", entered_us, now_us(), iteration=0)
+        exchange.waited = time.perf_counter() - start
+        self.observe.gathered(exchange.step)
+        self.observe.prefill_done(exchange)
         return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
 
     def _prefill_place(self, step: Step, tokens: int, groups) -> dict[int, int]:
@@ -473,84 +323,53 @@ class RemoteExperts:
     def exchange_decode(self, layer: int, batch: list[DecodeRows]) -> list[torch.Tensor]:
         """Each request's experts output for this layer (in `batch` order), from one exchange: the
         union of their experts placed once, one ComputeExperts per worker."""
-        step = Step(self.stream, self.tick, layer)
-        entered, entered_us = time.perf_counter(), now_us() if self.tracer.enabled else 0.0
-        if self.tracer.enabled:
-            self.tracer.span("main", f"L{layer}", self._main_since_us, entered_us, iteration=self.tick)
-        prediction = self.shadow.prediction(step) if self.shadow is not None else None
-        hedges = prediction.hedges if prediction is not None else []
-        for rows in batch:
-            self._note_prediction(rows, layer, prediction)
-        # expert -> [(request index, its rows of that expert)], requests in batch order
-        users: dict[int, list[tuple[int, torch.Tensor]]] = {}
-        for b, rows in enumerate(batch):
-            one = rows.hidden.shape[0] == 1
-            for group in rows.groups:
-                x = rows.hidden if one else rows.hidden[group.token_idx]
-                users.setdefault(rows.computed(group.expert), []).append((b, x))
-        experts = sorted(users)
-        placement = self._decode_place(step, experts, prediction, hedges)
+        x = DecodeExchange(Step(self.stream, self.tick, layer), batch, entered=time.perf_counter())
+        self.observe.entered(x.step)
+        x.prediction = self.shadow.prediction(x.step) if self.shadow is not None else None
+        x.users = _rows_by_expert(batch)
+        placement = self._decode_place(x.step, sorted(x.users), x.prediction)
         grouped = [batch[0].top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
-        clock = _LayerClock()
-        start = time.perf_counter()
+        x.started = time.perf_counter()
         # each worker's last (only) call says the layer is over for it; without a shadow nothing
         # is ever preloaded, so nothing to release
         releasing = self.shadow is not None
-        calls = self._exchange_many(step, users, placement, grouped, clock, releasing)
-        gathered = time.perf_counter()
-        outputs = self._split_answers(calls, users, batch)
-        if self.tracer.enabled:
-            self._main_since_us = now_us()
-            self.tracer.span("main", f"wait L{layer}", entered_us, self._main_since_us, iteration=self.tick)
+        x.calls = self._exchange_many(x, placement, grouped, releasing)
+        x.gathered = time.perf_counter()
+        outputs = self._split_answers(x)
+        self.observe.gathered(x.step)
         if releasing:
-            called = {c.worker for c in calls if c.done and c.releases}
-            release = to_frames(Release(step))
-            for worker in [w for w in self._serving(layer) if w not in called]:
-                self.members.send(worker, release)
+            self._release(x.step, x.calls)
         out = []
         for b, rows in enumerate(batch):
             parts = [(group, outputs[b][rows.computed(group.expert)]) for group in rows.groups]
             if rows.hidden.device.type != "cpu":
                 parts = [(g, y.to(rows.hidden.device)) for g, y in parts]
             out.append(combine(rows.hidden, parts, rows.top_k_weights, self.kernel))
-        combined = time.perf_counter()
-        stall = max((max(r.waited_s, default=0.0) for r, _ in (c.answer for c in calls)), default=0.0)
-        for rows in batch:
-            t = rows.ctx.traffic
-            t.wait_s += gathered - start
-            t.decode["wait_s"] += gathered - start
-            t.decode["layers"] += 1
-            t.stall_s_per_layer[layer] = t.stall_s_per_layer.get(layer, 0.0) + stall
-            clock.note(t.decode, entered, gathered, combined)
+        x.combined = time.perf_counter()
+        self.observe.decode_done(x)
         return out
 
-    def _note_prediction(self, rows: DecodeRows, layer: int, prediction: Prediction | None) -> None:
-        """Timely recall, as the paper counts it, for this request at this layer."""
-        t, experts = rows.ctx.traffic, rows.experts
-        predicted = _requests_choice(prediction, rows.ctx.request)
-        t.timely_recall.add(rows.ctx.iteration, layer, predicted, experts)
-        t.activated[(rows.ctx.iteration, layer)] = experts
-        if prediction is not None and prediction.hedges and predicted is not None:
-            t.hedge_hits += len((set(prediction.hedges) - set(prediction.experts)) & set(experts))
+    def _release(self, step: Step, calls: list[BatchCall]) -> None:
+        """The layer is over: every worker serving it that no releasing call told gets a Release."""
+        called = {c.worker for c in calls if c.done and c.releases}
+        release = to_frames(Release(step))
+        for worker in [w for w in self._serving(step.layer) if w not in called]:
+            self.members.send(worker, release)
 
-    def _decode_place(self, step: Step, experts: list[int], prediction, hedges) -> dict[int, int]:
+    def _decode_place(self, step: Step, experts: list[int], prediction: Prediction | None) -> dict[int, int]:
         """Where the shadow's (union) prediction preloaded, the misses repaired (Topology)."""
         predicted = prediction.experts if prediction is not None else []
+        hedges = prediction.hedges if prediction is not None else []
         try:
             return self.topology.repair_placement(step.layer, predicted, experts, self.members.live, hedges)
         except LayerUnavailable as exc:
             raise WorkerUnavailable(str(exc)) from None
 
     def _exchange_many(
-        self,
-        step: Step,
-        users: dict[int, list[tuple[int, torch.Tensor]]],
-        placement: dict[int, int],
-        grouped: list[int],
-        clock: _LayerClock,
-        releasing: bool,
-    ) -> list[_BatchCall]:
+        self, x: DecodeExchange, placement: dict[int, int], grouped: list[int], releasing: bool
+    ) -> list[BatchCall]:
         """One ComputeExperts per worker, gathered; what a lost worker owed is re-sent elsewhere."""
+        step, users, clock = x.step, x.users, x.clock
         by_worker: dict[int, list[int]] = {}
         for expert in sorted(users):
             by_worker.setdefault(placement[expert], []).append(expert)
@@ -573,7 +392,7 @@ class RemoteExperts:
                 if result is not None:
                     clock.answered, clock.worker_s = arrived, result.handled_s
             if lost:
-                calls += self._resend_many(step, calls, set(lost), users, grouped)
+                calls += self._resend_many(x, calls, set(lost), grouped)
             elif time.monotonic() >= deadline and any(not c.done for c in owing):
                 # the per-call deadline: alive by heartbeat, yet silent (a frozen process)
                 silent = {c.worker for c in owing if not c.done}
@@ -581,7 +400,7 @@ class RemoteExperts:
                     self.members.mark_lost(
                         worker, f"no answer for layer {step.layer} within {self.timeout_s:g}s"
                     )
-                calls += self._resend_many(step, calls, silent, users, grouped)
+                calls += self._resend_many(x, calls, silent, grouped)
                 deadline = time.monotonic() + self.timeout_s
         return [c for c in calls if c.done]
 
@@ -592,7 +411,7 @@ class RemoteExperts:
 
     def _send_many(
         self, step: Step, worker: int, experts: list[int], users, grouped, frames=None, releases: bool = False
-    ) -> _BatchCall:
+    ) -> BatchCall:
         """Send one worker its experts' rows. A worker that cannot take them is lost, and they go to
         its replacement (as one call: the replacement is one worker)."""
         frames = frames or self._encode_many(step, experts, users, grouped, False)
@@ -600,15 +419,15 @@ class RemoteExperts:
             self.members.mark_lost(worker, "cannot take messages")
             worker = self._replacement(step, dict.fromkeys(experts, worker))[experts[0]]
             frames, releases = self._encode_many(step, experts, users, grouped, False), False
-        for expert in experts:
-            self.tracer.message("main", "compute", step, expert, sent=True)
-        return _BatchCall(worker, list(experts), releases)
+        self.observe.sent(step, experts)
+        return BatchCall(worker, list(experts), releases)
 
     def _resend_many(
-        self, step: Step, calls: list[_BatchCall], lost: set[int], users, grouped
-    ) -> list[_BatchCall]:
+        self, x: DecodeExchange, calls: list[BatchCall], lost: set[int], grouped
+    ) -> list[BatchCall]:
         """Re-place and re-send the experts of every unanswered call on a lost worker; a re-sent
         call never releases (its new worker gets a Release after the layer if it got no call)."""
+        step, users = x.step, x.users
         owed = {e: c.worker for c in calls if not c.done and c.worker in lost for e in c.experts}
         if not owed:
             return []
@@ -621,13 +440,13 @@ class RemoteExperts:
             by_worker.setdefault(new[expert], []).append(expert)
         resent = [self._send_many(step, w, es, users, grouped) for w, es in by_worker.items()]
         for b in {b for e in owed for b, _ in users[e]}:  # every request whose rows went again
-            self._resent[b] = self._resent.get(b, 0) + 1
+            x.resent[b] = x.resent.get(b, 0) + 1
         log.info(
             "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
         )
         return resent
 
-    def _take_many(self, step: Step, calls: list[_BatchCall], worker: int, frames) -> ExpertsResult | None:
+    def _take_many(self, step: Step, calls: list[BatchCall], worker: int, frames) -> ExpertsResult | None:
         """Record one answer if it is one this layer waits for, from the worker its call is on."""
         try:
             result, tensors = from_frames(frames)
@@ -652,39 +471,27 @@ class RemoteExperts:
         ):
             self.dropped.drop(f"worker {worker} answered experts {call.experts} with malformed rows")
             return None
-        for expert in call.experts:
-            self.tracer.message("main", "result", step, expert, sent=False)
+        self.observe.answered(step, call.experts)
         if result.cache:
             self.cache_reports[worker] = result.cache
         call.answer = (result, tensors)
         return result
 
-    def _split_answers(
-        self, calls: list[_BatchCall], users, batch: list[DecodeRows]
-    ) -> list[dict[int, torch.Tensor]]:
-        """Each request's outputs by expert, cut from the answers' segments; its share of each
-        expert's cost goes to its traffic."""
-        outputs: list[dict[int, torch.Tensor]] = [{} for _ in batch]
-        for b, count in self._resent.items():
-            batch[b].ctx.traffic.resent += count
-        self._resent = {}
-        for call in calls:
+    def _split_answers(self, x: DecodeExchange) -> list[dict[int, torch.Tensor]]:
+        """Each request's outputs by expert, cut from the answers' segments."""
+        outputs: list[dict[int, torch.Tensor]] = [{} for _ in x.batch]
+        for call in x.calls:
+            assert call.answer is not None  # _exchange_many returns the answered calls
             result, tensors = call.answer
             for i, expert in enumerate(result.experts):
-                segments = users[expert]
-                sizes = [x.shape[0] for _, x in segments]
+                segments = x.users[expert]
+                sizes = [rows.shape[0] for _, rows in segments]
                 if tensors[i].shape[0] != sum(sizes):
                     got = tensors[i].shape[0]
                     raise WorkerFailed(f"worker {call.worker} answered expert {expert} with {got} rows")
                 pieces = torch.split(tensors[i], sizes) if len(sizes) > 1 else (tensors[i],)
                 for (b, _), y in zip(segments, pieces, strict=True):
                     outputs[b][expert] = y
-                    t = batch[b].ctx.traffic
-                    t.add_share(result, i, 1, len(segments))
-                    t.preloaded += result.preloaded[i]
-                    t.reloads += not result.preloaded[i]
-                    if len(result.hedges) == 3:
-                        t.hedging[call.worker] = result.hedges
         return outputs
 
     def _serving(self, layer: int) -> list[int]:
@@ -696,14 +503,14 @@ class RemoteExperts:
     # -- prefill's per-expert calls --------------------------------------------------------------
     def _exchange(
         self,
-        ctx: RunContext,
-        step: Step,
+        x: PrefillExchange,
         rows: dict[int, torch.Tensor],
         placement: dict[int, int],
-        clock: _LayerClock,
+        clock: LayerClock,
         grouped: list[int],
     ) -> dict[int, torch.Tensor]:
         """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
+        step = x.step
         # Every call is encoded before the first one leaves (see _exchange_many).
         messages = {e: self._encode(step, e, x, grouped) for e, x in rows.items()}
         clock.sending = time.perf_counter()
@@ -712,9 +519,9 @@ class RemoteExperts:
         while not all(c.done for c in calls.values()):
             received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
             for worker, frames in received:
-                self._take(ctx, step, calls, worker, frames)
+                self._take(x, calls, worker, frames)
             if lost:
-                self._resend(ctx, step, calls, set(lost), grouped)
+                self._resend(x, calls, set(lost), grouped)
             if time.monotonic() >= deadline and not all(c.done for c in calls.values()):
                 # the per-call deadline: alive by heartbeat, yet silent (a frozen process)
                 silent = {c.worker for c in calls.values() if not c.done}
@@ -722,7 +529,7 @@ class RemoteExperts:
                     self.members.mark_lost(
                         worker, f"no answer for layer {step.layer} within {self.timeout_s:g}s"
                     )
-                self._resend(ctx, step, calls, silent, grouped)
+                self._resend(x, calls, silent, grouped)
                 deadline = time.monotonic() + self.timeout_s
         return {
             e: torch.cat([c.parts[i] for i in sorted(c.parts)]) if len(c.parts) > 1 else c.parts[0]
@@ -770,7 +577,7 @@ class RemoteExperts:
                 break
             self.members.mark_lost(worker, "cannot take messages")
             worker = self._replacement(step, {expert: worker})[expert]
-        self.tracer.message("main", "compute", step, expert, sent=True)
+        self.observe.sent(step, [expert])
         per_part = len(messages) > 1 and self.prefill.compute_per_mini_batch
         return _Call(worker, x, len(messages) if per_part else 1)
 
@@ -780,20 +587,21 @@ class RemoteExperts:
         except LayerUnavailable as exc:
             raise WorkerUnavailable(f"{exc}; request {step.request} cannot go on") from None
 
-    def _resend(self, ctx: RunContext, step: Step, calls: dict[int, _Call], lost: set[int], grouped) -> None:
-        owed = owed_calls(calls, lost)
+    def _resend(self, x: PrefillExchange, calls: dict[int, _Call], lost: set[int], grouped) -> None:
+        step, owed = x.step, owed_calls(calls, lost)
         if not owed:
             return
         new = self._replacement(step, owed)
         for e in owed:
             calls[e] = self._send(step, e, calls[e].rows, new[e], grouped)
-            ctx.traffic.resent += 1
+            x.resent += 1
         log.info(
             "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
         )
 
-    def _take(self, ctx: RunContext, step: Step, calls: dict[int, _Call], worker: int, frames) -> None:
+    def _take(self, x: PrefillExchange, calls: dict[int, _Call], worker: int, frames) -> None:
         """Record one answer if it is one this step is waiting for, from the worker it is placed on."""
+        step = x.step
         try:
             result, tensors = from_frames(frames)
         except CodecError as exc:
@@ -810,10 +618,10 @@ class RemoteExperts:
         if len(tensors) != 1 or tensors[0].dim() != 2 or (n is not None and tensors[0].shape[0] != n):
             self.dropped.drop(f"worker {worker} answered expert {result.expert} with malformed rows")
             return
-        self.tracer.message("main", "result", step, result.expert, sent=False)
+        self.observe.answered(step, [result.expert])
         if result.cache:
             self.cache_reports[worker] = result.cache
-        ctx.traffic.add(result)
+        x.answers.append(result)
         call.parts[result.part] = tensors[0]
 
     # -- stats ---------------------------------------------------------------------------------
@@ -843,13 +651,13 @@ class RemoteExperts:
         self.members.close()
 
 
-def _requests_choice(prediction: Prediction | None, request: str) -> list[int] | None:
-    """What the shadow predicted for this request (None: no prediction for it arrived in time)."""
-    if prediction is None:
-        return None
-    if not prediction.requests:
-        return prediction.experts  # one request alone
-    try:
-        return prediction.request_experts[prediction.requests.index(request)]
-    except (ValueError, IndexError):
-        return None
+def _rows_by_expert(batch: list[DecodeRows]) -> dict[int, list[tuple[int, torch.Tensor]]]:
+    """expert -> [(request index, its rows of that expert)], requests in batch order; a lossy
+    policy's stand-in is computed (and sent) in place of the missing expert."""
+    users: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    for b, rows in enumerate(batch):
+        one = rows.hidden.shape[0] == 1
+        for group in rows.groups:
+            x = rows.hidden if one else rows.hidden[group.token_idx]
+            users.setdefault(rows.computed(group.expert), []).append((b, x))
+    return users

@@ -8,11 +8,14 @@ requests shared (an expert loaded once for all of them) are this request's share
 
 from __future__ import annotations
 
+from dataclasses import asdict
+
 from odmoe.device_slots import device_peak_bytes
+from odmoe.expert_traffic import ExpertTraffic
 from odmoe.main_model import MainModel
 from odmoe.memory import peak_rss_bytes
 from odmoe.recall import RecallCounter
-from odmoe.remote_experts import ExpertTraffic, RemoteExperts
+from odmoe.remote_experts import RemoteExperts
 from odmoe.request_run import RequestRun
 
 
@@ -51,7 +54,7 @@ def request_stats(
             "shadow": _shadow_peak(experts, run.request_id),
             **{f"worker{w}": b for w, b in sorted(traffic.worker_device_peak.items())},
         },
-        "decode": {**traffic.decode, "seconds": decode_s, "tokens": decode_tokens},
+        "decode": {**asdict(traffic.decode), "seconds": decode_s, "tokens": decode_tokens},
         # continuous batching: how many requests decoded together with this one, per iteration
         "batch_size_mean": sum(run.batch_sizes) / len(run.batch_sizes) if run.batch_sizes else 0.0,
         "batch_size_max": max(run.batch_sizes, default=0),
@@ -63,7 +66,7 @@ def request_stats(
         "prefill": prefill_stats(traffic, first - run.start),
         "recall": recall.report(),
         "timely_recall": traffic.timely_recall.report(),
-        "per_worker": {f"worker{w}": row for w, row in sorted(traffic.per_worker.items())},
+        "per_worker": {f"worker{w}": asdict(row) for w, row in sorted(traffic.per_worker.items())},
         "preloaded": traffic.preloaded,
         "reloads": traffic.reloads,
         "stall_s": sum(traffic.stall_s_per_layer.values()),
@@ -126,14 +129,14 @@ def prefill_stats(t: ExpertTraffic, ttft: float) -> dict:
     """TTFT split: main's own work, and the time it waited on workers split into the busiest
     worker's loading + computing (the critical path) and the rest (transfer and queueing)."""
     p = t.prefill
-    per_layer = p["experts_per_layer"]
+    per_layer = p.experts_per_layer
     return {
-        "main_s": ttft - p["wait_s"],
-        "wait_on_workers_s": p["wait_s"],
-        "critical_load_compute_s": p["critical_s"],
-        "transfer_s": max(p["wait_s"] - p["critical_s"], 0.0),
-        "load_s": p["load_s"],
-        "compute_s": p["compute_s"],
+        "main_s": ttft - p.wait_s,
+        "wait_on_workers_s": p.wait_s,
+        "critical_load_compute_s": p.critical_s,
+        "transfer_s": max(p.wait_s - p.critical_s, 0.0),
+        "load_s": p.load_s,
+        "compute_s": p.compute_s,
         "experts_per_layer": per_layer,
         "experts_per_layer_mean": sum(per_layer.values()) / len(per_layer) if per_layer else 0.0,
     }
