@@ -26,8 +26,8 @@ def cluster_words(cfg: BenchConfig, *extra: str) -> list[str]:
         f"cluster.workers={cfg.cluster.workers}",
         f"cluster.group_size={cfg.cluster.group_size}",
         f"shadow.precision={cfg.cluster.shadow_precision}",
-        f"worker.link.bandwidth_gbps={cfg.link.bandwidth_gbps}",
-        f"worker.link.latency_ms={cfg.link.latency_ms}",
+        f"emulation.link.bandwidth_gbps={cfg.link.bandwidth_gbps}",
+        f"emulation.link.latency_ms={cfg.link.latency_ms}",
         *cfg.cluster.overrides,
         *extra,
     ]

@@ -197,12 +197,14 @@ INTRO = """# Configuration reference
 Every key `odmoe-launch` takes (`key=value` on its command line, or
 `LocalCluster(overrides=[...])`), generated when the docs are built from the schema
 `odmoe.config.OdmoeConfig` (`odmoe/config.py`) by `docs/gen_config_reference.py`, so it lists
-exactly what the code accepts. *default* is the schema's; *odmoe-launch* is what the YAML files of
-`conf/` set instead, where they differ (the group options `conf/config.yaml` starts from:
-`role=local`, `cluster=local`, `model=default`, ...). Other group options (`cluster=lan_example`,
-`preset=paper`, `ablation=caseN`, `role=main|worker|shadow|ray`) set keys of their own; a key given
-on the command line wins over all of them, and a misspelt key fails at once. The meaning is the
-comment beside the field in the schema's source (else in the default YAML file).
+exactly what the code accepts. *default* is the schema's, the one place defaults are written (and
+`LocalCluster`'s); *odmoe-launch* is what `conf/` sets instead, where it differs: `conf/config.yaml`
+itself (`model.path=demo`) and the group options it starts from (`role=local`, `cluster=local`).
+Other group options (`cluster=lan_example`, `preset=paper`, `ablation=caseN`,
+`role=main|worker|shadow|ray`) set keys of their own; a key given on the command line wins over all
+of them, and a misspelt key fails at once. The `emulation` and `fault` sections are for tests and
+benchmarks, not for production. The meaning is the comment beside the field in the schema's source
+(else in the YAML file that sets it).
 """
 
 

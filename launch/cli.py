@@ -28,8 +28,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from odmoe.config import exposed_hosts
 from odmoe.launch.settings import to_config
+from odmoe.validation import exposed_hosts
 
 log = logging.getLogger("odmoe.launch")
 BAD_INPUT = 2

@@ -41,7 +41,7 @@ from pathlib import Path
 
 from odmoe.checkpoint import Checkpoint
 from odmoe.client import Client
-from odmoe.config import OdmoeConfig
+from odmoe.config import ModelConfig, OdmoeConfig
 from odmoe.launch.settings import compose
 from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent, popen_node  # noqa: F401 - re-exported
 from odmoe.model_names import resolve_model
@@ -94,10 +94,10 @@ class LocalCluster:
         words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
         if not any(w.startswith("server.http_port=") for w in words):
             words.append("server.http_port=0")  # any free port: clusters side by side never collide
-        # The library's default is the fast random-init `tiny` model, not odmoe-launch's `demo`
-        # (which trains for minutes on first use): tests and benchmarks start clusters this way.
+        # The schema's model (`tiny`, random init, made in a second), not the `demo` that odmoe-launch's
+        # conf/config.yaml sets (trained for minutes on first use): tests and benchmarks start clusters so.
         if model_path is None and not any(w.startswith("model.path=") for w in words):
-            model_path = "tiny"
+            model_path = ModelConfig().path
         if model_path is not None:
             words.append(f"model.path={model_path}")
         if workers is not None:

@@ -13,7 +13,8 @@ from hydra.core.global_hydra import GlobalHydra
 from hydra.initialize import get_gh_backup, restore_gh_from_backup
 from omegaconf import DictConfig, OmegaConf
 
-from odmoe.config import OdmoeConfig, validate
+from odmoe.config import OdmoeConfig
+from odmoe.validation import validate
 
 CONFIG_MODULE = "odmoe.conf"
 ConfigStore.instance().store(name="odmoe_schema", node=OdmoeConfig)

@@ -133,7 +133,7 @@ class _Choice:
 
 class ShadowNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
-        self.cfg, self.scfg = cfg, cfg.shadow
+        self.cfg, self.scfg, self.emulation = cfg, cfg.shadow, cfg.emulation
         self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size)
         self.alignment = cfg.alignment
         self.first_wait = make_plan(cfg.alignment).next_after(0)  # main's plan says the same
@@ -272,10 +272,18 @@ class ShadowNode:
             self._layer_since_us = now
 
     def _inject(self, experts: list[int]) -> list[int]:
-        """Fault injection: replace each predicted expert, with probability inject_wrong, by a wrong one."""
-        if self.scfg.inject_wrong <= 0:
+        """Fault injection: replace each predicted expert, with probability emulation.inject_wrong, by a
+        wrong one."""
+        if self.emulation.inject_wrong <= 0:
             return experts
-        return wrong_experts(experts, self.scfg.inject_wrong, self.num_experts, self.rng)
+        return wrong_experts(experts, self.emulation.inject_wrong, self.num_experts, self.rng)
+
+    def _inject_token(self, token: int) -> int:
+        """Fault injection: with probability emulation.inject_wrong_token, any other token."""
+        rate = self.emulation.inject_wrong_token
+        if rate > 0 and self.rng.random() < rate:
+            return (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+        return token
 
     # -- control -----------------------------------------------------------------------------
     def _next_control(self, block: bool):
@@ -502,9 +510,7 @@ class ShadowNode:
             return
         share = (time.perf_counter() - start) / len(runs)
         for run in runs:
-            token = own[run.request]
-            if self.scfg.inject_wrong_token > 0 and self.rng.random() < self.scfg.inject_wrong_token:
-                token = (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
+            token = self._inject_token(own[run.request])
             run.forward_s += share
             self._ran(run, (tokens[run.request], token))
         self._forget_before(tick)
@@ -566,9 +572,7 @@ class ShadowNode:
             use_cache=True,
             logits_to_keep=1,
         ).logits
-        own = int(logits[0, -1].argmax())
-        if self.scfg.inject_wrong_token > 0 and self.rng.random() < self.scfg.inject_wrong_token:
-            own = (own + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size  # any other
+        own = self._inject_token(int(logits[0, -1].argmax()))
         return (token, own)
 
     def _ran(self, run: _Run, fed_and_own: tuple[int, int]) -> None:

@@ -1,31 +1,40 @@
 """Typed configuration: the schema Hydra fills (launch/ reads YAML; nothing else here imports Hydra).
 
 Every knob a user can set on the command line (`cluster.workers=4`) or in `LocalCluster(overrides=...)`
-is a field below; `validate` turns bad combinations into one readable error before any process starts.
+is a field below; `odmoe.validation.validate` turns bad combinations into one readable error before
+any process starts. This module is the schema alone: every part of odmoe may import it, and it imports
+nothing of theirs but the pure placement rule and the miss policy's own dataclass.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 from dataclasses import dataclass, field
 
-from odmoe.alignment import make_plan
 from odmoe.miss_policy import MissConfig
 from odmoe.placement import Topology
-from odmoe.speculation import Speculation
+
+log = logging.getLogger("odmoe.config")
 
 ROLES = ("local", "main", "worker", "shadow", "ray")
 
 
 @dataclass
 class RoleConfig:
-    name: str = "local"
+    name: str = "local"  # local (every node on this machine) | main | worker | shadow | ray
 
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # a directory, or demo / tiny / trained / trained_deepseek (None: tiny)
+    # A local Hugging Face MoE checkpoint directory, or one of odmoe's own models, made on first use
+    # under cache_dir: tiny (random init, made in a second: the library's default, so LocalCluster's,
+    # the tests' and the protocol benchmarks'), demo (a small Mixtral trained on the Python standard
+    # library, ~2 min on 2 cores, once: odmoe-launch's default, set in conf/config.yaml),
+    # trained, trained_deepseek, trained_qwen3_next. null means tiny; write ./demo for a directory named demo.
+    path: str | None = "tiny"
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
-    cache_dir: str | None = None  # default ~/.cache/odmoe/models
+    cache_dir: str | None = None  # where odmoe's own models are made (null: ~/.cache/odmoe/models)
     # Where main computes (embeddings, attention + KV cache, routers, shared experts, lm_head):
     # cpu | cuda | cuda:<i>. The shadow's is shadow.device, each worker's worker.device.
     device: str = "cpu"
@@ -33,8 +42,8 @@ class ModelConfig:
 
 @dataclass
 class ClusterConfig:
-    workers: int = 2
-    group_size: int = 2
+    workers: int = 2  # worker nodes; a multiple of group_size
+    group_size: int = 2  # workers per group: a group serves every N-th MoE layer (N = workers / group_size)
     host: str = "127.0.0.1"  # where main's gRPC server and the workers bind
     main_port: int = 0  # 0: any free port (the local launcher learns it from the ready file)
     worker_port: int = 0  # role=worker: port this worker binds (0: any free port)
@@ -49,7 +58,7 @@ class ClusterConfig:
     shadow_address: str = ""  # main connects here to align the shadow ("tcp://host:port")
     shadow_pub_address: str = ""  # predictions are published here; main and workers subscribe
     # Intra-op threads per node process (0: torch's default). Nodes sharing one machine's cores must
-    # not each spin a full thread pool: on 2 cores that made decoding 4-5x slower.
+    # not each spin a full thread pool: on 2 cores that made decoding 4-5x slower (cluster=local sets 1).
     torch_threads: int = 0
     # Where this node runs, as its launcher names it (role=ray: the Ray node and its IP). Only shown:
     # main's Info lists every node's (a worker's from its Pong, the shadow's from its start or Join).
@@ -66,8 +75,33 @@ class ClusterConfig:
 
 @dataclass
 class LinkConfig:
-    bandwidth_gbps: float = 0.0  # emulated host->device link for expert loads (0 with latency 0: off)
-    latency_ms: float = 0.0
+    """An emulated host->device link for expert loads: each load takes at least latency_ms +
+    bytes / bandwidth_gbps (odmoe.expert_store.Link); off at 0/0, and a request's stats say when on."""
+
+    bandwidth_gbps: float = 0.0  # Gbit/s (0 with latency_ms 0: off)
+    latency_ms: float = 0.0  # added to every load
+
+
+@dataclass
+class LinkAlias:
+    """Deprecated: worker.link.* is emulation.link.* (None: not given)."""
+
+    bandwidth_gbps: float | None = None  # deprecated: emulation.link.bandwidth_gbps
+    latency_ms: float | None = None  # deprecated: emulation.link.latency_ms
+
+
+@dataclass
+class EmulationConfig:
+    """For tests and benchmarks, not for production: knobs that make a cluster slower or its
+    predictions wrong on purpose, to measure what that costs or to test what odmoe does then. The
+    `fault` section (a node killing or freezing itself at a chosen point) is the other such group."""
+
+    inject_wrong: float = 0.0  # this fraction of the shadow's predicted experts is made wrong (misses)
+    inject_wrong_token: float = 0.0  # this fraction of the shadow's own next tokens is made wrong (rollbacks)
+    # Benchmark baseline, not OD-MoE: keep every expert on the device (no loads): the cost of being
+    # cacheless, isolated. Predictions are then ignored.
+    resident: bool = False
+    link: LinkConfig = field(default_factory=LinkConfig)
 
 
 @dataclass
@@ -81,14 +115,12 @@ class WorkerConfig:
     # With only_own_layers: each layer is stored by this many groups (its own + the next R-1), so the
     # loss of a whole group is survived when R >= 2. Ignored otherwise (every worker stores every layer).
     replicas: int = 1
-    # Benchmark baseline, not OD-MoE: keep every expert on the device (no loads): the cost of being
-    # cacheless, isolated. Predictions are then ignored.
-    resident: bool = False
+    resident: bool | None = None  # deprecated: emulation.resident
     ready_timeout_s: float = 120.0  # how long the launcher waits for a node to come up
     # Per-call deadline: a worker alive by heartbeat that has not answered a call for this long (a
     # frozen process) is counted as lost and its calls re-sent. Loads over a slow link must fit in it.
     reply_timeout_s: float = 60.0
-    link: LinkConfig = field(default_factory=LinkConfig)
+    link: LinkAlias = field(default_factory=LinkAlias)  # deprecated: emulation.link
     # Where experts rest (odmoe.expert_store): memory (decompressed in host memory) | compressed
     # (lossless: entropy-coded exponents + raw sign/mantissa, in host memory) | disk (read on each load:
     # the pack file when there is one, else the checkpoint's safetensors).
@@ -127,16 +159,16 @@ class PrefillConfig:
 
 @dataclass
 class ShadowConfig:
-    enabled: bool = True
+    enabled: bool = True  # false: no shadow, every expert is loaded after routing (ablation case 6)
     mode: str = "emulate"  # emulate: a copy of the model predicts; random: random experts (case 5)
     precision: str = "fp32"  # fp32 / bf16 / fp16 / int8 / nf4 (bitsandbytes) / int8_dynamic (fast CPU int8)
     device: str = "cpu"  # cpu | cuda | cuda:<i> (bitsandbytes int8/nf4 are meant for cuda)
-    inject_wrong: float = 0.0  # fault injection: this fraction of predicted experts is made wrong
-    inject_wrong_token: float = 0.0  # fault injection: this fraction of the shadow's own tokens is made wrong
+    inject_wrong: float | None = None  # deprecated: emulation.inject_wrong
+    inject_wrong_token: float | None = None  # deprecated: emulation.inject_wrong_token
     # hedged prefetch (odmoe.hedging): also preload the (k+1)-th expert when its router score is within
     # this of the k-th's (0: off); it needs a spare slot (worker.slots above what lookahead fills)
     hedge_margin: float = 0.0
-    seed: int = 0
+    seed: int = 0  # of the random choices: mode=random's experts, emulation.inject_wrong*
     # Scheduling priority of the shadow process (an os.nice increment, 0..19). On cores it shares
     # with main and the workers, a niced shadow runs on the time they leave idle (main waiting on
     # workers, workers waiting on main) instead of taking it from them; on a box of its own it is moot.
@@ -153,14 +185,14 @@ class AlignmentConfig:
     # speculative is the default (timely recall 0.994 against wait's 0.80: suite=lookahead);
     # preset=paper sets wait.
     mode: str = "speculative"
-    max_ahead: int = 2
+    max_ahead: int = 2  # speculative: at most this many iterations ahead of main's newest report
     # tune: main adapts both periods per request (odmoe.alignment.PeriodTuner): +1 after grow_after
     # windows whose wrong predictions stay within tolerance, halved after one that does not
     tune: bool = False
-    min_period: int = 1
-    max_period: int = 16
-    tolerance: float = 0.02
-    grow_after: int = 2
+    min_period: int = 1  # tune: the periods stay within [min_period, max_period]
+    max_period: int = 16  # tune: see min_period
+    tolerance: float = 0.02  # tune: a window with more wrong predictions than this halves the periods
+    grow_after: int = 2  # tune: this many clean windows in a row widen them by one
 
 
 @dataclass
@@ -221,9 +253,10 @@ class RayConfig:
 @dataclass
 class SecurityConfig:
     """Who may talk to the cluster (odmoe/security.py): CurveZMQ between nodes, TLS + a bearer token
-    for clients. On unless enabled=false; role=local makes its own keys."""
+    for clients. On unless enabled=false; role=local makes its own keys. On a LAN: `odmoe-keys init
+    DIR`, then security.key_dir=DIR."""
 
-    enabled: bool = True
+    enabled: bool = True  # authenticated, encrypted transport between nodes and for clients
     key_dir: str = ""  # what `odmoe-keys init DIR` made (role=local: a scratch copy, made at start)
     key_name: str = ""  # this node's key in key_dir ("": main / shadow / worker<i> by role)
     # With enabled=false a node still refuses a non-loopback address unless this says so (it then
@@ -241,8 +274,10 @@ FAULT_ACTIONS = ("kill", "stop", "raise")
 
 @dataclass
 class FaultConfig:
-    """Fault injection (tests, odmoe-bench suite=faults): the node named here kills or freezes
-    itself when it reaches the given point, so a failure lands exactly there."""
+    """Fault injection, for tests and benchmarks (odmoe-bench suite=faults), not for production: the
+    node named here kills or freezes itself when it reaches the given point, so a failure lands exactly
+    there, e.g. fault.node=worker1 fault.action=kill fault.iteration=10 fault.layer=2. The
+    `emulation` section holds the other test and benchmark knobs."""
 
     node: str = ""  # "main" | "shadow" | "worker<i>"; "" = no fault
     action: str = "kill"  # kill (SIGKILL) | stop (SIGSTOP) | raise (an unexpected error there)
@@ -264,7 +299,8 @@ class OdmoeConfig:
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     failover: FailoverConfig = field(default_factory=FailoverConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)
+    fault: FaultConfig = field(default_factory=FaultConfig)  # tests and benchmarks only
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)  # tests and benchmarks only
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     miss: MissConfig = field(default_factory=MissConfig)  # what a missed prediction costs: time or exactness
@@ -273,11 +309,12 @@ class OdmoeConfig:
     # role=local: keep the cluster serving (gRPC + the OpenAI-compatible API on server.http_port) until
     # Ctrl-C instead of answering `prompt` and stopping.
     serve: bool = False
+    # role=local: the text to continue (odmoe-launch's --prompt / --prompt-file take any text as it is)
     prompt: str = "def fibonacci(n):"
-    max_new_tokens: int = 32
+    max_new_tokens: int = 32  # role=local: how many tokens to generate for prompt
     ready_file: str | None = None  # a node writes {"address": ...} here once it serves
     trace_dir: str | None = None  # every node appends its timeline spans here (odmoe.trace); off when null
-    log_level: str = "INFO"
+    log_level: str = "INFO"  # every node's logging level (DEBUG, INFO, WARNING, ...)
 
     @property
     def topology(self) -> Topology:
@@ -286,129 +323,39 @@ class OdmoeConfig:
         return Topology(self.cluster.workers, self.cluster.group_size, replicas, homes)
 
 
-def validate(cfg: OdmoeConfig) -> None:
-    if cfg.role.name not in ROLES:
-        raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
-    if cfg.worker.replicas < 1:
-        raise ValueError(f"worker.replicas must be at least 1, got {cfg.worker.replicas}")
-    from odmoe.expert_cache import CACHE_POLICIES, check_cache_spec
-
-    check_cache_spec(cfg.worker.cache)
-    if cfg.worker.cache_policy not in CACHE_POLICIES:
-        raise ValueError(f"worker.cache_policy={cfg.worker.cache_policy!r} is not one of {CACHE_POLICIES}")
-    cfg.topology  # noqa: B018 - raises on a workers/group_size mismatch or too many replicas
-    if cfg.fault.node and cfg.fault.action not in FAULT_ACTIONS:
-        raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")
-    if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
-        raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
-    if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
-        raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
-    if cfg.server.max_running < 1:
-        raise ValueError(f"server.max_running must be >= 1, got {cfg.server.max_running}")
-    if cfg.prefill.chunk_tokens < 0:
-        raise ValueError(f"prefill.chunk_tokens must be >= 0 (0: off), got {cfg.prefill.chunk_tokens}")
-    if not 0 <= cfg.server.http_port < 65536:
-        raise ValueError(f"server.http_port must lie in [0, 65535], got {cfg.server.http_port}")
-    if cfg.worker.slots < 1:
-        raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
-    from odmoe.expert_store import STORES
-    from odmoe.memory import parse_bytes
-
-    if cfg.worker.store not in STORES:
-        raise ValueError(f"worker.store={cfg.worker.store!r} is not one of {', '.join(STORES)}")
-    try:
-        parse_bytes(cfg.worker.host_memory)
-    except ValueError as exc:
-        raise ValueError(f"worker.host_memory: {exc}") from None
-    try:
-        parse_bytes(cfg.server.kv_cache_memory)
-    except ValueError as exc:
-        raise ValueError(f"server.kv_cache_memory: {exc}") from None
-    if cfg.worker.decompress_threads < 1:
-        raise ValueError(f"worker.decompress_threads must be at least 1, got {cfg.worker.decompress_threads}")
-    if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:
-        raise ValueError(f"worker.index={cfg.worker.index} is outside 0..{cfg.cluster.workers - 1}")
-    if cfg.role.name == "main" and len(cfg.cluster.worker_addresses) != cfg.cluster.workers:
-        raise ValueError(
-            f"role=main needs cluster.worker_addresses with {cfg.cluster.workers} entries, "
-            f"got {len(cfg.cluster.worker_addresses)}"
-        )
-    check_device("model.device", cfg.model.device)
-    check_device("shadow.device", cfg.shadow.device)
-    check_device("worker.device", cfg.worker.device, allow_auto=True)
-    if cfg.shadow.precision == "int8_dynamic" and cfg.shadow.device.startswith("cuda"):
-        raise ValueError("shadow.precision=int8_dynamic is torch's CPU int8; on CUDA use int8 or nf4")
-    if cfg.shadow.mode not in SHADOW_MODES:
-        raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
-    for name in ("inject_wrong", "inject_wrong_token"):
-        if not 0.0 <= getattr(cfg.shadow, name) <= 1.0:
-            raise ValueError(f"shadow.{name} must lie in [0, 1], got {getattr(cfg.shadow, name)}")
-    from odmoe.shadow_model import PRECISIONS
-
-    if cfg.shadow.precision not in PRECISIONS:
-        raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
-    cfg.miss.validate()
-    make_plan(cfg.alignment)  # raises on a bad mode, negative periods or bounds
-    if not 0 <= cfg.shadow.nice <= 19:
-        raise ValueError(f"shadow.nice must lie in 0..19 (an os.nice increment), got {cfg.shadow.nice}")
-    if cfg.shadow.hedge_margin < 0:
-        raise ValueError(f"shadow.hedge_margin must be >= 0 (0: off), got {cfg.shadow.hedge_margin}")
-    Speculation(1, cfg.alignment.max_ahead)  # raises on max_ahead < 1
-    if cfg.prefill.mini_batch < 0:
-        raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")
-    if cfg.prefill.placement not in ("modulo", "balanced"):
-        raise ValueError(f"prefill.placement={cfg.prefill.placement!r} is not one of modulo, balanced")
-    _validate_security(cfg)
-    if cfg.role.name == "local":
-        if not cfg.prompt:
-            raise ValueError("prompt is empty")
-        if cfg.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {cfg.max_new_tokens}")
+# (old key, new key): deprecated spellings that still work; `resolve_aliases` moves each to its new key.
+ALIASES = (
+    ("shadow.inject_wrong", "emulation.inject_wrong"),
+    ("shadow.inject_wrong_token", "emulation.inject_wrong_token"),
+    ("worker.resident", "emulation.resident"),
+    ("worker.link.bandwidth_gbps", "emulation.link.bandwidth_gbps"),
+    ("worker.link.latency_ms", "emulation.link.latency_ms"),
+)
 
 
-def check_device(key: str, name: str, allow_auto: bool = False) -> None:
-    """`name` is cpu, cuda or cuda:<i> (or auto where allowed), and CUDA is there when it is asked for."""
-    if allow_auto and name == "auto":
-        return
-    import torch
-
-    try:
-        device = torch.device(name)
-    except (RuntimeError, ValueError):
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"{key}={name!r} is not cpu, cuda or cuda:<i>{' (or auto)' if allow_auto else ''}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"{key}={name} needs CUDA, and this machine's torch sees no CUDA device")
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(f"{key}={name}: only {torch.cuda.device_count()} CUDA device(s) here")
-
-
-def exposed_hosts(cfg: OdmoeConfig) -> list[str]:
-    """The non-loopback addresses this node would bind (empty: loopback only)."""
-    from odmoe.security import is_loopback
-
-    hosts = [cfg.cluster.host]
-    if cfg.role.name in ("main", "local") and cfg.server.http:
-        hosts.append(cfg.server.http_host or cfg.cluster.host)
-    return [h for h in dict.fromkeys(hosts) if not is_loopback(h)]
+def resolve_aliases(cfg: OdmoeConfig) -> None:
+    """Move each deprecated key's value to its new key, with a one-line warning; an old and a new key
+    set to different values is an error (the new key counts as set when it is not the schema's
+    default). Afterwards the old key is None again, so nothing reads it and a second call changes
+    nothing."""
+    schema = OdmoeConfig()
+    for old_key, new_key in ALIASES:
+        old, new = _get(cfg, old_key), _get(cfg, new_key)
+        if old is not None and old != new:
+            if new != _get(schema, new_key):
+                raise ValueError(
+                    f"{old_key}={old} and {new_key}={new} disagree: {old_key} is {new_key}'s old name; "
+                    f"set only {new_key}"
+                )
+            log.warning("%s is deprecated: write %s=%s", old_key, new_key, str(old).lower())
+            _set(cfg, new_key, old)
+        _set(cfg, old_key, None)
 
 
-def _validate_security(cfg: OdmoeConfig) -> None:
-    sec = cfg.security
-    if sec.enabled:
-        if cfg.role.name not in ("local", "ray") and not sec.key_dir:  # those two make their own
-            raise ValueError(
-                f"role={cfg.role.name} with security on needs security.key_dir=DIR (make it once with "
-                "`odmoe-keys init DIR --workers N`, see README: Several machines on a LAN), or "
-                "security.enabled=false on a trusted network"
-            )
-        return
-    if exposed := exposed_hosts(cfg):
-        if not sec.insecure_lan:
-            raise ValueError(
-                f"security.enabled=false would expose {', '.join(exposed)} without authentication: anyone on "
-                "that network could drive the cluster. Turn security on (the default), bind 127.0.0.1, or "
-                "say security.insecure_lan=true"
-            )
+def _get(cfg: object, dotted: str) -> object:
+    return functools.reduce(getattr, dotted.split("."), cfg)
+
+
+def _set(cfg: object, dotted: str, value: object) -> None:
+    parent, _, name = dotted.rpartition(".")
+    setattr(_get(cfg, parent), name, value)

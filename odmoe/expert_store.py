@@ -425,7 +425,7 @@ class ResidentExperts:
     """Every expert stays on the device: nothing is ever loaded or evicted.
 
     Not OD-MoE: the benchmark baseline that keeps the same cluster and protocol but drops the cost
-    of being cacheless (`worker.resident=true`). It answers DeviceSlots' calls, always with a hit.
+    of being cacheless (`emulation.resident=true`). It answers DeviceSlots' calls, always with a hit.
     """
 
     def __init__(self, store: ExpertStore, device: torch.device):

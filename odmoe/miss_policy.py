@@ -33,7 +33,12 @@ POLICIES = ("reload", "buddy", "importance")
 
 @dataclass
 class MissConfig:
-    """The policy and its knobs: Hydra's `miss` group (conf/miss/default.yaml) fills this."""
+    """The policy and its knobs (the `miss.*` keys). reload loads the right expert and waits for
+    it: output identical to transformers. buddy (BuddyMoE) computes a resident buddy of the missing
+    expert instead, when the token's Token Activating Entropy exceeds tau (needs `odmoe-profile MODEL`
+    first). importance replaces a low-score activated expert by a resident inactive one of similar
+    router score. Lossy policies are opt-in: a response that used a substitution says exact=false,
+    substitutions=n."""
 
     policy: str = "reload"  # reload (lossless, the default) | buddy | importance
     budget: int = 2  # substitutions per generated token, over all its layers (0: none)

@@ -285,7 +285,7 @@ def test_a_lossy_policy_decides_per_request_in_a_batch(model_dirs, reap_children
         "miss.policy=importance",
         "miss.importance_alpha=50",
         "miss.budget=8",
-        "shadow.inject_wrong=0.5",
+        "emulation.inject_wrong=0.5",
     ]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         results = run_schedule(cluster, [(0.0, p, 24, 0) for p in range(4)])

@@ -141,7 +141,8 @@ def test_the_shadow_node_hedges_the_best_expert_of_a_near_tied_group_left_out(ro
     node = SimpleNamespace(
         top_k=router.top_k,
         num_experts=router.num_experts if hasattr(router, "num_experts") else router.n_routed_experts,
-        scfg=SimpleNamespace(hedge_margin=100.0, inject_wrong=0.0),
+        scfg=SimpleNamespace(hedge_margin=100.0),
+        emulation=SimpleNamespace(inject_wrong=0.0),
     )
     node._inject = lambda experts: ShadowNode._inject(node, experts)
     torch.manual_seed(3)
@@ -367,7 +368,7 @@ def test_downloaded_v3_is_served_exactly_with_a_quantized_shadow(downloaded_v3, 
         "shadow.precision=int8_dynamic",
         "alignment.token_period=1",
         "alignment.kv_period=1",
-        "shadow.inject_wrong=0.3",
+        "emulation.inject_wrong=0.3",
         "prefill.mini_batch=8",
     ]
     stats = _check_cluster(downloaded_v3, overrides)
@@ -382,7 +383,7 @@ def test_v2_is_served_exactly_with_a_free_running_bf16_shadow(model_dirs, reap_c
         "shadow.precision=bf16",
         "alignment.token_period=2",
         "alignment.kv_period=0",
-        "shadow.inject_wrong=0.3",
+        "emulation.inject_wrong=0.3",
         "prefill.mini_batch=3",
         "prefill.placement=balanced",
     ]

@@ -111,7 +111,7 @@ def test_a_slow_load_is_not_a_lost_worker(model_dirs, reap_children):
     """Each load takes 1.5 s, longer than the heartbeat timeout: the worker is busy, not lost."""
     path = model_dirs["mixtral"]
     want, _ = reference(path, [5], new_tokens=2)
-    words = ["worker.link.latency_ms=1500", "shadow.enabled=false"]
+    words = ["emulation.link.latency_ms=1500", "shadow.enabled=false"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate([5], max_new_tokens=2)
     assert got.token_ids == want

@@ -76,7 +76,7 @@ def test_requests_batched_in_process_equal_alone(model_dirs, family):
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "words",
-    [["preset=paper", "shadow.precision=bf16", "shadow.inject_wrong=0.3"], ["worker.store=compressed"]],
+    [["preset=paper", "shadow.precision=bf16", "emulation.inject_wrong=0.3"], ["worker.store=compressed"]],
     ids=["paper-bf16-shadow", "defaults-compressed"],
 )
 def test_a_cluster_serves_it_exactly(words, model_dirs, family, reap_children):

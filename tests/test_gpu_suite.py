@@ -12,8 +12,9 @@ from transformers import AutoModelForCausalLM
 
 from odmoe.benchmarks.config import BenchConfig, GpuSuite, validate
 from odmoe.checkpoint import Checkpoint
-from odmoe.config import OdmoeConfig, check_device
+from odmoe.config import OdmoeConfig
 from odmoe.model_factory import ModelSpec, make_wide_model
+from odmoe.validation import check_device
 
 DRY = dict(device="cpu", layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512)
 

@@ -52,7 +52,7 @@ def test_a_speculative_shadow_that_rolls_back_changes_no_token(model_dirs, reap_
     """The defaults (speculative alignment) with 30 % of the shadow's own tokens made wrong: it
     rolls back often, rebuilding its hybrid cache each time; main's tokens are the reference's."""
     path = model_dirs["qwen3_next"]
-    words = ["shadow.inject_wrong_token=0.3", "worker.cache=0"]  # cacheless: every prediction is used
+    words = ["emulation.inject_wrong_token=0.3", "worker.cache=0"]  # cacheless: every prediction is used
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         for prompt in PROMPTS[:2]:
             want_ids, want_logits = reference(path, prompt, new_tokens=16)

@@ -1,4 +1,4 @@
-"""Lossy miss policies in real local clusters: every prediction made wrong (shadow.inject_wrong=1.0),
+"""Lossy miss policies in real local clusters: every prediction made wrong (emulation.inject_wrong=1.0),
 so every decode expert is a miss. A substitution happens only where the gates allow (a buddy of the
 missing expert, a low-score expert, within the per-token budget), is counted per layer, and the
 response says so (stats, gRPC, the OpenAI API's `odmoe` field). Gates closed: the tokens are exact."""
@@ -21,7 +21,7 @@ from tests.test_cluster_fidelity import reference
 
 pytestmark = pytest.mark.integration
 PROMPT, NEW = "def fibonacci(n):", 12
-WRONG = ["shadow.inject_wrong=1.0"]
+WRONG = ["emulation.inject_wrong=1.0"]
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 # One cluster per family, each exercising a different precision and alignment, with faults injected.
 CASES = [
-    ("mixtral", ["shadow.precision=int8_dynamic", "shadow.inject_wrong=0.5"]),
+    ("mixtral", ["shadow.precision=int8_dynamic", "emulation.inject_wrong=0.5"]),
     ("qwen2_moe", ["shadow.precision=nf4", "alignment.token_period=2", "alignment.kv_period=4"]),
     pytest.param(
         "qwen3_moe",
@@ -30,7 +30,7 @@ CASES = [
             "shadow.precision=bf16",
             "alignment.token_period=1",
             "alignment.kv_period=0",
-            "shadow.inject_wrong=0.3",
+            "emulation.inject_wrong=0.3",
         ],
     ),
     pytest.param("mixtral", ["ablation=case5"], marks=pytest.mark.extended),
@@ -41,7 +41,7 @@ CASES = [
             "shadow.precision=nf4",
             "alignment.token_period=2",
             "alignment.kv_period=4",
-            "shadow.inject_wrong=0.3",
+            "emulation.inject_wrong=0.3",
         ],
         marks=pytest.mark.slow,
     ),
@@ -51,7 +51,7 @@ CASES = [
             "shadow.precision=int8",
             "alignment.token_period=0",
             "alignment.kv_period=0",
-            "shadow.inject_wrong=0.3",
+            "emulation.inject_wrong=0.3",
         ],
         marks=pytest.mark.slow,
     ),
@@ -127,7 +127,7 @@ def test_injected_wrong_predictions_lower_recall_by_that_fraction(model_dirs, re
         model_dirs["mixtral"],
         workers=2,
         group_size=2,
-        overrides=["shadow.precision=fp32", "shadow.inject_wrong=0.5", "worker.cache=0"],
+        overrides=["shadow.precision=fp32", "emulation.inject_wrong=0.5", "worker.cache=0"],
     ) as c:
         runs = [c.client.generate(p, max_new_tokens=32).stats["recall"] for p in PROMPTS]
     hits = sum(r["overall"] * r["activated"] for r in runs)
@@ -214,7 +214,7 @@ def test_fidelity_matrix(family, precision, model_dirs, reap_children):
         f"shadow.precision={precision}",
         f"alignment.token_period={p}",
         f"alignment.kv_period={q}",
-        "shadow.inject_wrong=0.5",
+        "emulation.inject_wrong=0.5",
         "worker.cache=0",
     ]
     with LocalCluster(path, workers=4, group_size=2, overrides=overrides) as cluster:

@@ -12,18 +12,18 @@ from tests.test_cluster_fidelity import PROMPTS, reference
 
 pytestmark = pytest.mark.integration
 
-SPECULATIVE = ["alignment.mode=speculative", "shadow.inject_wrong_token=0.3", "shadow.inject_wrong=0.2"]
+SPECULATIVE = ["alignment.mode=speculative", "emulation.inject_wrong_token=0.3", "emulation.inject_wrong=0.2"]
 HEDGED = [
     "shadow.hedge_margin=0.2",
     "worker.slots=3",
     "shadow.precision=int8_dynamic",
-    "shadow.inject_wrong=0.3",
+    "emulation.inject_wrong=0.3",
 ]
 TUNED = [
     "alignment.tune=true",
     "alignment.max_period=4",
-    "shadow.inject_wrong_token=0.2",
-    "shadow.inject_wrong=0.2",
+    "emulation.inject_wrong_token=0.2",
+    "emulation.inject_wrong=0.2",
 ]
 MODES = {"speculative": SPECULATIVE, "hedged": HEDGED + ["alignment.mode=speculative"], "tuned": TUNED}
 

@@ -91,7 +91,7 @@ def _measure(cfg, model_path, system, per_worker, expert_bytes, prompts, new_tok
     extra = {
         "odmoe": [f"worker.cache={per_worker}", "worker.cache_policy=prediction"],
         "odmoe_lru": [f"worker.cache={per_worker}", "worker.cache_policy=lru"],
-        "resident_workers": ["worker.resident=true", "shadow.enabled=false"],
+        "resident_workers": ["emulation.resident=true", "shadow.enabled=false"],
     }[system]
     run = run_cluster(model_path, cluster_words(cfg, *extra, *cfg.cache.overrides), prompts, new_tokens)
     s = run.stats

@@ -9,7 +9,7 @@ Measured in one run, on one machine, so the figures can be set against each othe
    as main and a worker do), each plain and with CURVE. Variants are interleaved round by round so
    load on the machine hits all of them alike; medians count.
 2. codec: encoding and decoding each message in-process, microseconds.
-3. layers: a resident-experts local cluster (`worker.resident=true`, no shadow: nothing is loaded,
+3. layers: a resident-experts local cluster (`emulation.resident=true`, no shadow: nothing is loaded,
    so what remains is the data plane), security on and off, against the same model in this process
    through transformers' `generate()` (one torch thread, as every cluster node has). Per decode
    layer: (cluster's decode seconds per token - the reference's) / MoE layers. Requests are
@@ -373,7 +373,7 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
             on = "true" if system == "security_on" else "false"
             words = cluster_words(
                 cfg,
-                "worker.resident=true",
+                "emulation.resident=true",
                 "shadow.enabled=false",
                 f"security.enabled={on}",
                 *(["cluster.spread_workers=true"] if suite.spread else []),

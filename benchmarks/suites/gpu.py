@@ -99,8 +99,8 @@ def cluster_words(g: GpuSuite) -> list[str]:
         f"cluster.group_size={g.group_size}",
         f"worker.slots={g.slots}",
         "worker.only_own_layers=true",  # each worker pins only its group's layers in host memory
-        "worker.link.bandwidth_gbps=0",  # the real bus, not an emulated link
-        "worker.link.latency_ms=0",
+        "emulation.link.bandwidth_gbps=0",  # the real bus, not an emulated link
+        "emulation.link.latency_ms=0",
         "worker.ready_timeout_s=900",  # a worker reads and pins GBs of experts before it serves
         "worker.reply_timeout_s=300",
         "cluster.torch_threads=2",

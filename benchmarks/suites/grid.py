@@ -33,7 +33,7 @@ from odmoe.pipeline_sim import PipelineParams, simulate
 
 CLUSTER_SYSTEMS = {
     "odmoe": ["alignment.token_period=1", "alignment.kv_period=1"],
-    "resident_workers": ["worker.resident=true", "shadow.enabled=false"],
+    "resident_workers": ["emulation.resident=true", "shadow.enabled=false"],
 }
 
 

@@ -61,11 +61,11 @@ def _systems(cfg: BenchConfig) -> dict[str, list[str]]:
             slots,
         ],
         "tuned": ["alignment.tune=true", "alignment.token_period=1", "alignment.kv_period=1"],
-        "resident_workers": ["worker.resident=true", "shadow.enabled=false"],
+        "resident_workers": ["emulation.resident=true", "shadow.enabled=false"],
         # a diagnosis, not a system: every expert resident, yet a speculative shadow running and
         # main doing all of its prediction bookkeeping (the workers ignore predictions): what the
         # shadow's CPU and protocol cost without a single load
-        "resident_with_shadow": ["worker.resident=true", "alignment.mode=speculative"],
+        "resident_with_shadow": ["emulation.resident=true", "alignment.mode=speculative"],
     }
 
 

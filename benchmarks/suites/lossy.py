@@ -117,7 +117,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
                 words = cluster_words(
                     cfg,
                     f"shadow.precision={suite.shadow_precision}",
-                    f"shadow.inject_wrong={rate}",
+                    f"emulation.inject_wrong={rate}",
                     f"alignment.token_period={suite.token_period}",
                     f"alignment.kv_period={suite.kv_period}",
                     *miss_words(miss),

@@ -1,0 +1,145 @@
+"""Refuse a bad configuration with one readable error, before any process starts.
+
+Contract: `validate(cfg)` resolves the deprecated keys (`odmoe.config.resolve_aliases`) and raises
+ValueError naming the key and what it may be; it asks each part for what it accepts (stores, cache
+policies, precisions, alignment plans), so the schema (`odmoe.config`) need not import them.
+`check_device` and `exposed_hosts` are also used by the launcher.
+"""
+
+from __future__ import annotations
+
+from odmoe.alignment import make_plan
+from odmoe.config import FAULT_ACTIONS, ROLES, SHADOW_MODES, OdmoeConfig, resolve_aliases
+from odmoe.speculation import Speculation
+
+
+def validate(cfg: OdmoeConfig) -> None:
+    """Refuse a bad combination with one readable error, before any process starts. Every config
+    passes here (launch.settings.to_config: each node and LocalCluster), so it first resolves the
+    deprecated keys (`resolve_aliases`)."""
+    resolve_aliases(cfg)
+    if cfg.role.name not in ROLES:
+        raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
+    if cfg.worker.replicas < 1:
+        raise ValueError(f"worker.replicas must be at least 1, got {cfg.worker.replicas}")
+    from odmoe.expert_cache import CACHE_POLICIES, check_cache_spec
+
+    check_cache_spec(cfg.worker.cache)
+    if cfg.worker.cache_policy not in CACHE_POLICIES:
+        raise ValueError(f"worker.cache_policy={cfg.worker.cache_policy!r} is not one of {CACHE_POLICIES}")
+    cfg.topology  # noqa: B018 - raises on a workers/group_size mismatch or too many replicas
+    if cfg.fault.node and cfg.fault.action not in FAULT_ACTIONS:
+        raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")
+    if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
+        raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
+    if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
+        raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
+    if cfg.server.max_running < 1:
+        raise ValueError(f"server.max_running must be >= 1, got {cfg.server.max_running}")
+    if cfg.prefill.chunk_tokens < 0:
+        raise ValueError(f"prefill.chunk_tokens must be >= 0 (0: off), got {cfg.prefill.chunk_tokens}")
+    if not 0 <= cfg.server.http_port < 65536:
+        raise ValueError(f"server.http_port must lie in [0, 65535], got {cfg.server.http_port}")
+    if cfg.worker.slots < 1:
+        raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
+    from odmoe.expert_store import STORES
+    from odmoe.memory import parse_bytes
+
+    if cfg.worker.store not in STORES:
+        raise ValueError(f"worker.store={cfg.worker.store!r} is not one of {', '.join(STORES)}")
+    try:
+        parse_bytes(cfg.worker.host_memory)
+    except ValueError as exc:
+        raise ValueError(f"worker.host_memory: {exc}") from None
+    try:
+        parse_bytes(cfg.server.kv_cache_memory)
+    except ValueError as exc:
+        raise ValueError(f"server.kv_cache_memory: {exc}") from None
+    if cfg.worker.decompress_threads < 1:
+        raise ValueError(f"worker.decompress_threads must be at least 1, got {cfg.worker.decompress_threads}")
+    if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:
+        raise ValueError(f"worker.index={cfg.worker.index} is outside 0..{cfg.cluster.workers - 1}")
+    if cfg.role.name == "main" and len(cfg.cluster.worker_addresses) != cfg.cluster.workers:
+        raise ValueError(
+            f"role=main needs cluster.worker_addresses with {cfg.cluster.workers} entries, "
+            f"got {len(cfg.cluster.worker_addresses)}"
+        )
+    check_device("model.device", cfg.model.device)
+    check_device("shadow.device", cfg.shadow.device)
+    check_device("worker.device", cfg.worker.device, allow_auto=True)
+    if cfg.shadow.precision == "int8_dynamic" and cfg.shadow.device.startswith("cuda"):
+        raise ValueError("shadow.precision=int8_dynamic is torch's CPU int8; on CUDA use int8 or nf4")
+    if cfg.shadow.mode not in SHADOW_MODES:
+        raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
+    for name in ("inject_wrong", "inject_wrong_token"):
+        if not 0.0 <= getattr(cfg.emulation, name) <= 1.0:
+            raise ValueError(f"emulation.{name} must lie in [0, 1], got {getattr(cfg.emulation, name)}")
+    from odmoe.shadow_model import PRECISIONS
+
+    if cfg.shadow.precision not in PRECISIONS:
+        raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
+    cfg.miss.validate()
+    make_plan(cfg.alignment)  # raises on a bad mode, negative periods or bounds
+    if not 0 <= cfg.shadow.nice <= 19:
+        raise ValueError(f"shadow.nice must lie in 0..19 (an os.nice increment), got {cfg.shadow.nice}")
+    if cfg.shadow.hedge_margin < 0:
+        raise ValueError(f"shadow.hedge_margin must be >= 0 (0: off), got {cfg.shadow.hedge_margin}")
+    Speculation(1, cfg.alignment.max_ahead)  # raises on max_ahead < 1
+    if cfg.prefill.mini_batch < 0:
+        raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")
+    if cfg.prefill.placement not in ("modulo", "balanced"):
+        raise ValueError(f"prefill.placement={cfg.prefill.placement!r} is not one of modulo, balanced")
+    _validate_security(cfg)
+    if cfg.role.name == "local":
+        if not cfg.prompt:
+            raise ValueError("prompt is empty")
+        if cfg.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {cfg.max_new_tokens}")
+
+
+def check_device(key: str, name: str, allow_auto: bool = False) -> None:
+    """`name` is cpu, cuda or cuda:<i> (or auto where allowed), and CUDA is there when it is asked for."""
+    if allow_auto and name == "auto":
+        return
+    import torch
+
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"{key}={name!r} is not cpu, cuda or cuda:<i>{' (or auto)' if allow_auto else ''}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{key}={name} needs CUDA, and this machine's torch sees no CUDA device")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"{key}={name}: only {torch.cuda.device_count()} CUDA device(s) here")
+
+
+def exposed_hosts(cfg: OdmoeConfig) -> list[str]:
+    """The non-loopback addresses this node would bind (empty: loopback only)."""
+    from odmoe.security import is_loopback
+
+    hosts = [cfg.cluster.host]
+    if cfg.role.name in ("main", "local") and cfg.server.http:
+        hosts.append(cfg.server.http_host or cfg.cluster.host)
+    return [h for h in dict.fromkeys(hosts) if not is_loopback(h)]
+
+
+def _validate_security(cfg: OdmoeConfig) -> None:
+    sec = cfg.security
+    if sec.enabled:
+        if cfg.role.name not in ("local", "ray") and not sec.key_dir:  # those two make their own
+            raise ValueError(
+                f"role={cfg.role.name} with security on needs security.key_dir=DIR (make it once with "
+                "`odmoe-keys init DIR --workers N`, see README: Several machines on a LAN), or "
+                "security.enabled=false on a trusted network"
+            )
+        return
+    if exposed := exposed_hosts(cfg):
+        if not sec.insecure_lan:
+            raise ValueError(
+                f"security.enabled=false would expose {', '.join(exposed)} without authentication: anyone on "
+                "that network could drive the cluster. Turn security on (the default), bind 127.0.0.1, or "
+                "say security.insecure_lan=true"
+            )
