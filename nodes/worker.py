@@ -6,15 +6,16 @@ the shadow's prediction address; the worker then also subscribes to its own grou
 
 Per decode layer (paper §3.1): a prediction for a layer of this worker's group is dealt to the
 group's workers by the shared round-robin rule; this worker preloads its share into a free device
-slot, earliest (iteration, layer) first. A compute request then finds the expert already loaded (a
-hit) or loads it on demand (a miss: the stall the shadow exists to avoid). After computing, the
-expert is evicted: no cache (the paper's). With `worker.cache` the worker keeps the experts it is
-home for (odmoe.placement) on its device after use, up to the cache's bound, and when one more is to
-be kept than fits, its policy drops one (odmoe.expert_cache: by the shadow's pending predictions, or
-LRU); a cached expert is computed without a load, whatever request asks. Preloads the request did
-not use are dropped when main releases the
-layer: its last call to this worker in a decode layer carries `release` (handled once the answer
-is sent, off main's critical path), and a worker of the group that got no call gets a Release
+slot, earliest (iteration, layer) first. What to preload when, and which loads to give back, is
+decided by odmoe.preload_schedule (pure); this node applies those decisions. A compute request then
+finds the expert already loaded (a hit) or loads it on demand (a miss: the stall the shadow exists
+to avoid). After computing, the expert is evicted: no cache (the paper's). With `worker.cache` the
+worker keeps the experts it is home for (odmoe.placement) on its device after use, up to the
+cache's bound, and when one more is to be kept than fits, its policy drops one (odmoe.expert_cache:
+by the shadow's pending predictions, or LRU); a cached expert is computed without a load, whatever
+request asks. Preloads the request did not use are dropped when main releases the layer: its last
+call to this worker in a decode layer carries `release` (handled once the answer is sent, off
+main's critical path), and a worker of the group that got no call gets a Release
 message. The result is the same either way; only time differs.
 
 A failure inside one request (an expert it does not hold, rows of the wrong shape) is answered
@@ -35,7 +36,6 @@ cluster's public keys (a ZAP authenticator thread), and the prediction SUB talks
 
 from __future__ import annotations
 
-import heapq
 import logging
 import time
 from collections import OrderedDict
@@ -53,7 +53,6 @@ from odmoe.expert_cache import CacheBook, cache_capacity, expected_distance
 from odmoe.expert_math import KERNELS, expert_forward
 from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
 from odmoe.faults import FaultTrigger
-from odmoe.hedging import hedge_rank
 from odmoe.load_dtypes import expert_dtype
 from odmoe.main_model import resolve_dtype
 from odmoe.memory import parse_bytes, peak_rss_bytes
@@ -73,20 +72,15 @@ from odmoe.messages import (
 )
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import LayerUnavailable
+from odmoe.preload_schedule import PreloadSchedule
 from odmoe.security import NodeSecurity, secure_client, secure_server
 from odmoe.substitution import profile_path, use_rates
 from odmoe.trace import Tracer, now_us
 
 log = logging.getLogger("odmoe.worker")
-Position = tuple[int, int]  # (iteration, layer): the order main visits layers in
 MAX_OPEN_BATCHES = 64  # prefill batches still missing parts; beyond this the oldest is dropped
 MAX_GROUPED_ROWS = 1 << 20  # a grouped_shape beyond this is refused (it sizes an allocation)
 MAX_GROUPS = 1023  # PyTorch's grouped_mm takes fewer than 1024 groups
-
-
-def _position(slot: Slot) -> Position:
-    """When main needs what a slot holds: (iteration, layer); untagged slots first."""
-    return (slot.tag[1] if slot.tag else -1, slot.holds[0])
 
 
 def _free_device_bytes(device: torch.device) -> int:
@@ -126,7 +120,7 @@ class WorkerNode:
             parse_bytes(w.host_memory),
             w.pack_dir,
             w.decompress_threads,
-            pin_memory=device.type == "cuda" and not w.resident,  # async host-to-device copies
+            pin_memory=device.type == "cuda" and not cfg.emulation.resident,  # async host-to-device copies
         )
         log.info(
             "worker %d: %d layers, store=%s: %s (%.1fs)",
@@ -136,8 +130,8 @@ class WorkerNode:
             self.store.describe(),
             time.perf_counter() - start,
         )
-        link = Link(cfg.worker.link.bandwidth_gbps, cfg.worker.link.latency_ms)
-        self.resident = cfg.worker.resident
+        link = Link(cfg.emulation.link.bandwidth_gbps, cfg.emulation.link.latency_ms)
+        self.resident = cfg.emulation.resident
         self.on_host = device.type == "cpu"  # computes where the rows arrive
         self.live: list[int] | None = None  # None until main says: every worker
         capacity = 0 if self.resident else self._cache_capacity(w.cache, device)
@@ -183,19 +177,9 @@ class WorkerNode:
         self.shadow_pub = ""
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        self.request = ""  # the request predictions and preloads belong to
-        self.done: Position = (-1, -1)  # the last (iteration, layer) main has finished with us
-        self.preloads: list[tuple[int, int, int]] = []  # heap of (iteration, layer, expert)
-        self.hedge_queue: list[tuple[int, int, int]] = []  # low priority: only into a slot nobody needs
-        self.hedged: set[int] = set()  # slots (by index) holding a hedge
-        self.hedge_counts = [0, 0, 0]  # this request's hedge loads, hedges used, bytes hedges loaded
-        self.served: set[tuple[int, int, int]] = set()  # (iteration, layer, expert) main already asked for
-        # worker.cache: the first pending predicted position of each of this worker's experts, and per
-        # layer the last iteration a prediction covered (odmoe.expert_cache.next_use)
-        self.upcoming: dict[tuple[int, int], Position] = {}
-        self.predicted_through: dict[int, int] = {}
+        # what to preload, in what order, and what to give back; this node applies its decisions
+        self.schedule = PreloadSchedule(self.store, for_cache=self.cache.enabled)
         self._computing: set[tuple[int, int]] = set()  # cached experts a message is about to compute
-        self._at: Position = (-1, -1)  # the decode layer main last asked this worker for
         self._home_memo: tuple = (None, 0, 0)  # (live, cache version) -> home, home cached
         # prefill batches being assembled, by (peer, step, expert): parts by part number
         self.batches: OrderedDict[tuple, dict[int, torch.Tensor]] = OrderedDict()
@@ -244,10 +228,9 @@ class WorkerNode:
 
     def _distance(self, key: tuple[int, int]) -> float:
         """Layers until `key` is expected to be needed (odmoe.expert_cache.expected_distance)."""
-        past = max(self.done, self._at)  # the layer being computed is past for what it computed
-        rate = self.cache.use_rate(key)
+        s, rate = self.schedule, self.cache.use_rate(key)
         return expected_distance(
-            key, past, self.upcoming, self.predicted_through, self.layer_rank, rate, self._serves(key)
+            key, s.past, s.upcoming, s.predicted_through, self.layer_rank, rate, self._serves(key)
         )
 
     def _subscribe(self, address: str) -> None:
@@ -279,7 +262,7 @@ class WorkerNode:
         log.info("worker %d serving on %s", self.index, self.address)
         try:
             while True:
-                can_preload = self._can_preload()
+                can_preload = self.schedule.can_preload(self.slots)
                 ready = dict(self.poller.poll(0 if can_preload else 1000))
                 if self.sock in ready:  # main's requests first: they are on the critical path
                     self._serve_request()
@@ -323,8 +306,8 @@ class WorkerNode:
             self._finish(message.step.request, (message.step.iteration, message.step.layer))
             return None
         if isinstance(message, EndRequest):
-            if message.request == self.request:
-                self._switch_request("")  # cancelled or over: nothing it preloaded is wanted
+            if message.request == self.schedule.request:  # cancelled or over: nothing it preloaded is wanted
+                self._give_back(self.schedule.switch_request("", self.slots))
             return None
         if isinstance(message, LiveWorkers):
             self.live = sorted(w for w in message.live if 0 <= w < self.topology.workers)
@@ -361,140 +344,62 @@ class WorkerNode:
             self.queue_preloads(prediction)
 
     def queue_preloads(self, prediction: Prediction) -> None:
-        """Queue this worker's share of a layer's predicted (and hedged) experts, unless main got
-        there first. A prediction for a step already predicted supersedes the earlier one (a
-        speculative shadow rolled back): what only the old one asked for is dropped."""
+        """Queue this worker's share of a layer's predicted (and hedged) experts (the schedule's
+        `predicted`: unless main got there first; a prediction for a step already predicted
+        supersedes the earlier one)."""
         step = prediction.step
         self.tracer.instant(
             "load", f"prediction L{step.layer}", iteration=step.iteration, experts=prediction.experts
         )
-        self._switch_request(step.request)
-        if (step.iteration, step.layer) <= self.done:
-            return  # main is already past this layer: too late to help
         try:
             placement = self.topology.decode_placement(step.layer, prediction.experts, self.live)
             hedged = self.topology.hedge_placement(
                 step.layer, prediction.experts, prediction.hedges, self.live
             )
+            share: tuple[set[int], set[int]] | None = (
+                {e for e, w in placement.items() if w == self.index},
+                {e for e, w in hedged.items() if w == self.index},
+            )
         except LayerUnavailable:
-            return
-        mine = {e for e, w in placement.items() if w == self.index}
-        mine_hedged = {e for e, w in hedged.items() if w == self.index} - mine
-        self._supersede(step.iteration, step.layer, mine | mine_hedged)
-        if self.cache.enabled:
-            position = (step.iteration, step.layer)
-            through = self.predicted_through.get(step.layer, -1)
-            self.predicted_through[step.layer] = max(through, step.iteration)
-            for e in mine | mine_hedged:
-                if self.upcoming.get((step.layer, e), position) >= position:
-                    self.upcoming[(step.layer, e)] = position
-        for queue, experts in ((self.preloads, mine), (self.hedge_queue, mine_hedged)):
-            for expert in sorted(experts):
-                position, key = (step.iteration, step.layer, expert), (step.layer, expert)
-                if key not in self.store or position in self.served or position in queue:
-                    continue
-                if self.slots.find(key, (self.request, step.iteration)) is None:  # not loaded already
-                    heapq.heappush(queue, position)
-
-    def _supersede(self, iteration: int, layer: int, keep: set[int]) -> None:
-        """Forget queued or loaded preloads of (iteration, layer) that are not in `keep`."""
-        for name in ("preloads", "hedge_queue"):
-            queue = getattr(self, name)
-            kept = [p for p in queue if (p[0], p[1]) != (iteration, layer) or p[2] in keep]
-            if len(kept) != len(queue):
-                heapq.heapify(kept)
-                setattr(self, name, kept)
-        for slot in self.slots.held():
-            if slot.tag == (self.request, iteration) and slot.holds[0] == layer and slot.holds[1] not in keep:
-                self._evict(slot)
-        for key, position in list(self.upcoming.items()):
-            if position == (iteration, layer) and key[1] not in keep:
-                del self.upcoming[key]
-
-    def _latest_hedge(self) -> Slot | None:
-        held = [s for s in self.slots.held() if s.index in self.hedged]
-        return max(held, key=lambda s: hedge_rank(_position(s))) if held else None
-
-    def _can_preload(self) -> bool:
-        if self.slots.free:
-            return bool(self.preloads or self.hedge_queue)
-        latest = self._latest_hedge()  # a confident preload needed sooner may take a hedge's slot
-        if not self.preloads or latest is None:
-            return False
-        return self.preloads[0][:2] < hedge_rank(_position(latest))
+            share = None
+        position = (step.iteration, step.layer)
+        self._give_back(self.schedule.predicted(step.request, position, share, self.slots))
 
     def _preload_next(self) -> None:
-        """Whatever main needs first: confident preloads by position, hedges ranked `HEDGE_LAG` layers
-        later than their own (they outrank confident preloads further ahead, whose slots would sit
-        idle). With no free slot, the confident preload takes the slot of the latest-ranked hedge."""
-        hedge = bool(self.slots.free and self.hedge_queue) and (
-            not self.preloads or hedge_rank(self.hedge_queue[0][:2]) < self.preloads[0][:2]
-        )  # no free slot: _can_preload found a confident preload that outranks a held hedge
-        iteration, layer, expert = heapq.heappop(self.hedge_queue if hedge else self.preloads)
-        if (iteration, layer) <= self.done or self.slots.find((layer, expert), (self.request, iteration)):
-            return  # too late, or there already (cached since it was queued)
-        if not self.slots.free:
-            self._evict(self._latest_hedge())
-        slot = self.slots.load_async((layer, expert), tag=(self.request, iteration))
-        if hedge:
-            self.hedged.add(slot.index)
-            self.hedge_counts[0] += 1
+        """The schedule's next preload, into a free slot (or the hedge slot it gives back)."""
+        load = self.schedule.next_preload(self.slots)
+        if load is None:
+            return
+        if load.evict is not None:
+            self._give_back([load.evict])
+        slot = self.slots.load_async(load.key, tag=load.tag)
+        if load.hedge:
+            self.schedule.hedge_loaded(slot.index)
 
-    def _switch_request(self, request: str) -> None:
-        """Main's decode stream changed (a new busy period): nothing preloaded for the old one is
-        wanted. A prefill call's slot (iteration 0) is left to its own compute: its other parts
-        may still be on their way."""
-        if request != self.request:
-            self.request, self.done, self.preloads, self.served = request, (-1, -1), [], set()
-            self.hedge_queue, self.hedge_counts = [], [0, 0, 0]
-            self.upcoming, self.predicted_through, self._at = {}, {}, (-1, -1)
-            for slot in self.slots.held():
-                if slot.tag is None or slot.tag[1] >= 1:
-                    self._evict(slot)
-
-    def _finish(self, request: str, position: Position) -> None:
+    def _finish(self, request: str, position: tuple[int, int]) -> None:
         """main is done with this layer: drop preloads for it and anything earlier."""
-        self._switch_request(request)
-        self.done = max(self.done, position)
-        for slot in self.slots.held():
-            if slot.tag is None or (
-                slot.tag[0] == self.request and (slot.tag[1], slot.holds[0]) <= self.done
-            ):
-                self._evict(slot)
-        self.preloads = [p for p in self.preloads if (p[0], p[1]) > self.done]
-        heapq.heapify(self.preloads)
-        self.hedge_queue = [p for p in self.hedge_queue if (p[0], p[1]) > self.done]
-        heapq.heapify(self.hedge_queue)
-        self.served = {p for p in self.served if (p[0], p[1]) > self.done}
-        self.upcoming = {k: p for k, p in self.upcoming.items() if p > self.done}
+        self._give_back(self.schedule.finish(request, position, self.slots))
 
     def _serving(self, step, expert: int) -> None:
-        """main asks for (step, expert): every earlier layer is over (main visits layers in order,
-        and releases a layer only once all its experts are back), and this expert needs no preload:
-        a prediction for it that is still queued, or that arrives late, would load it twice."""
-        self._finish(step.request, (step.iteration, step.layer - 1))
-        if self._at != (step.iteration, step.layer):
+        """main asks for (step, expert): earlier layers are over, and this expert needs no preload."""
+        position = (step.iteration, step.layer)
+        evicted, visit = self.schedule.serving(step.request, position, expert, self.slots)
+        self._give_back(evicted)
+        if visit:
             self.cache.visit(step.layer)
-        self._at = (step.iteration, step.layer)
-        position = (step.iteration, step.layer, expert)
-        self.served.add(position)
-        for queue in (self.preloads, self.hedge_queue):
-            if position in queue:
-                queue.remove(position)
-                heapq.heapify(queue)
 
     def _make_room(self) -> None:
         """A compute must load and every slot is busy: give back a hedge, else the latest-needed preload."""
-        if self.slots.free:
-            return
-        hedges = [s for s in self.slots.held() if s.index in self.hedged]
-        if hedges:
-            self._evict(max(hedges, key=_position))
-            return
-        latest = max(self.slots.held(), key=_position)
-        if latest.tag is not None:
-            heapq.heappush(self.preloads, (latest.tag[1], latest.holds[0], latest.holds[1]))
-        self._evict(latest)
+        index = self.schedule.make_room(self.slots)
+        if index is not None:
+            self._give_back([index])
+
+    def _give_back(self, indices: list[int]) -> None:
+        """Evict the slots the schedule gave back (by index), in its order."""
+        if indices:
+            held = {s.index: s for s in self.slots.held()}
+            for index in indices:
+                self._evict(held[index])
 
     def _after_use(self, slot: Slot) -> None:
         """A computed expert: kept in the cache when this worker is its home and the policy finds it
@@ -540,10 +445,7 @@ class WorkerNode:
                 iteration=slot.tag[1] if slot.tag else None,
                 used=used,
             )
-        if slot.index in self.hedged:
-            self.hedged.discard(slot.index)
-            self.hedge_counts[1] += used
-            self.hedge_counts[2] += slot.nbytes
+        self.schedule.left(slot.index, used, slot.nbytes)
 
     # -- computing ---------------------------------------------------------------------------
     def compute(self, request: ComputeExpert, hidden: torch.Tensor, peer: bytes = b"") -> list | None:
@@ -775,7 +677,7 @@ class WorkerNode:
             waited_s=list(waited) or [0.0] * n,
             peak_rss=peak_rss_bytes(),
             error=error,
-            hedges=list(self.hedge_counts) if request.step.request == self.request else [],
+            hedges=self.schedule.hedges_of(request.step.request),
             device_peak_bytes=device_peak_bytes(self.slots.device),
             handled_s=time.perf_counter() - self.received,
             cached=list(cached) or [0] * n,
@@ -837,7 +739,7 @@ class WorkerNode:
             preloaded=preloaded,
             waited_s=waited_s,
             part=request.part if request.per_part else 0,
-            hedges=list(self.hedge_counts) if request.step.request == self.request else [],
+            hedges=self.schedule.hedges_of(request.step.request),
             device_peak_bytes=device_peak_bytes(self.slots.device),
             handled_s=time.perf_counter() - self.received,
             cached=cached,

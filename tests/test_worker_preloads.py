@@ -1,4 +1,5 @@
-"""A worker's preload queue: what main already asked for is never preloaded (again)."""
+"""A worker applying its preload schedule (odmoe.preload_schedule, tested alone in
+test_preload_schedule.py) to real slots: what main already asked for is never preloaded (again)."""
 
 import pytest
 import torch
@@ -29,19 +30,11 @@ def test_an_expert_main_asked_for_is_not_preloaded_afterwards(worker):
     # layer 0 belongs to group 0 = workers 0 and 1; of experts [3, 5] worker 0 gets 3
     prediction = Prediction(Step("r", 1, 0), experts=[3, 5], candidates=[3, 5, 1], probs=[0.5, 0.3, 0.2])
     worker.queue_preloads(prediction)
-    assert worker.preloads == [(1, 0, 3)]
+    assert worker.schedule.preloads == [(1, 0, 3)]
     assert _compute(worker, 0, 3) is not None  # main got there before the loader: loaded on demand
-    assert worker.preloads == []  # the queued preload would load it a second time, for nothing
+    assert worker.schedule.preloads == []  # the queued preload would load it a second time, for nothing
     worker.queue_preloads(prediction)  # the same prediction, arriving late
-    assert worker.preloads == []
-
-
-def test_asking_for_a_layer_ends_every_earlier_one(worker):
-    worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
-    worker.queue_preloads(Prediction(Step("r", 2, 0), [1, 2], [1, 2, 4], [0.5, 0.3, 0.2]))
-    _compute(worker, 2, 6)  # main is at iteration 1, layer 2: layer 0 of iteration 1 is over
-    assert worker.preloads == [(2, 0, 1)]
-    assert worker.done == (1, 1)
+    assert worker.schedule.preloads == []
 
 
 @pytest.mark.parametrize("parts", [1, 2])
@@ -70,9 +63,9 @@ def test_a_later_prediction_for_the_same_step_supersedes_the_earlier(worker):
     worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
     worker._preload_next()  # expert 3 loading
     worker.queue_preloads(Prediction(Step("r", 1, 2), [0, 5], [0, 5, 1], [0.5, 0.3, 0.2]))
-    assert worker.preloads == [(1, 2, 0)]
+    assert worker.schedule.preloads == [(1, 2, 0)]
     worker.queue_preloads(Prediction(Step("r", 1, 0), [4, 6], [4, 6, 1], [0.5, 0.3, 0.2]))
-    assert worker.preloads == [(1, 0, 4), (1, 2, 0)]  # 4 replaces 3 ...
+    assert worker.schedule.preloads == [(1, 0, 4), (1, 2, 0)]  # 4 replaces 3 ...
     assert all(slot.holds != (0, 3) for slot in worker.slots.held())  # ... which is evicted
 
 
@@ -80,13 +73,13 @@ def _hedged(worker):
     # layer 0 -> workers 0, 1. Predicted [5, 3] by score: 3 is the k-th, dealt to worker 0, so
     # worker 0 also preloads the hedge 6 - at low priority.
     worker.queue_preloads(Prediction(Step("r", 1, 0), [5, 3], [5, 3, 6], [0.5, 0.26, 0.24], hedges=[6]))
-    assert worker.preloads == [(1, 0, 3)] and worker.hedge_queue == [(1, 0, 6)]
+    assert worker.schedule.preloads == [(1, 0, 3)] and worker.schedule.hedge_queue == [(1, 0, 6)]
     worker._preload_next()  # the confident one first
-    assert worker.hedge_queue == [(1, 0, 6)]
-    assert worker._can_preload()
+    assert worker.schedule.hedge_queue == [(1, 0, 6)]
+    assert worker.schedule.can_preload(worker.slots)
     worker._preload_next()  # then the hedge, into the slot nobody needs
     assert {slot.holds for slot in worker.slots.held()} == {(0, 3), (0, 6)}
-    assert worker.hedge_counts[0] == 1
+    assert worker.schedule.hedge_counts[0] == 1
 
 
 def test_a_hedge_never_keeps_a_slot_from_a_confident_preload_needed_sooner(worker):
@@ -97,23 +90,11 @@ def test_a_hedge_never_keeps_a_slot_from_a_confident_preload_needed_sooner(worke
     assert {slot.holds for slot in worker.slots.held()} == {(2, 3), (2, 6)}
     # then layer 0's (a speculative shadow rolled back, say): needed before the hedge's layer
     worker.queue_preloads(Prediction(Step("r", 1, 0), [1, 7], [1, 7, 2], [0.5, 0.3, 0.2]))
-    assert worker._can_preload()  # no free slot, but the hedge's is taken back
+    assert worker.schedule.can_preload(worker.slots)  # no free slot, but the hedge's is taken back
     worker._preload_next()
     assert {slot.holds for slot in worker.slots.held()} == {(2, 3), (0, 1)}
-    loads, used, nbytes = worker.hedge_counts
+    loads, used, nbytes = worker.schedule.hedge_counts
     assert (loads, used) == (1, 0) and nbytes > 0  # the extra bytes are counted
-
-
-def test_a_hedge_outranks_confident_preloads_far_ahead(worker):
-    """With speculative lookahead the confident queue is never empty: a hedge for an early layer
-    must still load before a confident preload iterations ahead (whose slot would sit idle)."""
-    worker.queue_preloads(Prediction(Step("r", 1, 0), [5, 3], [5, 3, 6], [0.5, 0.26, 0.24], hedges=[6]))
-    worker.queue_preloads(Prediction(Step("r", 2, 0), [1, 7], [1, 7, 2], [0.5, 0.3, 0.2]))
-    worker._preload_next()  # (1, 0) expert 3
-    worker._preload_next()  # the hedge (ranked as layer 1) before iteration 2's layer 0
-    assert {slot.holds for slot in worker.slots.held()} == {(0, 3), (0, 6)}
-    assert not worker._can_preload()  # iteration 2's preload waits: it does not evict the hedge
-    assert worker.preloads == [(2, 0, 1)]
 
 
 def test_a_hedged_expert_main_asks_for_is_a_hit(worker):
@@ -152,7 +133,7 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(w
     finally:
         main.close(0)
     assert worker.slots.held() == []  # the unused preload of expert 3 is gone
-    assert worker.done == (1, 0)
+    assert worker.schedule.done == (1, 0)
 
 
 # -- one message per decode layer, every running request's rows (continuous batching) -------------
@@ -216,4 +197,4 @@ def test_a_prefill_call_of_another_request_does_not_end_the_decode_stream(worker
     worker._preload_next()
     hidden = torch.randn(4, worker.store.gate_up_shape[1])
     worker.compute(ComputeExpert(step=Step("newcomer", 0, 2), expert=1, kernel="eager"), hidden)
-    assert worker.request == "stream" and [s.holds for s in worker.slots.held()] == [(0, 3)]
+    assert worker.schedule.request == "stream" and [s.holds for s in worker.slots.held()] == [(0, 3)]
