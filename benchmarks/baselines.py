@@ -5,7 +5,7 @@ memory is its own:
   the upper bound (the paper's "Transformers, all experts cached").
 - `lru_offloader`: a Mixtral-Offloading-style single node: everything but the experts resident, the
   experts in host memory, an LRU cache of `--lru-experts` device slots; a miss loads the expert over
-  the same emulated link the cluster's workers use (`odmoe.expert_store.DeviceSlots`). It computes
+  the same emulated link the cluster's workers use (`odmoe.worker.expert_store.DeviceSlots`). It computes
   with odmoe's bit-exact expert kernels, so its tokens equal the reference's too.
 - `accelerate_offload` (suite gpu): what a Hugging Face user tries first on one GPU too small for the
   model: `from_pretrained(device_map="auto", max_memory={gpu: --gpu-memory, "cpu": ...})`; accelerate
@@ -33,13 +33,13 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.device_slots import device_peak_bytes
-from odmoe.expert_math import combine, expert_forward, split_by_expert
-from odmoe.expert_store import DeviceSlots, ExpertKey, ExpertStore, Link, Slot
-from odmoe.load_dtypes import expert_dtype
-from odmoe.main_model import build_main_model, resolve_dtype
-from odmoe.memory import peak_rss_bytes
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.expert_math import combine, expert_forward, split_by_expert
+from odmoe.models.load_dtypes import expert_dtype
+from odmoe.models.main_model import build_main_model, resolve_dtype
+from odmoe.tools.memory import peak_rss_bytes
+from odmoe.worker.device_slots import device_peak_bytes
+from odmoe.worker.expert_store import DeviceSlots, ExpertKey, ExpertStore, Link, Slot
 
 
 class LruExperts:

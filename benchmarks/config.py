@@ -221,7 +221,7 @@ class SecuritySuite:
 
 @dataclass
 class LossySuite:
-    """The lossy miss policies' speed-quality trade-off (odmoe.miss_policy) against reload."""
+    """The lossy miss policies' speed-quality trade-off (odmoe.lossy.miss_policy) against reload."""
 
     # What produces the misses: a low-precision shadow aligned on tokens only, plus injected ones.
     shadow_precision: str = "int8_dynamic"
@@ -401,7 +401,7 @@ class GpuSuite:
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
-    # DeepSeek-V3-shaped sibling (odmoe.training.TRAINED_DEEPSEEK_SPEC); "tiny" / "demo": odmoe-launch's
+    # DeepSeek-V3-shaped sibling (odmoe.tools.training.TRAINED_DEEPSEEK_SPEC); "tiny" / "demo": odmoe-launch's
     # random-init / briefly trained models (model.path names); anything else: a checkpoint directory.
     model: str = "trained"
     results_dir: str = "benchmarks/results"
@@ -433,7 +433,7 @@ class BenchConfig:
 def validate(cfg: BenchConfig) -> None:
     if cfg.suite not in SUITES:
         raise ValueError(f"suite={cfg.suite!r} is not one of {', '.join(SUITES)}")
-    from odmoe.shadow_model import PRECISIONS
+    from odmoe.shadow.shadow_model import PRECISIONS
 
     shadows = [cfg.cluster.shadow_precision, cfg.lossy.shadow_precision, cfg.prefill.prompt_kv_precision]
     for p in [*cfg.recall.precisions, *shadows]:

@@ -17,7 +17,7 @@ import argparse
 import statistics
 
 import odmoe
-from odmoe.training import ensure_demo_model
+from odmoe.tools.training import ensure_demo_model
 
 PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:\n", "def parse(text):"]
 CONFIGS = {"preset=paper": ["preset=paper"], "defaults": []}

@@ -24,10 +24,10 @@ import torch
 import torch.nn.functional as F
 from transformers import PreTrainedModel
 
-from odmoe.main_model import experts_modules
-from odmoe.miss_policy import MissConfig
-from odmoe.router_tap import RouterTap, wrong_experts
-from odmoe.substitution import Substituter
+from odmoe.lossy.miss_policy import MissConfig
+from odmoe.lossy.substitution import Substituter
+from odmoe.models.main_model import experts_modules
+from odmoe.shadow.router_tap import RouterTap, wrong_experts
 
 Predictions = dict[int, torch.Tensor]  # layer -> [T, k] expert ids
 
@@ -51,7 +51,7 @@ def inject_wrong(predicted: Predictions, rate: float, num_experts: int, seed: in
     out = {}
     for layer, rows in sorted(predicted.items()):
         new = rows.clone()
-        for t in range(rows.shape[0]):  # the shadow node's own rule (odmoe.router_tap)
+        for t in range(rows.shape[0]):  # the shadow node's own rule (odmoe.shadow.router_tap)
             new[t] = torch.tensor(wrong_experts(rows[t].tolist(), rate, num_experts, rng))
         out[layer] = new
     return out

@@ -26,7 +26,7 @@ from transformers import AutoTokenizer
 from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
-from odmoe.model_names import resolve_model
+from odmoe.tools.model_names import resolve_model
 
 SUBNET, BRIDGE = "10.77.0", "odmoe-br"
 RESULTS = Path(__file__).parent / "results"

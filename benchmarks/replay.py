@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks.predictors import FrequencyPredictor, next_layer_gate
-from odmoe.kv_rows import newest_rows, overwrite_newest_rows
-from odmoe.router_tap import RouterTap
-from odmoe.shadow_model import load_shadow_model, router_modules
+from odmoe.main.alignment import AlignmentSchedule
+from odmoe.models.kv_rows import newest_rows, overwrite_newest_rows
+from odmoe.shadow.router_tap import RouterTap
+from odmoe.shadow.shadow_model import load_shadow_model, router_modules
 
 Position = tuple[int, int]  # (decode iteration, layer)
 
@@ -105,7 +105,7 @@ def replay_shadow(
     """What a shadow node with this model and schedule predicts for each decode (iteration, layer).
     With `scores` (a dict) and `top_k`, it also gets each position's top-(k+1) (candidates, scores),
     and for a group-limited router every expert's unmasked score and the limit (what the shadow
-    node publishes: `odmoe.router_tap.rank`)."""
+    node publishes: `odmoe.shadow.router_tap.rank`)."""
     routers = RouterTap(shadow, num_experts, rank_top_k=top_k if scores is not None else 0)
     predicted: dict[Position, list[int]] = {}
     device = next(shadow.parameters()).device

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from odmoe.pipeline_sim import PipelineParams, simulate
+from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
 RESULTS = Path(__file__).parent / "results"
 LAYERS, GROUPS = 32, 4  # Mixtral-8x7B; 8 workers in groups of 2 (top-2)

@@ -29,9 +29,9 @@ import time
 import torch
 import zmq
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.expert_math import KERNELS, expert_forward
-from odmoe.messages import ComputeExpert, ExpertResult, from_frames, to_frames
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.expert_math import KERNELS, expert_forward
+from odmoe.transport.messages import ComputeExpert, ExpertResult, from_frames, to_frames
 
 
 def busy(seconds: float) -> None:

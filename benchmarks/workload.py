@@ -11,10 +11,10 @@ import functools
 import sysconfig
 from pathlib import Path
 
-from odmoe.model_factory import _SKIP_DIRS, corpus_files
-from odmoe.training import TRAINED_SETTINGS
+from odmoe.tools.model_factory import _SKIP_DIRS, corpus_files
+from odmoe.tools.training import TRAINED_SETTINGS
 
-# What the trained benchmark model read, so prompts come from elsewhere (odmoe.training).
+# What the trained benchmark model read, so prompts come from elsewhere (odmoe.tools.training).
 TRAINING_CORPUS_BYTES = TRAINED_SETTINGS["mixtral"].corpus_bytes
 
 

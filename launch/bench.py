@@ -74,7 +74,7 @@ def run_suites(cfg: BenchConfig) -> None:
         soak,
         timeline,
     )
-    from odmoe.model_names import resolve_model
+    from odmoe.tools.model_names import resolve_model
 
     suites = {
         "recall": recall.run,

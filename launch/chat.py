@@ -24,7 +24,7 @@ import sys
 
 import httpx
 
-from odmoe.security import ClientCredentials, SecurityError
+from odmoe.transport.security import ClientCredentials, SecurityError
 
 DEFAULT_URL = "https://127.0.0.1:8000"
 

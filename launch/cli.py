@@ -137,7 +137,7 @@ def _launch(raw: DictConfig) -> None:
             with contextlib.suppress(ProcessLookupError):  # one that ended meanwhile
                 os.sched_setaffinity(int(thread), cfg.cluster.cpus)
     if not cfg.security.enabled and (exposed := exposed_hosts(cfg)):  # allowed by security.insecure_lan
-        logging.getLogger("odmoe.security").warning(
+        logging.getLogger("odmoe.transport.security").warning(
             "SECURITY IS OFF on %s: anyone on that network can send this node work or read what it "
             "sends (security.enabled=false, security.insecure_lan=true)",
             ", ".join(exposed),

@@ -1,4 +1,4 @@
-"""`odmoe-keys`: a cluster's key material in one command (the layout is odmoe/security.py's).
+"""`odmoe-keys`: a cluster's key material in one command (the layout is odmoe/transport/security.py's).
 
     odmoe-keys init DIR --workers 4 --host 192.168.1.10   # node keys, TLS certificate, client token
     odmoe-keys add DIR worker4                             # one more node's keypair
@@ -15,7 +15,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from odmoe.security import KeyDir, SecurityError, add_node_key, init_key_dir, load_keypair, read_token
+from odmoe.transport.security import (
+    KeyDir,
+    SecurityError,
+    add_node_key,
+    init_key_dir,
+    load_keypair,
+    read_token,
+)
 
 BAD_INPUT = 2
 

@@ -39,13 +39,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.client import Client
 from odmoe.config import ModelConfig, OdmoeConfig
 from odmoe.launch.settings import compose
 from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent, popen_node  # noqa: F401 - re-exported
-from odmoe.model_names import resolve_model
-from odmoe.security import ClientCredentials, init_key_dir
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.serving.client import Client
+from odmoe.tools.model_names import resolve_model
+from odmoe.transport.security import ClientCredentials, init_key_dir
 
 log = logging.getLogger("odmoe.local")
 
@@ -74,7 +74,7 @@ class NodeProcess:
 
 
 def resolve_model_path(cfg: OdmoeConfig) -> str:
-    """`model.path` as a checkpoint directory (odmoe.model_names: `demo`, `tiny`, `trained`,
+    """`model.path` as a checkpoint directory (odmoe.tools.model_names: `demo`, `tiny`, `trained`,
     `trained_deepseek`, `trained_qwen3_next` or a directory; unset is `tiny`), made on first use under
     model.cache_dir."""
     return resolve_model(cfg.model.path, cfg.model.cache_dir)

@@ -13,7 +13,7 @@ import logging
 import sys
 from dataclasses import fields
 
-from odmoe.model_factory import FAMILIES, ModelSpec, make_model
+from odmoe.tools.model_factory import FAMILIES, ModelSpec, make_model
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -61,14 +61,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"odmoe-make-model: {exc}", file=sys.stderr)
         return 2
     if args.demo:
-        from odmoe.training import DEMO_SPEC, train_demo
+        from odmoe.tools.training import DEMO_SPEC, train_demo
 
         spec = DEMO_SPEC
         out = train_demo(args.out)  # as model.path=demo trains it: the same weights
     elif args.train:
         from dataclasses import replace
 
-        from odmoe.training import TRAINED_SETTINGS, TRAINED_SPECS, train_model
+        from odmoe.tools.training import TRAINED_SETTINGS, TRAINED_SPECS, train_model
 
         if spec.family not in TRAINED_SPECS:
             print(f"odmoe-make-model: --train makes {' or '.join(TRAINED_SPECS)} models", file=sys.stderr)
@@ -79,12 +79,12 @@ def main(argv: list[str] | None = None) -> int:
         spec = TRAINED_SPECS[spec.family]
         out = train_model(args.out, spec, settings)
     elif args.fast_fill:
-        from odmoe.model_factory import make_wide_model
+        from odmoe.tools.model_factory import make_wide_model
 
         out = make_wide_model(spec, args.out, max_shard_size=args.max_shard_size or "4GB")
     else:
         out = make_model(spec, args.out, max_shard_size=args.max_shard_size)
-    from odmoe.checkpoint import Checkpoint
+    from odmoe.models.checkpoint import Checkpoint
 
     ckpt = Checkpoint(out)
     expert = ckpt.expert(ckpt.moe_layers[0], 0)

@@ -18,12 +18,12 @@ import time
 
 import torch
 
-from odmoe.checkpoint import Checkpoint, CheckpointError
-from odmoe.compressed_tensor import DEFAULT_CHUNK_ELEMS, DEFAULT_LEVEL, decompress
-from odmoe.expert_pack import PACK_DIR, ExpertPack, PackError, dtype_name, write_pack
-from odmoe.families import UnsupportedModelError
-from odmoe.load_dtypes import expert_dtype
-from odmoe.main_model import resolve_dtype
+from odmoe.models.checkpoint import Checkpoint, CheckpointError
+from odmoe.models.families import UnsupportedModelError
+from odmoe.models.load_dtypes import expert_dtype
+from odmoe.models.main_model import resolve_dtype
+from odmoe.worker.compressed_tensor import DEFAULT_CHUNK_ELEMS, DEFAULT_LEVEL, decompress
+from odmoe.worker.expert_pack import PACK_DIR, ExpertPack, PackError, dtype_name, write_pack
 
 KINDS = ("gate_up", "down")
 

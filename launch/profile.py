@@ -5,7 +5,7 @@
 
 Runs the whole model (experts included) in this process over windows of the calibration text and
 writes, per MoE layer, activation counts, binary and probability-weighted co-activation matrices,
-the TAE percentiles and the buddy lists (`odmoe.profiling`), plus a JSON summary and the
+the TAE percentiles and the buddy lists (`odmoe.tools.profiling`), plus a JSON summary and the
 co-activation heatmap of one layer (PNG, needs matplotlib: the `bench` extra). Without --text it
 reads standard-library sources (the same files the trained benchmark model learnt from, so its
 held-out prompts stay unseen). Exit codes: 0 written, 2 bad arguments or model.
@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.profiling import draw_heatmap, profile_model, save_profile
-from odmoe.substitution import profile_path
+from odmoe.lossy.substitution import profile_path
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.profiling import draw_heatmap, profile_model, save_profile
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -62,9 +62,9 @@ def _progress(start: float):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from odmoe.model_factory import corpus_files
-    from odmoe.model_names import resolve_model
-    from odmoe.training import TRAINED_SETTINGS
+    from odmoe.tools.model_factory import corpus_files
+    from odmoe.tools.model_names import resolve_model
+    from odmoe.tools.training import TRAINED_SETTINGS
 
     try:
         path = resolve_model(args.model)

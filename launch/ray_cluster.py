@@ -50,13 +50,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.client import Client
 from odmoe.config import OdmoeConfig, RayRoleConfig
 from odmoe.launch.local_cluster import resolve_model_path
 from odmoe.launch.ray_node import STOP_GRACE_S, NodeActor, NodeSpec, SecretFiles, model_fingerprint
 from odmoe.launch.spawn import ClusterStartError
-from odmoe.security import ClientCredentials, KeyDir, init_key_dir
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.serving.client import Client
+from odmoe.transport.security import ClientCredentials, KeyDir, init_key_dir
 
 log = logging.getLogger("odmoe.ray")
 # Words of the launcher's command line its nodes must not get: the actor sets them per node.

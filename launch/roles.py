@@ -13,11 +13,11 @@ from pathlib import Path
 
 import grpc
 
-from odmoe.checkpoint import CheckpointError
 from odmoe.config import OdmoeConfig
-from odmoe.families import UnsupportedModelError
 from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
-from odmoe.security import SecurityError
+from odmoe.models.checkpoint import CheckpointError
+from odmoe.models.families import UnsupportedModelError
+from odmoe.transport.security import SecurityError
 
 log = logging.getLogger("odmoe.launch")
 BAD_INPUT = 2
@@ -48,8 +48,8 @@ def run_shadow(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 
 def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    from odmoe.main.remote_experts import WorkerUnavailable
     from odmoe.nodes.main import MainNode, PortInUse
-    from odmoe.remote_experts import WorkerUnavailable
 
     try:
         node = MainNode(cfg, resolve_model_path(cfg))

@@ -5,20 +5,20 @@ the worker it is supposed to be, start the gRPC server (Inference + standard hea
 announce readiness, serve until SIGINT/SIGTERM.
 
 Two front doors, one queue: the gRPC API (odmoe.Client) and the OpenAI-compatible HTTP API
-(`odmoe/http_api.py`, `server.http`) both validate a request on the thread that receives it (bad
+(`odmoe/serving/http_api.py`, `server.http`) both validate a request on the thread that receives it (bad
 input fails at once: INVALID_ARGUMENT / 400) and put it in the bounded `RequestQueue` (full:
 RESOURCE_EXHAUSTED / 429); a single engine thread runs them, up to `server.max_running` together
-(continuous batching, `odmoe/engine.py`: each request's tokens exactly those it gets alone), in
+(continuous batching, `odmoe/main/engine.py`: each request's tokens exactly those it gets alone), in
 arrival order, because the ZeroMQ sockets are its alone. Each request has a deadline
 (`server.request_timeout_s`, or less if it asks) counted from its arrival.
 
 Failover: the engine thread also keeps the membership (between decode iterations and every
-`odmoe.engine.IDLE_WAIT_S` while idle): lost workers are probed, announced ones (gRPC `Join`)
+`odmoe.main.engine.IDLE_WAIT_S` while idle): lost workers are probed, announced ones (gRPC `Join`)
 checked and taken back, a re-announced shadow reconnected. A request whose client has gone
 (cancelled or disconnected) stops at the next iteration boundary, or is skipped if not started. A standby
 main is just another main started with the same config: clients fail over to it and resume.
 
-Security (odmoe/security.py, on by default): gRPC is served over TLS and every call, Join and
+Security (odmoe/transport/security.py, on by default): gRPC is served over TLS and every call, Join and
 health checks included, must carry the cluster's bearer token (`BearerToken` refuses the others
 UNAUTHENTICATED before a handler runs); the HTTP API is HTTPS with the same token. Main's ZeroMQ
 connections are CURVE clients that complete a handshake only with the keys the cluster gave each
@@ -41,10 +41,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from transformers import AutoTokenizer
 
-from odmoe.alignment import make_plan
-from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
-from odmoe.engine import (
+from odmoe.lossy.substitution import Substituter
+from odmoe.main.alignment import make_plan
+from odmoe.main.engine import (
     Batching,
     DoneEvent,
     GenerateRequest,
@@ -53,24 +53,24 @@ from odmoe.engine import (
     PromptEvent,
     ShuttingDown,
 )
-from odmoe.error_status import message_of, status_of
-from odmoe.exchange_observers import FaultInjection
-from odmoe.faults import FaultTrigger
-from odmoe.heartbeat import Heartbeat
-from odmoe.http_api import start_http
-from odmoe.main_model import build_main_model, resolve_dtype
-from odmoe.membership import Membership
-from odmoe.memory import parse_bytes
-from odmoe.metrics import ServerMetrics
+from odmoe.main.exchange_observers import FaultInjection
+from odmoe.main.membership import Membership
+from odmoe.main.remote_experts import RemoteExperts
+from odmoe.main.request_queue import END, QueueClosed, QueueFull, RequestQueue, Ticket
+from odmoe.main.sampling import SamplingParams
+from odmoe.main.shadow_link import ShadowLink
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.main_model import build_main_model, resolve_dtype
 from odmoe.nodes.ready import announce_ready
-from odmoe.remote_experts import RemoteExperts
-from odmoe.request_queue import END, QueueClosed, QueueFull, RequestQueue, Ticket
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
-from odmoe.sampling import SamplingParams
-from odmoe.security import BearerToken, NodeSecurity
-from odmoe.shadow_link import ShadowLink
-from odmoe.substitution import Substituter
-from odmoe.trace import Tracer
+from odmoe.serving.error_status import message_of, status_of
+from odmoe.serving.http_api import start_http
+from odmoe.serving.metrics import ServerMetrics
+from odmoe.tools.faults import FaultTrigger
+from odmoe.tools.memory import parse_bytes
+from odmoe.tools.trace import Tracer
+from odmoe.transport.heartbeat import Heartbeat
+from odmoe.transport.security import BearerToken, NodeSecurity
 
 log = logging.getLogger("odmoe.main")
 ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
@@ -246,7 +246,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             context.abort(status_of(exc).grpc, message_of(exc))
         context.add_callback(ticket.cancel)
         while (event := self._next_reply(ticket, context)) is not END:
-            if isinstance(event, Exception):  # the same table as the HTTP door's (odmoe.error_status)
+            if isinstance(event, Exception):  # the same table as the HTTP door's (odmoe.serving.error_status)
                 context.abort(status_of(event).grpc, message_of(event))
             if isinstance(event, DoneEvent):
                 logits = b"" if event.final_logits is None else event.final_logits.float().numpy().tobytes()

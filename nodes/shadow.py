@@ -3,20 +3,20 @@ choices as predictions (OD-MoE "scaled emulative prediction", paper §3.2).
 
 Lifecycle: load the model at `shadow.precision`, bind a PULL socket (main's Begin/Align/End) and a
 PUB socket (predictions), announce readiness, then serve every request main runs (several at once
-when main batches them, `odmoe.engine`):
+when main batches them, `odmoe.main.engine`):
   1) Begin: prefill its own cache from the prompt (no predictions: prefill spreads every expert);
   2) each decode iteration n of each request, `alignment.mode=wait` (the paper's): wait for main's
      alignment where main said it would send one (the wait is the late departure), take main's
      token and/or overwrite its newest K/V rows with main's, run the forward pass.
      `alignment.mode=speculative`: never wait for alignment; run on from its own token and let
-     main's reports catch up (odmoe.speculation): a token that differs from what it fed rolls the
+     main's reports catch up (odmoe.shadow.speculation): a token that differs from what it fed rolls the
      cache back to that iteration, main's K/V rows overwrite its own in place; at most
      `alignment.max_ahead` iterations ahead of main;
   3) End stops it. A shadow that is wrong or late never changes main's output.
 
 Several requests: iteration n of a request runs in main's tick `first_tick + n - 1` (its Begin
 says). The shadow steps every request due at the same tick together, one forward pass each in its
-own cache, interleaved at the routers (`odmoe.lockstep`): once each has chosen its experts for a
+own cache, interleaved at the routers (`odmoe.main.lockstep`): once each has chosen its experts for a
 layer it publishes one prediction for (stream, tick, layer), the union of their choices with each
 request's own listed, so the workers preload each expert once, and main counts recall per request.
 A request behind the others (just begun, rolled back) catches up alone, and the union for the ticks
@@ -44,18 +44,28 @@ import zmq
 from accelerate import init_empty_weights
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 
-from odmoe.alignment import make_plan
-from odmoe.announce import announce
-from odmoe.codec import CodecError
 from odmoe.config import OdmoeConfig
-from odmoe.device_slots import device_peak_bytes
-from odmoe.dropped import DropLog
-from odmoe.families import family_of
-from odmoe.faults import FaultTrigger
-from odmoe.hedging import GroupLimit, shadow_hedges
-from odmoe.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
-from odmoe.main_model import experts_modules
-from odmoe.messages import (
+from odmoe.main.alignment import make_plan
+from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
+from odmoe.models.families import family_of
+from odmoe.models.main_model import experts_modules
+from odmoe.nodes.ready import announce_ready
+from odmoe.placement import Topology
+from odmoe.shadow.hedging import GroupLimit, shadow_hedges
+from odmoe.shadow.router_tap import RouterTap, rank, wrong_experts
+from odmoe.shadow.shadow_batch import RowCache, ShadowBatch, batchable
+from odmoe.shadow.shadow_model import (
+    load_shadow_model,
+    model_bytes,
+    router_modules,
+)
+from odmoe.shadow.speculation import Speculation
+from odmoe.tools.faults import FaultTrigger
+from odmoe.tools.trace import Tracer, now_us
+from odmoe.transport.announce import announce
+from odmoe.transport.codec import CodecError
+from odmoe.transport.dropped import DropLog
+from odmoe.transport.messages import (
     Align,
     BeginRequest,
     EndRequest,
@@ -66,18 +76,8 @@ from odmoe.messages import (
     from_frames,
     to_frames,
 )
-from odmoe.nodes.ready import announce_ready
-from odmoe.placement import Topology
-from odmoe.router_tap import RouterTap, rank, wrong_experts
-from odmoe.security import NodeSecurity, secure_server
-from odmoe.shadow_batch import RowCache, ShadowBatch, batchable
-from odmoe.shadow_model import (
-    load_shadow_model,
-    model_bytes,
-    router_modules,
-)
-from odmoe.speculation import Speculation
-from odmoe.trace import Tracer, now_us
+from odmoe.transport.security import NodeSecurity, secure_server
+from odmoe.worker.device_slots import device_peak_bytes
 
 log = logging.getLogger("odmoe.shadow")
 LINGER_MS = 1  # how long a batched step waits for main's next report while other rows lag
@@ -183,7 +183,7 @@ class ShadowNode:
         self.choices: dict[tuple[int, int], dict[str, _Choice]] = {}
         self.tasks = Lockstep()
         self._running: _Run | None = None  # the request whose forward pass runs (the router hooks')
-        # every request whose model's cache can be batched (odmoe.shadow_batch): one forward per tick
+        # every request whose model's cache can be batched (odmoe.shadow.shadow_batch): one forward per tick
         self.batch = ShadowBatch(self.model) if self.model is not None else None
         self.tracer = Tracer("shadow", cfg.trace_dir)
         self._layer_since_us = 0.0  # when the current layer's computation began (timeline only)
@@ -232,8 +232,8 @@ class ShadowNode:
 
     def choice(self, module, output, layer: int, limit: GroupLimit | None, row: int = -1) -> _Choice:
         """What a router's output predicts for one of its rows (the newest token's by default): its
-        experts, the top-(k+1) candidates with their scores, and the hedges (`odmoe.hedging`)."""
-        ranked = rank(module, output[0][row], self.top_k, limit)  # the one rule (odmoe.router_tap)
+        experts, the top-(k+1) candidates with their scores, and the hedges (`odmoe.shadow.hedging`)."""
+        ranked = rank(module, output[0][row], self.top_k, limit)  # the one rule (odmoe.shadow.router_tap)
         experts = self._inject(output[2][row].tolist())
         margin = self.scfg.hedge_margin
         every = ranked.every if margin > 0 else None  # group hedges rank groups by it

@@ -7,11 +7,11 @@ the shadow's prediction address; the worker then also subscribes to its own grou
 Per decode layer (paper §3.1): a prediction for a layer of this worker's group is dealt to the
 group's workers by the shared round-robin rule; this worker preloads its share into a free device
 slot, earliest (iteration, layer) first. What to preload when, and which loads to give back, is
-decided by odmoe.preload_schedule (pure); this node applies those decisions. A compute request then
+decided by odmoe.worker.preload_schedule (pure); this node applies those decisions. A compute request then
 finds the expert already loaded (a hit) or loads it on demand (a miss: the stall the shadow exists
 to avoid). After computing, the expert is evicted: no cache (the paper's). With `worker.cache` the
 worker keeps the experts it is home for (odmoe.placement) on its device after use, up to the
-cache's bound, and when one more is to be kept than fits, its policy drops one (odmoe.expert_cache:
+cache's bound, and when one more is to be kept than fits, its policy drops one (odmoe.worker.expert_cache:
 by the shadow's pending predictions, or LRU); a cached expert is computed without a load, whatever
 request asks. Preloads the request did not use are dropped when main releases the layer: its last
 call to this worker in a decode layer carries `release` (handled once the answer is sent, off
@@ -29,7 +29,7 @@ whose layers it stores (it may serve them when their own group is lost). With
 `cluster.main_addresses` set it announces itself to main on start, so a worker restarted on
 another port is taken back.
 
-Security (odmoe/security.py, on by default): the ROUTER is a CURVE server admitting only the
+Security (odmoe/transport/security.py, on by default): the ROUTER is a CURVE server admitting only the
 cluster's public keys (a ZAP authenticator thread), and the prediction SUB talks only to the key
 "shadow"; a peer without the keys never completes a handshake, so none of its frames reach here.
 """
@@ -43,20 +43,21 @@ from collections import OrderedDict
 import torch
 import zmq
 
-from odmoe.announce import announce
-from odmoe.checkpoint import Checkpoint
-from odmoe.codec import ALIGN, CodecError
 from odmoe.config import OdmoeConfig
-from odmoe.device_slots import device_peak_bytes
-from odmoe.dropped import DropLog
-from odmoe.expert_cache import CacheBook, cache_capacity, expected_distance
-from odmoe.expert_math import KERNELS, expert_forward
-from odmoe.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
-from odmoe.faults import FaultTrigger
-from odmoe.load_dtypes import expert_dtype
-from odmoe.main_model import resolve_dtype
-from odmoe.memory import parse_bytes, peak_rss_bytes
-from odmoe.messages import (
+from odmoe.lossy.substitution import profile_path, use_rates
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.expert_math import KERNELS, expert_forward
+from odmoe.models.load_dtypes import expert_dtype
+from odmoe.models.main_model import resolve_dtype
+from odmoe.nodes.ready import announce_ready
+from odmoe.placement import LayerUnavailable
+from odmoe.tools.faults import FaultTrigger
+from odmoe.tools.memory import parse_bytes, peak_rss_bytes
+from odmoe.tools.trace import Tracer, now_us
+from odmoe.transport.announce import announce
+from odmoe.transport.codec import ALIGN, CodecError
+from odmoe.transport.dropped import DropLog
+from odmoe.transport.messages import (
     ComputeExpert,
     ComputeExperts,
     EndRequest,
@@ -70,12 +71,11 @@ from odmoe.messages import (
     from_frames,
     to_frames,
 )
-from odmoe.nodes.ready import announce_ready
-from odmoe.placement import LayerUnavailable
-from odmoe.preload_schedule import PreloadSchedule
-from odmoe.security import NodeSecurity, secure_client, secure_server
-from odmoe.substitution import profile_path, use_rates
-from odmoe.trace import Tracer, now_us
+from odmoe.transport.security import NodeSecurity, secure_client, secure_server
+from odmoe.worker.device_slots import device_peak_bytes
+from odmoe.worker.expert_cache import CacheBook, cache_capacity, expected_distance
+from odmoe.worker.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
+from odmoe.worker.preload_schedule import PreloadSchedule
 
 log = logging.getLogger("odmoe.worker")
 MAX_OPEN_BATCHES = 64  # prefill batches still missing parts; beyond this the oldest is dropped
@@ -204,7 +204,8 @@ class WorkerNode:
         return rates
 
     def _cache_capacity(self, spec: str, device: torch.device) -> int:
-        """`worker.cache` in experts: those this worker is home for bound "all" (odmoe.expert_cache)."""
+        """`worker.cache` in experts: those this worker is home for bound "all"
+        (odmoe.worker.expert_cache)."""
         elements = self.store.gate_up_shape.numel() + self.store.down_shape.numel()
         expert_bytes = elements * self.store.dtype.itemsize
         home = sum(self.topology.home(layer, e) == self.index for layer, e in self.store.keys())
@@ -227,7 +228,7 @@ class WorkerNode:
         return self.topology.home(key[0], key[1], self.live) == self.index
 
     def _distance(self, key: tuple[int, int]) -> float:
-        """Layers until `key` is expected to be needed (odmoe.expert_cache.expected_distance)."""
+        """Layers until `key` is expected to be needed (odmoe.worker.expert_cache.expected_distance)."""
         s, rate = self.schedule, self.cache.use_rate(key)
         return expected_distance(
             key, s.past, s.upcoming, s.predicted_through, self.layer_rank, rate, self._serves(key)

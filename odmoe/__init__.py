@@ -8,11 +8,11 @@ __all__ = ["Client", "GenerateResult", "LocalCluster", "Piece"]
 
 def __getattr__(name: str):
     # Loaded on first use so that `import odmoe.<anything>` stays light: a Ray actor importing
-    # odmoe.launch.ray_node must not pay for torch (odmoe.client's sampling imports it).
+    # odmoe.launch.ray_node must not pay for torch (odmoe.serving.client's sampling imports it).
     # LocalCluster lives in odmoe.launch (it owns processes and reads Hydra configs, which library
     # code must not), so imports still flow one way.
     if name in ("Client", "GenerateResult", "Piece"):
-        from odmoe import client
+        from odmoe.serving import client
 
         return getattr(client, name)
     if name == "LocalCluster":

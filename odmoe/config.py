@@ -12,7 +12,7 @@ import functools
 import logging
 from dataclasses import dataclass, field
 
-from odmoe.miss_policy import MissConfig
+from odmoe.lossy.miss_policy import MissConfig
 from odmoe.placement import Topology
 
 log = logging.getLogger("odmoe.config")
@@ -76,7 +76,7 @@ class ClusterConfig:
 @dataclass
 class LinkConfig:
     """An emulated host->device link for expert loads: each load takes at least latency_ms +
-    bytes / bandwidth_gbps (odmoe.expert_store.Link); off at 0/0, and a request's stats say when on."""
+    bytes / bandwidth_gbps (odmoe.worker.expert_store.Link); off at 0/0, and a request's stats say when on."""
 
     bandwidth_gbps: float = 0.0  # Gbit/s (0 with latency_ms 0: off)
     latency_ms: float = 0.0  # added to every load
@@ -108,7 +108,7 @@ class EmulationConfig:
 class WorkerConfig:
     index: int = 0  # role=worker: which worker this is (decides its group)
     # "auto": cuda when present, else cpu; or cpu | cuda | cuda:<i>. On CUDA the experts rest in pinned
-    # host memory and load by asynchronous copies on the worker's own stream (odmoe.device_slots).
+    # host memory and load by asynchronous copies on the worker's own stream (odmoe.worker.device_slots).
     device: str = "auto"
     slots: int = 2  # experts a worker may hold on the device at once (one computing, one loading)
     only_own_layers: bool = False  # store only the layers of this worker's group (less memory)
@@ -121,7 +121,7 @@ class WorkerConfig:
     # frozen process) is counted as lost and its calls re-sent. Loads over a slow link must fit in it.
     reply_timeout_s: float = 60.0
     link: LinkAlias = field(default_factory=LinkAlias)  # deprecated: emulation.link
-    # Where experts rest (odmoe.expert_store): memory (decompressed in host memory) | compressed
+    # Where experts rest (odmoe.worker.expert_store): memory (decompressed in host memory) | compressed
     # (lossless: entropy-coded exponents + raw sign/mantissa, in host memory) | disk (read on each load:
     # the pack file when there is one, else the checkpoint's safetensors).
     store: str = "memory"
@@ -130,7 +130,7 @@ class WorkerConfig:
     host_memory: str = ""
     pack_dir: str = ""  # where odmoe-pack wrote its file ("": MODEL/odmoe-pack)
     decompress_threads: int = 2  # thread pool that decompresses a compressed expert's chunks
-    # Experts kept on the device after use (odmoe.expert_cache): 0 (cacheless, the paper's), a size
+    # Experts kept on the device after use (odmoe.worker.expert_cache): 0 (cacheless, the paper's), a size
     # ("6GiB"), all (every expert this worker is home for) or auto (free device memory less a margin,
     # at most all). Any value keeps tokens identical; it changes which bytes are loaded again.
     # auto is the default (the fastest exact setting: suite=cache); preset=paper sets 0.
@@ -165,7 +165,7 @@ class ShadowConfig:
     device: str = "cpu"  # cpu | cuda | cuda:<i> (bitsandbytes int8/nf4 are meant for cuda)
     inject_wrong: float | None = None  # deprecated: emulation.inject_wrong
     inject_wrong_token: float | None = None  # deprecated: emulation.inject_wrong_token
-    # hedged prefetch (odmoe.hedging): also preload the (k+1)-th expert when its router score is within
+    # hedged prefetch (odmoe.shadow.hedging): also preload the (k+1)-th expert when its router score is within
     # this of the k-th's (0: off); it needs a spare slot (worker.slots above what lookahead fills)
     hedge_margin: float = 0.0
     seed: int = 0  # of the random choices: mode=random's experts, emulation.inject_wrong*
@@ -186,7 +186,7 @@ class AlignmentConfig:
     # preset=paper sets wait.
     mode: str = "speculative"
     max_ahead: int = 2  # speculative: at most this many iterations ahead of main's newest report
-    # tune: main adapts both periods per request (odmoe.alignment.PeriodTuner): +1 after grow_after
+    # tune: main adapts both periods per request (odmoe.main.alignment.PeriodTuner): +1 after grow_after
     # windows whose wrong predictions stay within tolerance, halved after one that does not
     tune: bool = False
     min_period: int = 1  # tune: the periods stay within [min_period, max_period]
@@ -212,7 +212,7 @@ class ServerConfig:
     http_port: int = 8000  # 0: any free port (LocalCluster's default, so tests never collide)
     model_name: str = ""  # the model id /v1/models lists and requests name ("" = the model directory's name)
     # Continuous batching: up to this many requests decode together, one token each per iteration,
-    # every request's tokens exactly those it gets alone (odmoe.engine). 1: one request at a time.
+    # every request's tokens exactly those it gets alone (odmoe.main.engine). 1: one request at a time.
     max_running: int = 8
     # K/V cache main may hold for running requests, e.g. "4GiB" ("" or 0: no bound): a request whose
     # prompt + max_new_tokens would not fit waits; one that could never fit is refused (400).
@@ -252,7 +252,7 @@ class RayConfig:
 
 @dataclass
 class SecurityConfig:
-    """Who may talk to the cluster (odmoe/security.py): CurveZMQ between nodes, TLS + a bearer token
+    """Who may talk to the cluster (odmoe/transport/security.py): CurveZMQ between nodes, TLS + a bearer token
     for clients. On unless enabled=false; role=local makes its own keys. On a LAN: `odmoe-keys init
     DIR`, then security.key_dir=DIR."""
 
@@ -313,7 +313,8 @@ class OdmoeConfig:
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32  # role=local: how many tokens to generate for prompt
     ready_file: str | None = None  # a node writes {"address": ...} here once it serves
-    trace_dir: str | None = None  # every node appends its timeline spans here (odmoe.trace); off when null
+    # every node appends its timeline spans here (odmoe.tools.trace); off when null
+    trace_dir: str | None = None
     log_level: str = "INFO"  # every node's logging level (DEBUG, INFO, WARNING, ...)
 
     @property

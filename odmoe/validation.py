@@ -8,9 +8,9 @@ policies, precisions, alignment plans), so the schema (`odmoe.config`) need not 
 
 from __future__ import annotations
 
-from odmoe.alignment import make_plan
 from odmoe.config import FAULT_ACTIONS, ROLES, SHADOW_MODES, OdmoeConfig, resolve_aliases
-from odmoe.speculation import Speculation
+from odmoe.main.alignment import make_plan
+from odmoe.shadow.speculation import Speculation
 
 
 def validate(cfg: OdmoeConfig) -> None:
@@ -22,7 +22,7 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
     if cfg.worker.replicas < 1:
         raise ValueError(f"worker.replicas must be at least 1, got {cfg.worker.replicas}")
-    from odmoe.expert_cache import CACHE_POLICIES, check_cache_spec
+    from odmoe.worker.expert_cache import CACHE_POLICIES, check_cache_spec
 
     check_cache_spec(cfg.worker.cache)
     if cfg.worker.cache_policy not in CACHE_POLICIES:
@@ -42,8 +42,8 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"server.http_port must lie in [0, 65535], got {cfg.server.http_port}")
     if cfg.worker.slots < 1:
         raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
-    from odmoe.expert_store import STORES
-    from odmoe.memory import parse_bytes
+    from odmoe.tools.memory import parse_bytes
+    from odmoe.worker.expert_store import STORES
 
     if cfg.worker.store not in STORES:
         raise ValueError(f"worker.store={cfg.worker.store!r} is not one of {', '.join(STORES)}")
@@ -74,7 +74,7 @@ def validate(cfg: OdmoeConfig) -> None:
     for name in ("inject_wrong", "inject_wrong_token"):
         if not 0.0 <= getattr(cfg.emulation, name) <= 1.0:
             raise ValueError(f"emulation.{name} must lie in [0, 1], got {getattr(cfg.emulation, name)}")
-    from odmoe.shadow_model import PRECISIONS
+    from odmoe.shadow.shadow_model import PRECISIONS
 
     if cfg.shadow.precision not in PRECISIONS:
         raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -118,7 +118,7 @@ def check_device(key: str, name: str, allow_auto: bool = False) -> None:
 
 def exposed_hosts(cfg: OdmoeConfig) -> list[str]:
     """The non-loopback addresses this node would bind (empty: loopback only)."""
-    from odmoe.security import is_loopback
+    from odmoe.transport.security import is_loopback
 
     hosts = [cfg.cluster.host]
     if cfg.role.name in ("main", "local") and cfg.server.http:

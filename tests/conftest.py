@@ -9,7 +9,7 @@ import signal
 import psutil
 import pytest
 
-from odmoe.model_factory import FAMILIES, ModelSpec, make_model
+from odmoe.tools.model_factory import FAMILIES, ModelSpec, make_model
 
 FAMILY_NAMES = [
     f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3") if f in FAMILIES

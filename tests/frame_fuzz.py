@@ -13,9 +13,9 @@ import random
 import msgpack
 import torch
 
-from odmoe.codec import MAX_HEADER_BYTES
-from odmoe.expert_math import KERNELS
-from odmoe.messages import (
+from odmoe.models.expert_math import KERNELS
+from odmoe.transport.codec import MAX_HEADER_BYTES
+from odmoe.transport.messages import (
     Align,
     BeginRequest,
     ComputeExpert,

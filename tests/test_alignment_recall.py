@@ -1,7 +1,7 @@
 import pytest
 
-from odmoe.alignment import AlignmentSchedule
-from odmoe.recall import RecallCounter
+from odmoe.main.alignment import AlignmentSchedule
+from odmoe.main.recall import RecallCounter
 
 
 def test_periods_pick_iterations():

@@ -15,9 +15,9 @@ import pytest
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from odmoe import LocalCluster
-from odmoe.checkpoint import CheckpointError
-from odmoe.families import UnsupportedModelError
 from odmoe.launch.local_cluster import ClusterStartError
+from odmoe.models.checkpoint import CheckpointError
+from odmoe.models.families import UnsupportedModelError
 
 pytestmark = pytest.mark.integration
 LAUNCH = [sys.executable, "-m", "odmoe.launch.cli"]

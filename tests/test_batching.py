@@ -1,6 +1,6 @@
 """Continuous batching through real clusters: every request's tokens equal the same request alone.
 
-Main runs up to `server.max_running` requests together (odmoe/engine.py); a request's tokens must
+Main runs up to `server.max_running` requests together (odmoe/main/engine.py); a request's tokens must
 not depend on what else runs, when it arrives or when the others leave. References are
 transformers' own `generate()` in this process (greedy, or seeded sampling with
 `torch.manual_seed`), which a request alone through odmoe equals (tests/test_cluster_fidelity.py).

@@ -9,7 +9,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.baselines import build, timed_generate
 from odmoe.benchmarks.config import SUITES, prefill_configuration, suite_summaries
@@ -17,9 +16,10 @@ from odmoe.benchmarks.predictors import FrequencyPredictor
 from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
 from odmoe.benchmarks.suites.recall import score
 from odmoe.benchmarks.suites.timeline import summarise
-from odmoe.checkpoint import Checkpoint
-from odmoe.expert_store import Link
-from odmoe.trace import Tracer, merge
+from odmoe.main.alignment import AlignmentSchedule
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.trace import Tracer, merge
+from odmoe.worker.expert_store import Link
 
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 

@@ -22,7 +22,7 @@ NEW_TOKENS = 24
 
 def _expert_bytes(path: str) -> int:
     """Bytes of one expert of the model (float32 on disk and on the workers)."""
-    from odmoe.checkpoint import Checkpoint
+    from odmoe.models.checkpoint import Checkpoint
 
     config = Checkpoint(path).config
     size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size

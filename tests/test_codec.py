@@ -2,8 +2,8 @@ import msgpack
 import pytest
 import torch
 
-from odmoe.codec import CodecError, decode, encode
-from odmoe.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
+from odmoe.transport.codec import CodecError, decode, encode
+from odmoe.transport.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
@@ -50,7 +50,7 @@ def test_a_tensor_received_off_alignment_is_decoded_aligned(offset):
     """ZeroMQ puts a long message's bytes 8 bytes off a 16-byte boundary; the CPU's float32 matmul
     gave other last bits for such rows (AMD EPYC, MKL), so a cluster's fp32 logits were close to
     transformers' but not equal. Decoded tensors start where torch's own allocations do."""
-    from odmoe.codec import ALIGN
+    from odmoe.transport.codec import ALIGN
 
     t = torch.randn(3, 16)
     header, frame = encode({}, [t])

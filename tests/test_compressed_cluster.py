@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from odmoe import LocalCluster
-from odmoe.checkpoint import Checkpoint
-from odmoe.expert_pack import ExpertPack, write_pack
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.worker.expert_pack import ExpertPack, write_pack
 from tests.conftest import FAMILY_NAMES
 from tests.test_cluster_fidelity import reference
 

@@ -10,16 +10,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from odmoe.bitfields import byte_view, join_into, split
-from odmoe.checkpoint import Checkpoint
-from odmoe.compressed_tensor import CorruptChunkError, MemoryBytes, compress, decompress
 from odmoe.config import OdmoeConfig
-from odmoe.expert_pack import ExpertPack, PackError, pack_path, write_pack
-from odmoe.expert_store import DeviceSlots, ExpertStore
 from odmoe.launch import pack as pack_cli
-from odmoe.memory import parse_bytes
-from odmoe.model_factory import ModelSpec, make_model
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.memory import parse_bytes
+from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.validation import validate
+from odmoe.worker.bitfields import byte_view, join_into, split
+from odmoe.worker.compressed_tensor import CorruptChunkError, MemoryBytes, compress, decompress
+from odmoe.worker.expert_pack import ExpertPack, PackError, pack_path, write_pack
+from odmoe.worker.expert_store import DeviceSlots, ExpertStore
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INTS = {2: torch.int16, 4: torch.int32}

@@ -49,13 +49,13 @@ def test_misspelt_key_fails():
 def test_local_cluster_defaults_to_the_tiny_model_not_the_trained_demo(tmp_path, monkeypatch):
     """odmoe-launch's default is `demo` (trained on first use); LocalCluster, which tests and
     benchmarks start, defaults to `tiny` and never trains. Composing and resolving start no node."""
-    import odmoe.training
+    import odmoe.tools.training
     from odmoe.launch.local_cluster import LocalCluster
 
     def no_training(*args, **kwargs):
         raise AssertionError("LocalCluster's default must not train the demo model")
 
-    monkeypatch.setattr(odmoe.training, "train_model", no_training)
+    monkeypatch.setattr(odmoe.tools.training, "train_model", no_training)
     cluster = LocalCluster(overrides=[f"model.cache_dir={tmp_path}"])
     try:
         assert Path(cluster.model_path).parent == tmp_path
@@ -68,7 +68,7 @@ def test_local_cluster_defaults_to_the_tiny_model_not_the_trained_demo(tmp_path,
 def test_model_path_names(path, tmp_path, monkeypatch):
     from dataclasses import replace
 
-    import odmoe.training
+    import odmoe.tools.training
     from odmoe.launch.local_cluster import resolve_model_path
 
     cfg = compose(["role=local", f"model.cache_dir={tmp_path}"])
@@ -80,22 +80,22 @@ def test_model_path_names(path, tmp_path, monkeypatch):
         trained.append(spec)
         Path(out).mkdir(parents=True)
 
-    monkeypatch.setattr(odmoe.training, "train_model", fake_training)
-    monkeypatch.setattr(odmoe.training, "_train_with_pinned_kernels", fake_training)
+    monkeypatch.setattr(odmoe.tools.training, "train_model", fake_training)
+    monkeypatch.setattr(odmoe.tools.training, "_train_with_pinned_kernels", fake_training)
     cfg = replace(cfg, model=replace(cfg.model, path="demo"))
     assert Path(resolve_model_path(cfg)).name.startswith("demo-mixtral-l4-h128-")
-    assert trained == [odmoe.training.DEMO_SPEC]  # what the demo would train (stubbed out here)
+    assert trained == [odmoe.tools.training.DEMO_SPEC]  # what the demo would train (stubbed out here)
     cfg = replace(cfg, model=replace(cfg.model, path="trained"))  # the benchmarks' names too
     assert Path(resolve_model_path(cfg)).name.startswith("trained-mixtral-l4-h256-")
-    assert trained[-1] == odmoe.training.TRAINED_SPEC
+    assert trained[-1] == odmoe.tools.training.TRAINED_SPEC
     (tmp_path / "demo").mkdir()
     cfg = replace(cfg, model=replace(cfg.model, path=str(tmp_path / "demo")))
     assert resolve_model_path(cfg) == str(tmp_path / "demo")  # a directory is a directory
 
 
 def test_a_model_name_that_is_neither_a_model_nor_a_path_names_both(tmp_path):
-    from odmoe.checkpoint import CheckpointError
-    from odmoe.model_names import resolve_model
+    from odmoe.models.checkpoint import CheckpointError
+    from odmoe.tools.model_names import resolve_model
 
     with pytest.raises(CheckpointError, match=r"does not exist \(nor is .traind. one of .*, trained"):
         resolve_model("traind", tmp_path)

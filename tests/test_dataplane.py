@@ -10,10 +10,12 @@ import pytest
 import torch
 import zmq
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.codec import CodecError, decode, encode
-from odmoe.membership import Membership
-from odmoe.messages import (
+from odmoe.main.membership import Membership
+from odmoe.main.remote_experts import RemoteExperts
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.placement import Topology
+from odmoe.transport.codec import CodecError, decode, encode
+from odmoe.transport.messages import (
     _ALL,
     Align,
     ComputeExpert,
@@ -28,8 +30,6 @@ from odmoe.messages import (
     from_frames,
     to_frames,
 )
-from odmoe.placement import Topology
-from odmoe.remote_experts import RemoteExperts
 
 STEP = Step("r-1", 3, 2)
 SAMPLES = [
@@ -223,7 +223,7 @@ def test_a_re_sent_call_does_not_release_and_its_new_worker_gets_a_release():
 @pytest.mark.parametrize("kernel", ["eager", "grouped_mm"])
 def test_a_decode_steps_split_is_the_general_one(kernel, monkeypatch):
     """The one-token shortcut gives the very rows (and order) the kernels' own tensor ops give."""
-    from odmoe import expert_math
+    from odmoe.models import expert_math
 
     g = torch.Generator().manual_seed(0)
     cases = [torch.randperm(16, generator=g)[:k].view(1, k) for k in (1, 2, 4, 8) for _ in range(10)]
@@ -246,7 +246,7 @@ def test_a_one_expert_grouped_call_is_transformers_own(dtype, rows):
     that start off a 16-byte boundary (as received frames may)."""
     from transformers.integrations.moe import _grouped_linear
 
-    from odmoe.expert_math import expert_forward
+    from odmoe.models.expert_math import expert_forward
 
     g = torch.Generator().manual_seed(rows)
     gate_up, down = torch.randn(64, 16, generator=g).to(dtype), torch.randn(16, 32, generator=g).to(dtype)
@@ -265,7 +265,7 @@ def test_a_one_expert_grouped_call_is_transformers_own(dtype, rows):
 def test_a_decode_steps_combine_is_the_general_one(kernel, hidden_dtype, weight_dtype, monkeypatch):
     """One token, k distinct experts: the short combine gives the general path's bits, signed zeros,
     infinities and NaNs included."""
-    from odmoe import expert_math
+    from odmoe.models import expert_math
 
     g = torch.Generator().manual_seed(1)
     cases = []
@@ -321,7 +321,7 @@ def test_the_suites_floor_with_real_compute_has_its_echoes_compute_the_models_ex
 
 def test_the_echo_answers_with_the_workers_expert_output(model_dirs):
     from odmoe.benchmarks.wire_echo import Expert
-    from odmoe.expert_math import expert_forward
+    from odmoe.models.expert_math import expert_forward
 
     class Frame:  # a received ZeroMQ frame's interface: .buffer
         def __init__(self, t):

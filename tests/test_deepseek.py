@@ -21,13 +21,12 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from odmoe import LocalCluster
-from odmoe.checkpoint import Checkpoint
-from odmoe.expert_math import combine, expert_forward, split_by_expert
-from odmoe.families import UnsupportedModelError
-from odmoe.kv_rows import newest_rows, overwrite_newest_rows
-from odmoe.main_model import build_main_model
-from odmoe.model_factory import ModelSpec, make_model
-from odmoe.shadow_model import (
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.expert_math import combine, expert_forward, split_by_expert
+from odmoe.models.families import UnsupportedModelError
+from odmoe.models.kv_rows import newest_rows, overwrite_newest_rows
+from odmoe.models.main_model import build_main_model
+from odmoe.shadow.shadow_model import (
     PRECISIONS,
     _fits_packed_cpu_nf4,
     choice_scores,
@@ -35,6 +34,7 @@ from odmoe.shadow_model import (
     load_shadow_model,
     router_modules,
 )
+from odmoe.tools.model_factory import ModelSpec, make_model
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.tiny_configs import TINY
 
@@ -133,8 +133,8 @@ def test_the_shadow_node_hedges_the_best_expert_of_a_near_tied_group_left_out(ro
     router scored -inf, beside the (k+1)-th candidate."""
     from types import SimpleNamespace
 
-    from odmoe.hedging import GroupLimit
     from odmoe.nodes.shadow import ShadowNode
+    from odmoe.shadow.hedging import GroupLimit
 
     model = AutoModelForCausalLM.from_pretrained(_save_tiny(routing, tmp_path / "m"))
     router = _moe_routers(model)[0]
@@ -320,7 +320,7 @@ def test_mtp_layer_is_skipped_with_a_log_line(downloaded_v3, caplog):
         json.loads((Path(downloaded_v3) / "model.safetensors.index.json").read_text())["weight_map"].values()
     )
     assert len(shards) > 2  # really sharded, plus the MTP shard
-    with caplog.at_level(logging.INFO, logger="odmoe.checkpoint"):
+    with caplog.at_level(logging.INFO, logger="odmoe.models.checkpoint"):
         ckpt = Checkpoint(downloaded_v3)
     assert "skipping layers [4]" in caplog.text and "multi-token-prediction" in caplog.text
     assert ckpt.moe_layers == [1, 2, 3]

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from odmoe import demo_corpus
-from odmoe.model_factory import corpus_documents, corpus_files
-from odmoe.training import DEMO_KERNELS, DEMO_SETTINGS, DEMO_SPEC, _train_with_pinned_kernels, code_only
+from odmoe.tools import demo_corpus
+from odmoe.tools.model_factory import corpus_documents, corpus_files
+from odmoe.tools.training import DEMO_KERNELS, DEMO_SETTINGS, DEMO_SPEC, _train_with_pinned_kernels, code_only
 
 
 def test_the_shipped_corpus_is_the_text_the_demo_names():

@@ -1,4 +1,4 @@
-"""The decode loop with in-process workers (odmoe/inprocess.py: the real engine, RemoteExperts, codec
+"""The decode loop with in-process workers (odmoe/main/inprocess.py: the real engine, RemoteExperts, codec
 and expert math, no sockets) against transformers: fast, so the batching logic is checked over many
 schedules here, and through real clusters in tests/test_batching.py."""
 
@@ -13,10 +13,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from odmoe.engine import DoneEvent, GenerateRequest, TokenEvent
-from odmoe.inprocess import engine_in_process
-from odmoe.request_queue import END, RequestQueue
-from odmoe.sampling import SamplingParams
+from odmoe.main.engine import DoneEvent, GenerateRequest, TokenEvent
+from odmoe.main.inprocess import engine_in_process
+from odmoe.main.request_queue import END, RequestQueue
+from odmoe.main.sampling import SamplingParams
 
 PROMPTS = [
     "def fibonacci(n):",
@@ -156,7 +156,7 @@ def test_n_choices_share_the_prefill_and_each_equals_its_seed(model_dirs):
 def test_main_spans_reach_the_trace_file_when_a_request_is_done(model_dirs, tmp_path):
     """A regression: the batching engine never flushed main's tracer, so the timeline suite had no
     main lane (and drew no figure)."""
-    from odmoe.trace import Tracer
+    from odmoe.tools.trace import Tracer
 
     engine, _ = engine_in_process(model_dirs["mixtral"], max_running=4)
     engine.experts.tracer = Tracer("main", str(tmp_path))

@@ -1,15 +1,15 @@
-"""Both front doors answer a failure from one table (odmoe/error_status.py)."""
+"""Both front doors answer a failure from one table (odmoe/serving/error_status.py)."""
 
 from __future__ import annotations
 
 import grpc
 import pytest
 
-from odmoe.engine import InvalidRequest, ShuttingDown
-from odmoe.error_status import message_of, status_of
-from odmoe.http_api import _error_of
-from odmoe.remote_experts import WorkerFailed, WorkerUnavailable
-from odmoe.request_queue import DeadlineExceeded, QueueClosed, QueueFull
+from odmoe.main.engine import InvalidRequest, ShuttingDown
+from odmoe.main.remote_experts import WorkerFailed, WorkerUnavailable
+from odmoe.main.request_queue import DeadlineExceeded, QueueClosed, QueueFull
+from odmoe.serving.error_status import message_of, status_of
+from odmoe.serving.http_api import _error_of
 
 C = grpc.StatusCode
 

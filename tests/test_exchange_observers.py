@@ -1,21 +1,21 @@
-"""The data path's observers (odmoe/exchange_observers.py): they watch, never change what is computed;
+"""The data path's observers (odmoe/main/exchange_observers.py): they watch, never change what is computed;
 the accounting splits what requests shared so the requests' sums are the totals."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from odmoe.engine import DoneEvent, GenerateRequest, TokenEvent
-from odmoe.exchange_observers import (
+from odmoe.main.engine import DoneEvent, GenerateRequest, TokenEvent
+from odmoe.main.exchange_observers import (
     DecodeExchange,
     ExchangeObserver,
     Observers,
     PrefillExchange,
     TrafficAccounting,
 )
-from odmoe.expert_traffic import ExpertTraffic
-from odmoe.inprocess import engine_in_process
-from odmoe.messages import ExpertResult, ExpertsResult, Prediction, Step
+from odmoe.main.expert_traffic import ExpertTraffic
+from odmoe.main.inprocess import engine_in_process
+from odmoe.transport.messages import ExpertResult, ExpertsResult, Prediction, Step
 
 
 def _tokens(engine) -> tuple[list[int], dict]:

@@ -1,4 +1,4 @@
-"""The expert cache's pure parts (odmoe/expert_cache.py): capacity, next use, the victim; and a
+"""The expert cache's pure parts (odmoe/worker/expert_cache.py): capacity, next use, the victim; and a
 worker keeping what it computed (real WorkerNode, no sockets driven)."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from odmoe.expert_cache import CacheBook, cache_capacity, complete, expected_distance, next_use
 from odmoe.launch.settings import compose
-from odmoe.messages import ComputeExpert, ComputeExperts, Prediction, Step, from_frames
 from odmoe.placement import Topology
+from odmoe.transport.messages import ComputeExpert, ComputeExperts, Prediction, Step, from_frames
+from odmoe.worker.expert_cache import CacheBook, cache_capacity, complete, expected_distance, next_use
 
 GIB = 1 << 30
 
@@ -112,8 +112,8 @@ def test_a_profile_orders_experts_before_any_traffic_and_the_traffic_takes_over(
 def test_use_rates_read_what_odmoe_profile_writes(tmp_path):
     import numpy as np
 
-    from odmoe.profiling import ExpertProfile, LayerCounts, save_profile
-    from odmoe.substitution import use_rates
+    from odmoe.lossy.substitution import use_rates
+    from odmoe.tools.profiling import ExpertProfile, LayerCounts, save_profile
 
     counts = LayerCounts.empty(4)
     counts.add(torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]]), torch.ones(4, 2))
@@ -125,7 +125,7 @@ def test_use_rates_read_what_odmoe_profile_writes(tmp_path):
 
 def test_a_worker_starts_its_cache_from_the_models_profile_unless_told_off(model_dirs, tmp_path):
     from odmoe.nodes.worker import WorkerNode
-    from odmoe.profiling import ExpertProfile, LayerCounts, save_profile
+    from odmoe.tools.profiling import ExpertProfile, LayerCounts, save_profile
 
     model = model_dirs["mixtral"]
     counts = LayerCounts.empty(8)

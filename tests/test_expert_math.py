@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from odmoe.expert_math import combine, expert_forward, split_by_expert
+from odmoe.models.expert_math import combine, expert_forward, split_by_expert
 from tests.tiny_configs import TINY
 
 

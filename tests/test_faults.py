@@ -1,7 +1,7 @@
 """Fault injection fires once, at or past the configured point of the node's n-th request."""
 
 from odmoe.config import FaultConfig
-from odmoe.faults import FaultTrigger
+from odmoe.tools.faults import FaultTrigger
 
 
 def test_fires_only_for_its_node():

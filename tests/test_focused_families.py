@@ -19,10 +19,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe import LocalCluster
-from odmoe.checkpoint import Checkpoint
-from odmoe.engine import GenerateRequest
-from odmoe.inprocess import engine_in_process
-from odmoe.shadow_model import PRECISIONS, choice_scores, load_shadow_model, router_modules
+from odmoe.main.engine import GenerateRequest
+from odmoe.main.inprocess import engine_in_process
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.shadow.shadow_model import PRECISIONS, choice_scores, load_shadow_model, router_modules
 from tests.conftest import FOCUSED_FAMILIES
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.test_engine_inprocess import SAMPLINGS, serve

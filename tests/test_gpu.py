@@ -18,11 +18,11 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
-from odmoe.checkpoint import Checkpoint
-from odmoe.expert_math import combine, expert_forward, split_by_expert
-from odmoe.expert_store import DeviceSlots, ExpertStore
-from odmoe.main_model import build_main_model
-from odmoe.shadow_model import load_shadow_model, router_modules
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.expert_math import combine, expert_forward, split_by_expert
+from odmoe.models.main_model import build_main_model
+from odmoe.shadow.shadow_model import load_shadow_model, router_modules
+from odmoe.worker.expert_store import DeviceSlots, ExpertStore
 from tests.conftest import FAMILY_NAMES
 from tests.tiny_configs import TINY
 
@@ -77,7 +77,7 @@ def test_slots_load_pinned_experts_on_their_own_stream(model_dirs):
 
 
 def test_bus_peak_is_measured():
-    from odmoe.device_slots import host_to_device_peak
+    from odmoe.worker.device_slots import host_to_device_peak
 
     assert host_to_device_peak(CUDA, 64 << 20, repeats=2) > 1e9  # any PCIe/NVLink moves > 1 GB/s
 

@@ -11,9 +11,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe.benchmarks.config import BenchConfig, GpuSuite, validate
-from odmoe.checkpoint import Checkpoint
 from odmoe.config import OdmoeConfig
-from odmoe.model_factory import ModelSpec, make_wide_model
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.model_factory import ModelSpec, make_wide_model
 from odmoe.validation import check_device
 
 DRY = dict(device="cpu", layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512)
@@ -103,7 +103,7 @@ def test_devices_are_checked():
 def test_mirrored_grouped_call_computes_the_same_rows():
     from transformers.integrations.moe import _grouped_linear
 
-    from odmoe.expert_math import _mirrored_grouped_linear
+    from odmoe.models.expert_math import _mirrored_grouped_linear
 
     torch.manual_seed(0)
     x, w = torch.randn(5, 16), torch.randn(24, 16)

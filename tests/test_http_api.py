@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
-from odmoe.security import ClientCredentials
+from odmoe.transport.security import ClientCredentials
 
 pytestmark = pytest.mark.integration
 PROMPT = "def fibonacci(n):"

@@ -1,6 +1,6 @@
 """Aligning a shadow of a hybrid model (Qwen3-Next: gated-DeltaNet linear-attention layers with a
 recurrent state, every 4th layer full attention). Alignment copies the attention layers' K/V rows
-and leaves each linear-attention layer's recurrent state to the shadow (odmoe/kv_rows.py); a
+and leaves each linear-attention layer's recurrent state to the shadow (odmoe/models/kv_rows.py); a
 speculative shadow that must roll back rebuilds its cache from the tokens that held, since a
 recurrent state cannot be cut back to an earlier position (nodes/shadow.py `_refilled`)."""
 
@@ -11,8 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from odmoe import LocalCluster
-from odmoe.kv_rows import has_recurrent_state, newest_rows, overwrite_newest_rows, row_layers
-from odmoe.shadow_batch import RowCache
+from odmoe.models.kv_rows import has_recurrent_state, newest_rows, overwrite_newest_rows, row_layers
+from odmoe.shadow.shadow_batch import RowCache
 from tests.test_cluster_fidelity import PROMPTS, reference
 
 

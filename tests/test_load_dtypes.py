@@ -12,9 +12,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.load_dtypes import _dtype_plan, _plan_matcher, expert_dtype, loaded_dtypes, meta_skeleton
-from odmoe.main_model import build_main_model, experts_modules
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.load_dtypes import _dtype_plan, _plan_matcher, expert_dtype, loaded_dtypes, meta_skeleton
+from odmoe.models.main_model import build_main_model, experts_modules
 from tests.conftest import FAMILY_NAMES
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -6,8 +6,8 @@ import threading
 
 import pytest
 
-from odmoe.lockstep import Failed, Finished, Lockstep, NotInTask, Parked, in_task, park
-from odmoe.request_queue import QueueFull, RequestQueue
+from odmoe.main.lockstep import Failed, Finished, Lockstep, NotInTask, Parked, in_task, park
+from odmoe.main.request_queue import QueueFull, RequestQueue
 
 
 def _layers(name: str, layers: int, log: list):

@@ -17,9 +17,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
-from odmoe.engine import DoneEvent, GenerateRequest, PromptEvent, TokenEvent
-from odmoe.inprocess import engine_in_process
-from odmoe.sampling import SamplingParams
+from odmoe.main.engine import DoneEvent, GenerateRequest, PromptEvent, TokenEvent
+from odmoe.main.inprocess import engine_in_process
+from odmoe.main.sampling import SamplingParams
 from tests.conftest import FAMILY_NAMES, FOCUSED_FAMILIES
 from tests.test_cluster_fidelity import node_threads
 
@@ -246,7 +246,7 @@ def _name(cluster) -> str:
 # -- every family, with the real decode loop in one process -----------------------------------------
 @pytest.mark.parametrize("family", [*FAMILY_NAMES, *FOCUSED_FAMILIES])
 def test_every_family_logprobs_equal_transformers(model_dirs, family):
-    """In-process workers (odmoe/inprocess.py): the engine's logprobs, prompt and new tokens, greedy
+    """In-process workers (odmoe/main/inprocess.py): the engine's logprobs, prompt and new tokens, greedy
     and seeded, to the bit (this process's thread count on both sides)."""
     path = model_dirs[family]
     engine, _ = engine_in_process(path)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from odmoe.benchmarks.lossy_quality import inject_wrong, perplexity, score_window, shadow_predictions
 from odmoe.benchmarks.suites.lossy import agreement
-from odmoe.miss_policy import MissConfig
+from odmoe.lossy.miss_policy import MissConfig
 
 PROMPT = 8
 

@@ -1,4 +1,4 @@
-"""Main's Prometheus counters for the workers' caches (odmoe/metrics.py): workers report cumulative
+"""Main's Prometheus counters for the workers' caches (odmoe/serving/metrics.py): workers report cumulative
 figures with each answer; the counters grow by what changed, and a restarted worker's figures
 (starting again from 0) are counted whole rather than lowering a counter."""
 
@@ -8,7 +8,7 @@ import re
 import time
 from types import SimpleNamespace
 
-from odmoe.metrics import ServerMetrics
+from odmoe.serving.metrics import ServerMetrics
 
 
 def _stats(hits: int, evictions: int) -> dict:

@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from odmoe.miss_policy import (
+from odmoe.lossy.miss_policy import (
     MissConfig,
     Profile,
     TokenBudget,

@@ -13,10 +13,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
 from odmoe.launch.profile import calibration_windows
-from odmoe.miss_policy import buddy_lists
-from odmoe.model_factory import corpus_files
-from odmoe.profiling import profile_model, save_profile
-from odmoe.substitution import load_profile
+from odmoe.lossy.miss_policy import buddy_lists
+from odmoe.lossy.substitution import load_profile
+from odmoe.tools.model_factory import corpus_files
+from odmoe.tools.profiling import profile_model, save_profile
 from tests.test_cluster_fidelity import reference
 
 pytestmark = pytest.mark.integration

@@ -7,8 +7,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.model_factory import CHAT_TEMPLATE, CHAT_TEMPLATE_FILE, ModelSpec, ensure_default_model, make_model
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.model_factory import (
+    CHAT_TEMPLATE,
+    CHAT_TEMPLATE_FILE,
+    ModelSpec,
+    ensure_default_model,
+    make_model,
+)
 from tests.conftest import FAMILY_NAMES
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from odmoe.pipeline_sim import PipelineParams, simulate
+from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
 # A shadow far ahead: every prediction is in before its group could use it.
 BASE = dict(layers=32, groups=4, t_main_s=1e-3, t_compute_s=2e-3, t_net_s=0.5e-3, shadow_offset_s=-1.0)

@@ -101,7 +101,7 @@ def test_calls_of_a_lost_worker_are_replaced_over_live_holders():
 def test_only_unanswered_calls_of_lost_workers_are_resent():
     import torch
 
-    from odmoe.remote_experts import _Call, owed_calls
+    from odmoe.main.remote_experts import _Call, owed_calls
 
     rows = torch.zeros(1, 4)
     calls = {

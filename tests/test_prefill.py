@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe import LocalCluster
-from odmoe.checkpoint import Checkpoint
+from odmoe.models.checkpoint import Checkpoint
 from tests.conftest import FAMILY_NAMES, cluster_families
 
 pytestmark = pytest.mark.integration

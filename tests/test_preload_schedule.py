@@ -1,4 +1,4 @@
-"""The worker's preload schedule alone (odmoe.preload_schedule): no node, no tensors, no sockets.
+"""The worker's preload schedule alone (odmoe.worker.preload_schedule): no node, no tensors, no sockets.
 
 `Slots` stands in for DeviceSlots: busy slots as plain values, and the schedule's decisions applied
 to them the way the worker node applies them (evict in the order given, load into the first free
@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from odmoe.preload_schedule import Load, PreloadSchedule
+from odmoe.worker.preload_schedule import Load, PreloadSchedule
 
 NBYTES = 100  # what every load costs here
 

@@ -9,7 +9,7 @@ import stat
 from odmoe.config import RayRoleConfig
 from odmoe.launch.ray_cluster import RayCluster, SecretFiles, offered, role_key_files
 from odmoe.launch.settings import compose
-from odmoe.security import Curve, KeyDir, init_key_dir
+from odmoe.transport.security import Curve, KeyDir, init_key_dir
 
 
 def _node(node_id: str, alive=True, labels=None, **resources) -> dict:

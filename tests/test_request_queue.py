@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from odmoe.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull, RequestQueue
+from odmoe.main.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull, RequestQueue
 
 
 def test_arrival_order_and_a_bound():

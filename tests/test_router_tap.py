@@ -1,4 +1,4 @@
-"""The one router tap (odmoe/router_tap.py) the shadow node, substitution, training and the
+"""The one router tap (odmoe/shadow/router_tap.py) the shadow node, substitution, training and the
 benchmarks share: what it keeps, the ranking the shadow publishes, the fault-injection rule."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import random
 import torch
 from transformers import AutoModelForCausalLM
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.router_tap import RouterTap, rank, wrong_experts
-from odmoe.shadow_model import choice_scores, router_modules
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.shadow.router_tap import RouterTap, rank, wrong_experts
+from odmoe.shadow.shadow_model import choice_scores, router_modules
 
 
 def test_the_tap_keeps_each_routers_newest_call_and_lets_go(model_dirs):

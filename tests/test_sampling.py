@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from odmoe.sampling import InvalidSampling, SamplingParams, TokenChooser
+from odmoe.main.sampling import InvalidSampling, SamplingParams, TokenChooser
 from tests.conftest import FAMILY_NAMES
 
 PARAMETER_SETS = {

@@ -1,4 +1,4 @@
-"""Only the cluster's own nodes and its users get in (odmoe/security.py).
+"""Only the cluster's own nodes and its users get in (odmoe/transport/security.py).
 
 Unit tests of the key files; then a real local cluster (security on, as by default) probed from
 outside with real sockets: a peer without the keys gets nothing from any ZeroMQ socket, a client
@@ -23,9 +23,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from odmoe import LocalCluster
 from odmoe.launch.local_cluster import ClusterStartError, NodePlacement
 from odmoe.launch.settings import compose
-from odmoe.messages import Ping, to_frames
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
-from odmoe.security import (
+from odmoe.transport.messages import Ping, to_frames
+from odmoe.transport.security import (
     ClientCredentials,
     Curve,
     KeyDir,

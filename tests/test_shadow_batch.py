@@ -1,4 +1,4 @@
-"""The shadow's batched cache (odmoe/shadow_batch.py): rows of different lengths, joining, leaving,
+"""The shadow's batched cache (odmoe/shadow/shadow_batch.py): rows of different lengths, joining, leaving,
 idling, rolled back and overwritten, each computing what its own batch-1 cache computes (to float
 tolerance: the shadow is a predictor; main's exactness does not depend on it)."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from odmoe.shadow_batch import RowCache, ShadowBatch, batchable
+from odmoe.shadow.shadow_batch import RowCache, ShadowBatch, batchable
 
 
 def _prefill(model, ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:

@@ -8,8 +8,8 @@ import pytest
 import zmq
 
 from odmoe import LocalCluster
-from odmoe.messages import ShadowEnded, from_frames
-from odmoe.security import NodeSecurity, secure_client
+from odmoe.transport.messages import ShadowEnded, from_frames
+from odmoe.transport.security import NodeSecurity, secure_client
 from tests.conftest import FAMILY_NAMES
 from tests.test_cluster_fidelity import PROMPTS, reference
 
@@ -151,7 +151,7 @@ def test_no_shadow_means_no_predictions_and_same_tokens(model_dirs, reap_childre
 
 
 def test_predictions_arrive_ahead_of_main_with_alignment_every_iteration(tmp_path, reap_children):
-    from odmoe.model_factory import ModelSpec, make_model
+    from odmoe.tools.model_factory import ModelSpec, make_model
 
     path = str(
         make_model(ModelSpec(family="mixtral", layers=12, hidden=64, intermediate=128, vocab=1024), tmp_path)

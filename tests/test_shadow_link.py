@@ -8,8 +8,16 @@ import time
 
 import zmq
 
-from odmoe.messages import BeginRequest, EndRequest, Prediction, ShadowEnded, Step, from_frames, to_frames
-from odmoe.shadow_link import ShadowLink
+from odmoe.main.shadow_link import ShadowLink
+from odmoe.transport.messages import (
+    BeginRequest,
+    EndRequest,
+    Prediction,
+    ShadowEnded,
+    Step,
+    from_frames,
+    to_frames,
+)
 
 
 class _FakeShadow:

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from odmoe.kv_rows import overwrite_newest_rows
-from odmoe.shadow_model import PRECISIONS, UnfusedExperts, load_shadow_model, model_bytes
+from odmoe.models.kv_rows import overwrite_newest_rows
+from odmoe.shadow.shadow_model import PRECISIONS, UnfusedExperts, load_shadow_model, model_bytes
 from tests.tiny_configs import TINY
 
 

@@ -3,11 +3,11 @@ tuner, the hedging decision and where hedges are placed."""
 
 import pytest
 
-from odmoe.alignment import AlignmentPlan, AlignmentSchedule, PeriodTuner, make_plan
 from odmoe.config import AlignmentConfig
-from odmoe.hedging import hedges_of
+from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule, PeriodTuner, make_plan
 from odmoe.placement import Topology
-from odmoe.speculation import Speculation
+from odmoe.shadow.hedging import hedges_of
+from odmoe.shadow.speculation import Speculation
 
 
 # -- speculation --------------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def test_hedge_only_a_near_tie():
 
 
 def test_group_hedge_only_for_a_near_tied_group_left_out():
-    from odmoe.hedging import GroupLimit, group_hedges
+    from odmoe.shadow.hedging import GroupLimit, group_hedges
 
     # 4 groups of 2 experts, keep 2, ranked by their best two summed (V3): group ranks 1.0, 0.9, 0.88, 0.1
     scores = [0.6, 0.4, 0.5, 0.4, 0.3, 0.58, 0.05, 0.05]
@@ -158,7 +158,7 @@ def test_group_hedge_only_for_a_near_tied_group_left_out():
 
 
 def test_shadow_hedges_join_both_rules_without_repeats():
-    from odmoe.hedging import GroupLimit, shadow_hedges
+    from odmoe.shadow.hedging import GroupLimit, shadow_hedges
 
     scores = [0.6, 0.4, 0.5, 0.4, 0.3, 0.58, 0.05, 0.05]
     limit = GroupLimit(groups=4, keep=2, by_top2=True)

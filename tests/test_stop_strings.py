@@ -3,7 +3,7 @@
 from hypothesis import given
 from hypothesis import strategies as st
 
-from odmoe.stop_strings import StopStrings
+from odmoe.main.stop_strings import StopStrings
 
 
 def run(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:
@@ -69,7 +69,7 @@ def test_a_request_ending_mid_character_streams_what_decode_gives(model_dirs):
     bytes were held back for the rest of the character, and lost when no more token came)."""
     from transformers import AutoTokenizer
 
-    from odmoe.request_run import _Detokenizer
+    from odmoe.main.request_run import _Detokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dirs["mixtral"])
     ids = tok("naïve café €")["input_ids"]

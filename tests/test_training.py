@@ -3,9 +3,9 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from odmoe.checkpoint import Checkpoint
-from odmoe.model_factory import ModelSpec
-from odmoe.training import TrainSettings, code_only, train_model
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.model_factory import ModelSpec
+from odmoe.tools.training import TrainSettings, code_only, train_model
 
 
 def test_brief_training_lowers_held_out_loss_and_saves_a_loadable_model(tmp_path):

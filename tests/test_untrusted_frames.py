@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from odmoe import LocalCluster
-from odmoe.codec import CodecError
-from odmoe.messages import from_frames
+from odmoe.transport.codec import CodecError
+from odmoe.transport.messages import from_frames
 from tests import frame_fuzz
 from tests.test_cluster_fidelity import PROMPTS, reference
 

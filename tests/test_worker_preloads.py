@@ -1,12 +1,12 @@
-"""A worker applying its preload schedule (odmoe.preload_schedule, tested alone in
+"""A worker applying its preload schedule (odmoe.worker.preload_schedule, tested alone in
 test_preload_schedule.py) to real slots: what main already asked for is never preloaded (again)."""
 
 import pytest
 import torch
 
 from odmoe.launch.settings import compose
-from odmoe.messages import ComputeExpert, Prediction, Step
 from odmoe.nodes.worker import WorkerNode
+from odmoe.transport.messages import ComputeExpert, Prediction, Step
 
 
 @pytest.fixture
@@ -51,7 +51,7 @@ def test_a_load_that_fails_is_an_error_answer_and_frees_its_slot(worker, monkeyp
     for part in range(parts):
         message = ComputeExpert(step=Step("r", 0, 0), expert=3, kernel="eager", part=part, parts=parts)
         frames = worker.compute(message, hidden)
-    from odmoe.messages import from_frames
+    from odmoe.transport.messages import from_frames
 
     result, _ = from_frames(frames)
     assert "checksum" in result.error
@@ -100,7 +100,7 @@ def test_a_hedge_never_keeps_a_slot_from_a_confident_preload_needed_sooner(worke
 def test_a_hedged_expert_main_asks_for_is_a_hit(worker):
     _hedged(worker)
     frames = _compute(worker, 0, 6)  # main's router chose the hedge
-    from odmoe.messages import from_frames
+    from odmoe.transport.messages import from_frames
 
     result, _ = from_frames(frames)
     assert result.preloaded and result.bytes_loaded > 0
@@ -112,7 +112,7 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(w
     sends: what the worker preloaded for that layer and was not asked for goes (over real sockets)."""
     import zmq
 
-    from odmoe.messages import ExpertResult, from_frames, to_frames
+    from odmoe.transport.messages import ExpertResult, from_frames, to_frames
 
     worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
     worker._preload_next()  # expert 3 of layer 0 loading for iteration 1
@@ -139,7 +139,7 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(w
 # -- one message per decode layer, every running request's rows (continuous batching) -------------
 def _alone(worker, layer, expert, rows, iteration):
     """What the worker answers for these rows as one request's only segment."""
-    from odmoe.messages import ComputeExperts, from_frames
+    from odmoe.transport.messages import ComputeExperts, from_frames
 
     message = ComputeExperts(Step("r", iteration, layer), [expert], [[rows.shape[0]]], "eager")
     result, (y,) = from_frames(worker.compute_many(message, [rows.clone()]))
@@ -148,7 +148,7 @@ def _alone(worker, layer, expert, rows, iteration):
 
 
 def _many(worker, layer, experts, segments, iteration=1):
-    from odmoe.messages import ComputeExperts, from_frames
+    from odmoe.transport.messages import ComputeExperts, from_frames
 
     h = worker.store.gate_up_shape[1]
     rows = [torch.randn(sum(seg), h) for seg in segments]
@@ -184,7 +184,7 @@ def test_a_segment_computes_as_its_request_alone_not_as_part_of_the_batch(worker
     _, _, (y,) = _many(worker, 0, [3], [[2, 3]])  # rows are random: only the split is checked here
     result, _, _ = _many(worker, 0, [3], [[2, 2]])  # 4 rows declared, 4 sent: fine
     assert not result.error
-    from odmoe.messages import ComputeExperts, from_frames
+    from odmoe.transport.messages import ComputeExperts, from_frames
 
     bad = ComputeExperts(Step("r", 2, 0), [3], [[2, 2]], "eager")
     result, _ = from_frames(worker.compute_many(bad, [x]))

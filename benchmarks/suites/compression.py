@@ -37,12 +37,12 @@ from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig, BenchLink
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.bitfields import byte_view, join_into, split
-from odmoe.checkpoint import Checkpoint
-from odmoe.compressed_tensor import DEFAULT_CHUNK_ELEMS, MemoryBytes, compress, exponent_compressor
-from odmoe.expert_pack import write_pack
-from odmoe.expert_sources import CompressedExpert
-from odmoe.model_names import resolve_model
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.model_names import resolve_model
+from odmoe.worker.bitfields import byte_view, join_into, split
+from odmoe.worker.compressed_tensor import DEFAULT_CHUNK_ELEMS, MemoryBytes, compress, exponent_compressor
+from odmoe.worker.expert_pack import write_pack
+from odmoe.worker.expert_sources import CompressedExpert
 
 KINDS = ("gate_up", "down")
 METHODS = ("odmoe", "zstd", "lz4", "zipnn")

@@ -62,10 +62,10 @@ from odmoe.benchmarks.config import BenchConfig, DataplaneSuite
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.wire_echo import busy
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.checkpoint import Checkpoint
 from odmoe.launch.local_cluster import NodePlacement
-from odmoe.main_model import resolve_dtype
-from odmoe.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.main_model import resolve_dtype
+from odmoe.transport.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
 
 
 @dataclasses.dataclass(frozen=True)

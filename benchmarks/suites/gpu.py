@@ -2,7 +2,7 @@
 
 The model is the suite's own: Mixtral-shaped (8 experts, top-2), random weights of real width
 (hidden 4096, intermediate 14336: one bf16 expert is 352 MB), `gpu.layers` layers, written once by
-`odmoe.model_factory.make_wide_model` (sharded safetensors, like a download). Systems, one after
+`odmoe.tools.model_factory.make_wide_model` (sharded safetensors, like a download). Systems, one after
 another, each in processes of its own so that every number of device memory is its own:
 
 - `odmoe`: main, shadow and `gpu.workers` workers all on the one GPU (`model.device`,
@@ -41,8 +41,8 @@ from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.config import BenchConfig, GpuSuite
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.checkpoint import Checkpoint
-from odmoe.model_factory import ModelSpec, default_cache_dir, make_wide_model
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
 
 NO_CUDA = (
     "suite=gpu needs a CUDA device and this machine's torch sees none (torch {version}). Install a CUDA "
@@ -144,7 +144,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 def _bus_peak(g: GpuSuite) -> float | None:
     if not g.device.startswith("cuda"):
         return None
-    from odmoe.device_slots import host_to_device_peak
+    from odmoe.worker.device_slots import host_to_device_peak
 
     return host_to_device_peak(g.device, g.copy_bytes)
 

@@ -7,7 +7,7 @@ isolated); `single_process` (transformers with every expert resident: the upper 
 emulated link). Per cell: TTFT, decode tokens/s, overall tokens/s; per system: every node's peak RSS
 and the device bytes each holds (the paper's GPU memory). Every system must produce the same tokens.
 
-Then the pipeline simulator (odmoe.pipeline_sim) is fed the timings each cluster measured (main's
+Then the pipeline simulator (odmoe.tools.pipeline_sim) is fed the timings each cluster measured (main's
 per-layer time, expert compute, load, network, shadow speed and late departure, share of preloaded
 experts) and its predicted decode tokens/s is set against the measured one: the simulator's error.
 """
@@ -28,8 +28,8 @@ from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.checkpoint import Checkpoint
-from odmoe.pipeline_sim import PipelineParams, simulate
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
 CLUSTER_SYSTEMS = {
     "odmoe": ["alignment.token_period=1", "alignment.kv_period=1"],

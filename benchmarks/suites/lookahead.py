@@ -36,16 +36,16 @@ import statistics
 
 from transformers import AutoTokenizer
 
-from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, cpu_per_token, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.checkpoint import Checkpoint
-from odmoe.hedging import shadow_hedges
 from odmoe.launch.local_cluster import NodePlacement
+from odmoe.main.alignment import AlignmentSchedule
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.shadow.hedging import shadow_hedges
 
 
 def _systems(cfg: BenchConfig) -> dict[str, list[str]]:

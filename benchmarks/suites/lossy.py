@@ -26,10 +26,10 @@ from odmoe.benchmarks.config import BenchConfig, LossySuite
 from odmoe.benchmarks.lossy_quality import inject_wrong, perplexity, score_window, shadow_predictions
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES, prompt_ids
-from odmoe.checkpoint import Checkpoint
-from odmoe.miss_policy import MissConfig
-from odmoe.shadow_model import load_shadow_model
-from odmoe.substitution import profile_path
+from odmoe.lossy.miss_policy import MissConfig
+from odmoe.lossy.substitution import profile_path
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.shadow.shadow_model import load_shadow_model
 
 HELD_OUT_FROM = 500  # held-out windows are prompts 500.. (cluster prompts are 0..)
 

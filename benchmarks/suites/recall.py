@@ -15,7 +15,6 @@ from pathlib import Path
 
 from transformers import AutoTokenizer
 
-from odmoe.alignment import AlignmentSchedule
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
@@ -28,9 +27,10 @@ from odmoe.benchmarks.replay import (
 )
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.checkpoint import Checkpoint
-from odmoe.recall import RecallCounter
-from odmoe.shadow_model import model_bytes
+from odmoe.main.alignment import AlignmentSchedule
+from odmoe.main.recall import RecallCounter
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.shadow.shadow_model import model_bytes
 
 PROMPT_TOKENS = 32
 

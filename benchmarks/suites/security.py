@@ -1,4 +1,4 @@
-"""Suite `security`: what authenticated, encrypted transport costs (odmoe/security.py).
+"""Suite `security`: what authenticated, encrypted transport costs (odmoe/transport/security.py).
 
 Each round starts two local clusters on the same model side by side, one with security on (the
 default: CurveZMQ on every ZeroMQ socket, gRPC over TLS with the bearer token) and one with

@@ -26,7 +26,7 @@ from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.trace import merge
+from odmoe.tools.trace import merge
 
 PROMPT_TOKENS = 32
 IDLE_FLUSH_S = 1.5  # workers write their spans out after 1 s idle

@@ -1,0 +1,541 @@
+"""The decode loop of the main node: every running request advances one token per iteration.
+
+Contract: `MainEngine.serve(requests, ...)` takes tickets from a `RequestQueue` and runs them to
+their end, putting each request's `TokenEvent`s and its one `DoneEvent` (or the exception that
+ended it) into its ticket; `generate(request)` runs one request alone and yields its events. The
+engine knows nothing about gRPC or HTTP; experts are computed wherever the `RemoteExperts` attached
+to the model sends them. Each request's inputs and choice of each token are those of a single-process
+`generate()` (`odmoe.main.request_run`), so its tokens equal transformers' whatever else runs beside it.
+
+Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* at a time:
+  1) admit: waiting requests join at the tick boundary while `max_running` and the K/V budget
+     allow; each begins with its prefill, and the shadow is told (which tick its decode starts at);
+  2) run: every running request's forward pass runs as a lockstep task (`odmoe.main.lockstep`), on this
+     thread, in its own shapes and cache, exactly as it would alone. At each MoE layer a decoding
+     request parks with its token's rows; once all have, their rows of that layer go out in one
+     exchange (`RemoteExperts.exchange_decode`: each expert loaded once for all of them, one message
+     per worker, every request's rows computed apart) and each gets back its own output. A request's
+     prefill exchanges its own layers, `prefill_quota` MoE layers per tick (`prefill.chunk_tokens`),
+     so running streams wait for at most that much of a long prompt: the prompt is still one forward
+     pass, cut between layers rather than between tokens, so its bits are one-shot prefill's;
+  3) choose: each request picks its token (`RequestRun.accept`), streams it, and tells the shadow;
+     one that finished, was cancelled or ran past its deadline leaves now.
+The tick counter names the decode exchanges `(stream, tick, layer)`: the stream is named after the
+request that opened the busy period, and one request alone has tick n = its iteration n, so the
+data plane of a lone request is what it was before batching.
+
+Whatever way a request ends (done, failed, cancelled), the shadow is told, and when no request is
+left the workers drop what they hold for the stream.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule
+from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked
+from odmoe.main.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
+from odmoe.main.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
+from odmoe.main.request_run import (
+    DoneEvent,
+    GenerateRequest,
+    InvalidRequest,
+    PromptEvent,
+    RequestRun,
+    TokenEvent,
+)
+from odmoe.main.run_stats import request_stats
+from odmoe.main.sampling import InvalidSampling
+from odmoe.main.stop_strings import MAX_STOPS
+from odmoe.models.kv_rows import newest_rows
+from odmoe.models.main_model import MainModel
+
+log = logging.getLogger("odmoe.main")
+__all__ = [
+    "Batching",
+    "DoneEvent",
+    "GenerateRequest",
+    "InvalidRequest",
+    "MainEngine",
+    "PromptEvent",
+    "ShuttingDown",
+    "TokenEvent",
+]
+IDLE_WAIT_S = 0.2  # an idle engine looks after the membership this often
+MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
+RECALL_WAIT_S = 1.0  # how long a finished request's paper recall waits for predictions in flight
+
+
+class ShuttingDown(WorkerUnavailable):
+    """Main is stopping: what it had not finished fails UNAVAILABLE / 503 (clients fail over)."""
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How many requests run together (`server.max_running`), the K/V cache they may hold
+    (`server.kv_cache_bytes`, 0: no bound), and how much of a prompt one tick prefills
+    (`prefill.chunk_tokens`, 0: a whole prompt at once)."""
+
+    max_running: int = 8
+    kv_cache_bytes: int = 0
+    chunk_tokens: int = 0
+
+
+class MainEngine:
+    def __init__(
+        self,
+        main: MainModel,
+        tokenizer: PreTrainedTokenizerBase,
+        experts: RemoteExperts,
+        make_plan: Callable[[], AlignmentPlan] | None = None,
+        pace_shadow: bool = False,
+        batching: Batching = Batching(),
+        observer=None,
+    ):
+        self.main, self.tokenizer, self.experts = main, tokenizer, experts
+        self.make_plan = make_plan or (lambda: AlignmentPlan(AlignmentSchedule()))
+        self.pace_shadow = pace_shadow  # send an Align every iteration even when nothing is aligned
+        self.batching = batching
+        # metrics (odmoe.serving.metrics.ServerMetrics): token(ticket), finished(ticket, stats),
+        # ended(ticket, how), tick(running, decoding)
+        self.observer = observer or _NoObserver()
+        main.attach(experts)
+        config = main.model.config
+        self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
+        eos = main.model.generation_config.eos_token_id
+        self.eos_ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        self.moe_layers = len(main.moe_layers)
+        self.running: list[tuple[Ticket, RequestRun]] = []
+        self.finishing: list[tuple[Ticket, RequestRun, float, float]] = []  # Done held for the recall
+        self.tasks = Lockstep()
+        self.stream, self.tick = "", 0
+        self.kv_bytes_per_position = 0  # measured on the first prefill; 0 = not yet
+        self._queue: RequestQueue | None = None
+
+    # -- requests ------------------------------------------------------------------------------
+    def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if request.token_ids and request.prompt:
+            raise InvalidRequest("give either a prompt or token_ids, not both")
+        ids = list(request.token_ids) if request.token_ids else self.tokenizer(request.prompt)["input_ids"]
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        vocab = self.main.model.config.vocab_size
+        if any(not 0 <= i < vocab for i in ids):
+            raise InvalidRequest(f"token ids must lie in [0, {vocab})")
+        if request.max_new_tokens < (0 if request.prompt_logprobs else 1):
+            raise InvalidRequest(
+                f"max_new_tokens must be at least 1 (0 only to score the prompt), "
+                f"got {request.max_new_tokens}"
+            )
+        if request.logprobs is not None and not 0 <= request.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequest(f"logprobs must lie in [0, {MAX_LOGPROBS}], got {request.logprobs}")
+        resume = request.resume_ids
+        if len(resume) > request.max_new_tokens:
+            raise InvalidRequest(
+                f"{len(resume)} resumed tokens exceed max_new_tokens={request.max_new_tokens}"
+            )
+        try:
+            request.sampling.validate()
+        except InvalidSampling as exc:
+            raise InvalidRequest(str(exc)) from None
+        if len(request.stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in request.stop):
+            raise InvalidRequest(f"stop takes at most {MAX_STOPS} non-empty strings")
+        if any(not 0 <= i < vocab for i in resume):
+            raise InvalidRequest(f"resume_ids must lie in [0, {vocab})")
+        if set(resume[:-1]) & self.eos_ids and not request.ignore_eos:
+            raise InvalidRequest("resume_ids continue past an end-of-sequence token")
+        if self.max_positions and len(ids) + request.max_new_tokens > self.max_positions:
+            raise InvalidRequest(
+                f"{len(ids)} prompt tokens + max_new_tokens={request.max_new_tokens} exceed the model's "
+                f"context of {self.max_positions} positions"
+            )
+        budget, per_position = self.batching.kv_cache_bytes, self.kv_bytes_per_position
+        if budget and per_position and (len(ids) + request.max_new_tokens) * per_position > budget:
+            raise InvalidRequest(
+                f"{len(ids)} prompt tokens + max_new_tokens={request.max_new_tokens} need more K/V cache "
+                f"than server.kv_cache_memory ({budget} bytes) holds"
+            )
+        return ids
+
+    @property
+    def shadow(self):
+        return self.experts.shadow
+
+    # -- the loop ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def serve(
+        self,
+        requests: RequestQueue,
+        stopped: Callable[[], bool],
+        between_ticks: Callable[[], None] = lambda: None,
+    ) -> None:
+        """Serve `requests` until `stopped()`; `between_ticks` runs at every tick boundary (and while
+        idle): the membership upkeep, which owns the same sockets."""
+        self._queue = requests
+        try:
+            while not stopped():
+                self._admit(requests)
+                between_ticks()
+                if self.running:
+                    self._tick()
+                    self._retire(requests)
+                self._finish_held(requests, wait=not self.running)
+        finally:
+            self._abandon(requests, ShuttingDown("main is shutting down"))
+
+    def generate(self, request: GenerateRequest) -> Iterator[TokenEvent | DoneEvent]:
+        """One request alone, its events as they come (tests, tools; main's own front doors queue)."""
+        queue = self._queue = RequestQueue(max_waiting=1, default_timeout_s=1e9)
+        ticket = queue.submit(request)
+        events: list = []
+        ticket.put = events.append
+        with torch.inference_mode():
+            self._admit(queue)
+            try:
+                while self.running or self.finishing:
+                    if self.running:
+                        self._tick()
+                        self._retire(queue)
+                    self._finish_held(queue, wait=not self.running)
+                    while events:
+                        event = events.pop(0)
+                        if isinstance(event, Exception):
+                            raise event
+                        if event is not END:
+                            yield event
+            finally:
+                self._abandon(queue, RuntimeError("the caller stopped reading"))
+
+    # 1) admit ---------------------------------------------------------------------------------
+    def _admit(self, requests: RequestQueue) -> None:
+        idle = not self.running and not self.finishing
+        while len(self.running) < self.batching.max_running:
+            ticket = requests.take(timeout=IDLE_WAIT_S if idle and not self.running else 0.0, fits=self._fits)
+            if ticket is None:
+                break
+            self._start(ticket, requests)
+        requests.capacity = self.batching.max_running - len(self.running)
+
+    def _fits(self, ticket: Ticket) -> bool:
+        """Whether the K/V cache budget has room for this request (the first always fits)."""
+        budget = self.batching.kv_cache_bytes
+        if not budget or not self.running:
+            return True
+        if not self.kv_bytes_per_position:
+            return False  # not measured yet: one request at a time until the first prefill is done
+        held = sum(r.prompt_len + r.request.max_new_tokens for _, r in self.running)
+        try:
+            need = len(self.prompt_ids(ticket.request))
+        except InvalidRequest:
+            return True  # admitted only to be refused, with the reason
+        return (held + need + ticket.request.max_new_tokens) * self.kv_bytes_per_position <= budget
+
+    def _start(self, ticket: Ticket, requests: RequestQueue) -> None:
+        request = ticket.request
+        try:
+            ids = self.prompt_ids(request)
+        except InvalidRequest as exc:
+            ticket.put(exc)
+            requests.done(ticket)
+            return
+        if not self.running and not self.finishing:  # a new busy period: its stream is named after it
+            self.stream, self.tick = request.request_id, 0
+        quota = self._prefill_quota(len(ids))
+        passes = 2 if request.prompt_logprobs else 1  # the prompt's scoring pass, then its prefill
+        run = RequestRun(
+            request,
+            ids,
+            self.main,
+            self.tokenizer,
+            self.eos_ids,
+            self.experts.context(request.request_id),
+            self.make_plan(),
+            self._sink(ticket),
+            first_tick=self.tick + math.ceil(passes * self.moe_layers / quota),
+            prefill_quota=quota,
+        )
+        if run.already_over():
+            stats = _resumed_over_stats(run)
+            ticket.put(DoneEvent(stats))
+            self.observer.finished(ticket, stats)
+            requests.done(ticket)
+            return
+        run.leader = self._prefill_leader(run, ids)
+        if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
+            run.first_tick = run.leader.first_tick
+        # A prompt only scored has nothing to predict; while the workers' caches hold every expert
+        # they serve, predictions would load nothing (and the shadow's compute would slow main's)
+        if self.shadow is not None and request.max_new_tokens > 0 and not self.experts.caches_complete():
+            run.shadow = self.shadow
+            self.shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
+        self.running.append((ticket, run))
+
+    def _prefill_leader(self, run: RequestRun, ids: list[int]) -> RequestRun | None:
+        """A running request of the same `prefill_group` and prompt whose prefill has not started."""
+        group = run.request.prefill_group
+        if not group:
+            return None
+        for _, other in self.running:
+            if (
+                other.request.prefill_group == group
+                and other.leader is None
+                and other.iteration == 0
+                and other.request_id not in self.tasks
+                and other.step_input[0].tolist() == ids
+            ):
+                return other
+        return None
+
+    def _sink(self, ticket: Ticket):
+        """Where a run's events go: its ticket, each streamed token counted by the metrics."""
+
+        def put(event) -> None:
+            if isinstance(event, TokenEvent):
+                self.observer.token(ticket)
+            ticket.put(event)
+
+        return put
+
+    def _prefill_quota(self, prompt_tokens: int) -> int:
+        """MoE layers a prefill exchanges per tick: all of them, unless requests are decoding and
+        `chunk_tokens` cuts the prompt (a prompt of T tokens takes ~T / chunk_tokens ticks)."""
+        chunk, layers = self.batching.chunk_tokens, max(self.moe_layers, 1)
+        if chunk <= 0 or prompt_tokens <= chunk or not self.running:
+            return layers
+        return max(1, math.floor(layers * chunk / prompt_tokens))
+
+    # 2) run -----------------------------------------------------------------------------------
+    def _tick(self) -> None:
+        """Every running request one iteration (a prefill: up to its quota of layers)."""
+        decoding = sum(r.decoding for _, r in self.running)
+        self.observer.tick(len(self.running), decoding)
+        for _, run in self.running:
+            if run.decoding:
+                run.batch_sizes.append(decoding)  # the requests it decoded beside (itself included)
+        self.experts.stream, self.experts.tick = self.stream, self.tick
+        if len(self.running) == 1 and not self.tasks:  # one request: its forward pass needs no lockstep
+            self._alone(*self.running[0])
+            self.tick += 1
+            return
+        runs = {run.request_id: (ticket, run) for ticket, run in self.running}
+        decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer
+        prefill: list[str] = []  # parked before a prefill layer
+        for key, (_, run) in runs.items():
+            if key in self.tasks:  # a prefill parked across ticks
+                prefill.append(key)
+                run.prefill_layers = 0
+                continue
+            if run.leader is not None and run.iteration == 0:
+                continue  # its prefill is its leader's: it takes the result when the leader has it
+            run.ctx.begin(run.iteration)
+            self._route(self._start_task(run), runs, decode, prefill)
+        while decode or prefill:
+            if decode:
+                layer = min(rows.layer for rows in decode.values())  # MoE layers in order
+                group = {k: r for k, r in decode.items() if r.layer == layer}
+                for key in group:
+                    del decode[key]
+                try:
+                    outputs = self.experts.exchange_decode(layer, list(group.values()))
+                except Exception as exc:  # every request of the exchange needed that layer
+                    for key in group:
+                        self._fail(runs[key], exc)
+                    continue
+                for key, out in zip(group, outputs, strict=True):
+                    self._route(self._resume(runs[key][1], out), runs, decode, prefill)
+                continue
+            for key in list(prefill):
+                prefill.remove(key)
+                run = runs[key][1]
+                if run.prefill_layers >= run.prefill_quota:
+                    continue  # its quota for this tick is spent: it goes on next tick
+                run.prefill_layers += 1
+                self._route(self._resume(run, None), runs, decode, prefill)
+        self.tick += 1
+
+    def _alone(self, ticket: Ticket, run: RequestRun) -> None:
+        """The only running request's iteration, called directly (the same calls, no task switches):
+        its experts calls exchange at once, as a batch of one."""
+        run.ctx.begin(run.iteration)
+        self.experts.current = run.ctx
+        try:
+            logits = run.forward()
+        except Exception as exc:
+            self._fail((ticket, run), exc)
+            return
+        self._accept(ticket, run, logits)
+
+    def _start_task(self, run: RequestRun):
+        self.experts.current = run.ctx
+        return self.tasks.start(run.request_id, run.forward)
+
+    def _resume(self, run: RequestRun, value):
+        self.experts.current = run.ctx
+        return self.tasks.resume(run.request_id, value)
+
+    def _route(self, outcome, runs, decode: dict, prefill: list) -> None:
+        """Where a task stands after it ran: parked at a decode layer, before a prefill layer, or done."""
+        key = outcome.key
+        ticket, run = runs[key]
+        if isinstance(outcome, Parked):
+            if isinstance(outcome.payload, DecodeRows):
+                decode[key] = outcome.payload
+            else:
+                prefill.append(key)
+        elif isinstance(outcome, Failed):
+            self._fail((ticket, run), outcome.error)
+        elif isinstance(outcome, Finished):
+            self._accept(ticket, run, outcome.value)
+
+    # 3) choose --------------------------------------------------------------------------------
+    def _accept(self, ticket: Ticket, run: RequestRun, logits: torch.Tensor) -> None:
+        if run.iteration == 0:
+            if not self.kv_bytes_per_position:
+                self.kv_bytes_per_position = _cache_bytes(run.cache) // max(run.prompt_len, 1)
+            for follower_ticket, follower in [(t, r) for t, r in self.running if r.leader is run]:
+                follower.cache = copy.deepcopy(run.cache)  # the prompt's K/V rows, before any decode
+                follower.leader = None
+                self._accept(follower_ticket, follower, logits)
+        finished = run.accept(logits)
+        if not finished:
+            self._align_shadow(run)
+        run.next_iteration()
+
+    def _align_shadow(self, run: RequestRun) -> None:
+        """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1,
+        where the plan says; with the next iteration it will align, so a waiting shadow knows."""
+        if run.shadow is None:
+            return
+        iteration = run.iteration + 1
+        wrong, predicted = run.ctx.traffic.wrong_predictions(iteration - 1)
+        run.plan.observe(iteration - 1, wrong, predicted)
+        send_token, send_kv = run.plan.aligns(iteration)
+        if not (send_token or send_kv or self.pace_shadow):
+            return
+        keys = values = None
+        if send_kv:
+            keys, values = newest_rows(run.cache, run.rows_last_iteration)  # [L, heads, rows, D]
+        run.plan.sent(iteration, send_token, send_kv)
+        token = run.new_ids[-1]
+        next_align = run.plan.next_after(iteration)
+        run.shadow.align(run.request_id, iteration, token if send_token else -1, keys, values, next_align)
+
+    def _retire(self, requests: RequestQueue) -> None:
+        """Requests over, cancelled or past their deadline leave now (at the tick boundary)."""
+        keep = []
+        for ticket, run in self.running:
+            if run.done:
+                self._end(ticket, run)
+                self.finishing.append((ticket, run, time.perf_counter(), time.monotonic() + RECALL_WAIT_S))
+            elif ticket.cancelled.is_set():  # its client went away
+                log.info("request %s cancelled by its client", run.request_id)
+                self._end(ticket, run)
+                self.observer.ended(ticket, "cancelled")
+                requests.done(ticket)
+            elif ticket.expired():
+                self._end(ticket, run)
+                ticket.put(DeadlineExceeded(f"request {run.request_id} ran past its deadline"))
+                self.observer.ended(ticket, "deadline")
+                requests.done(ticket)
+            else:
+                keep.append((ticket, run))
+        self.running = keep
+        if not self.running and not self.finishing and self.stream:
+            self.experts.end_stream(self.stream)
+            self.stream = ""
+
+    def _finish_held(self, requests: RequestQueue, wait: bool) -> None:
+        """Finished requests get their DoneEvent once the shadow has sent every prediction for them
+        (the paper's recall counts those that came late too), or after RECALL_WAIT_S."""
+        held = []
+        for ticket, run, ended_at, deadline in self.finishing:
+            shadow = run.shadow
+            ready = shadow is None or shadow.ended(run.request_id) or time.monotonic() >= deadline
+            if not ready and wait:
+                shadow.wait_ended(run.request_id, deadline)
+                ready = True
+            if not ready:
+                held.append((ticket, run, ended_at, deadline))
+                continue
+            recall = self.experts.recall(run.ctx, wait_s=0.0)
+            stats = request_stats(run, self.experts, self.main, recall, ended_at)
+            if run.shadow is not None:
+                run.shadow.forget(run.request_id)
+            self.observer.finished(ticket, stats)
+            # main's spans reach the trace file before the client learns the request is done
+            self.experts.tracer.flush()
+            ticket.put(DoneEvent(stats, run.logits[0].clone() if run.request.return_logits else None))
+            requests.done(ticket)
+        self.finishing = held
+        if not self.running and not self.finishing and self.stream:
+            self.experts.end_stream(self.stream)
+            self.stream = ""
+
+    def _end(self, ticket: Ticket, run: RequestRun) -> None:
+        """The run leaves: its task (a prefill parked across ticks) ends, the shadow stops on it;
+        requests that were to copy its prefill compute their own."""
+        self.tasks.cancel(run.request_id)
+        for _, follower in self.running:
+            if follower.leader is run:
+                follower.leader = None
+        if run.shadow is not None:
+            run.shadow.end(run.request_id)
+
+    def _fail(self, entry: tuple[Ticket, RequestRun], error: BaseException) -> None:
+        ticket, run = entry
+        if isinstance(error, Exception) and not isinstance(error, InvalidRequest):
+            log.error("request %s failed: %s: %s", run.request_id, type(error).__name__, error)
+        self._end(ticket, run)
+        self.running = [(t, r) for t, r in self.running if r is not run]
+        ticket.put(error if isinstance(error, Exception) else RuntimeError(str(error)))
+        self._queue.done(ticket)
+        self.observer.ended(ticket, "error")
+
+    def _abandon(self, requests: RequestQueue, reason: Exception) -> None:
+        for ticket, run in self.running:
+            self._end(ticket, run)
+            ticket.put(reason)
+            self.observer.ended(ticket, "error")
+            requests.done(ticket)
+        for ticket, _, _, _ in self.finishing:
+            ticket.put(reason)
+            self.observer.ended(ticket, "error")
+            requests.done(ticket)
+        self.running, self.finishing = [], []
+        if self.stream:
+            self.experts.end_stream(self.stream)
+            self.stream = ""
+
+
+class _NoObserver:
+    def token(self, ticket) -> None: ...
+    def finished(self, ticket, stats: dict) -> None: ...
+    def ended(self, ticket, how: str) -> None: ...
+    def tick(self, running: int, decoding: int) -> None: ...
+
+
+def _cache_bytes(cache) -> int:
+    total = 0
+    for layer in getattr(cache, "layers", ()):
+        for name in ("keys", "values"):
+            t = getattr(layer, name, None)
+            if isinstance(t, torch.Tensor):
+                total += t.numel() * t.element_size()
+    return total
+
+
+def _resumed_over_stats(run: RequestRun) -> dict:
+    return {
+        "request_id": run.request_id,
+        "new_tokens": 0,
+        "resumed_tokens": len(run.resumed),
+        "finish_reason": "length" if len(run.resumed) == run.request.max_new_tokens else "stop",
+    }

@@ -1,0 +1,283 @@
+"""Main's view of its workers: who is alive, the socket to each, and how a lost one comes back.
+
+Contract (failure detection, see heartbeat.py for why heartbeats): every worker connection is a
+heartbeated DEALER. `wait(timeout)` returns what arrived and which workers were lost meanwhile; a
+lost worker's socket is closed at once, so its queued sends are dropped and a late answer from it
+can never arrive (calls are also named by step and expert, so nothing is ever combined twice).
+`mark_lost` is how RemoteExperts' per-call deadline (a process whose I/O thread lives but whose
+Python is stuck) reaches the same verdict.
+
+Coming back: `maintain()` (between requests and while idle) re-pings each lost worker's last
+address every `probe_interval_s` (a worker restarted on the same address, or resumed after a
+freeze) and any address announced with `join` (the only method safe from other threads: a worker
+restarted elsewhere announces itself through main's gRPC Join). A candidate is admitted only when
+its Pong says it is that worker index and stores every layer the topology gives it; then every
+live worker gets the new `LiveWorkers` message, so predictions are dealt over the same live set main places
+by. Everything else runs on main's engine thread (ZeroMQ sockets are not thread-safe).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from odmoe.placement import Topology
+from odmoe.tools.trace import now_us
+from odmoe.transport.codec import CodecError
+from odmoe.transport.heartbeat import Heartbeat, WatchedSocket
+from odmoe.transport.messages import LiveWorkers, Ping, Pong, from_frames, to_frames
+from odmoe.transport.security import Curve
+
+log = logging.getLogger("odmoe.main.membership")
+
+
+class WorkerUnavailable(RuntimeError):
+    """A worker did not answer in time (dead, unreachable or overloaded), or no live worker holds
+    what a request needs."""
+
+
+@dataclass
+class _Probe:
+    """A connection to where a lost worker may be back, with one Ping queued on it."""
+
+    index: int
+    link: WatchedSocket
+    since: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class MembershipEvent:
+    worker: int
+    event: str  # "lost" | "rejoined" | "refused"
+    at_us: float
+    reason: str = ""
+
+
+class Membership:
+    def __init__(
+        self,
+        addresses: list[str],
+        topology: Topology,
+        layers: list[int],
+        heartbeat: Heartbeat | None = None,
+        probe_interval_s: float = 1.0,
+        curve: Curve | None = None,
+    ):
+        if len(addresses) != topology.workers:
+            raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
+        self.topology, self.layers, self.heartbeat = topology, layers, heartbeat or Heartbeat()
+        self.probe_interval_s, self.curve = probe_interval_s, curve
+        self.ctx = zmq.Context.instance()
+        self.addresses = list(addresses)
+        self.links: dict[int, WatchedSocket] = {i: self._connect(i, a) for i, a in enumerate(addresses)}
+        self.pongs: dict[int, Pong] = {}
+        self.probes: dict[int, _Probe] = {}
+        self.announced: queue.Queue[tuple[int, str]] = queue.Queue()
+        self.events: list[MembershipEvent] = []
+        self.refusals: dict[int, str] = {}  # worker -> why its last CURVE handshake failed
+        self.shadow_pub = ""
+        self._poller_stale = True
+        self._poller = zmq.Poller()
+        self._by_socket: dict[zmq.Socket, tuple[int, bool]] = {}  # socket -> (worker, is monitor)
+
+    # -- who is alive ------------------------------------------------------------------------
+    @property
+    def live(self) -> frozenset[int]:
+        return frozenset(self.links)
+
+    def socket(self, worker: int) -> zmq.Socket:
+        link = self.links.get(worker)
+        if link is None:
+            raise WorkerUnavailable(f"worker {worker} is not live")
+        return link.sock
+
+    def _connect(self, worker: int, address: str) -> WatchedSocket:
+        # No send high-water mark: a full queue would make a send block or fail, and a slow worker
+        # must never look dead. Main sends only what it then waits for, so the queue stays bounded.
+        # With security on, only the holder of worker<i>'s key completes the CURVE handshake.
+        return WatchedSocket(
+            self.ctx,
+            zmq.DEALER,
+            address,
+            self.heartbeat,
+            sndhwm=0,
+            curve=self.curve,
+            server=f"worker{worker}",
+        )
+
+    def send(self, worker: int, frames: list, copy: bool = True) -> bool:
+        """Send to a live worker (never blocks); False, and nothing sent, when it is not live."""
+        link = self.links.get(worker)
+        if link is None:
+            return False
+        link.sock.send_multipart(frames, copy=copy)
+        return True
+
+    def mark_lost(self, worker: int, reason: str) -> None:
+        link = self.links.pop(worker, None)
+        if link is None:
+            return
+        link.close()
+        self.pongs.pop(worker, None)
+        self._poller_stale = True
+        self.events.append(MembershipEvent(worker, "lost", now_us(), reason))
+        log.warning("worker %d (%s) lost: %s; live: %s", worker, link.address, reason, sorted(self.links))
+
+    def wait(self, timeout_ms: int) -> tuple[list[tuple[int, list]], list[int]]:
+        """Block up to timeout_ms for answers or losses: ([(worker, frames)], [workers lost])."""
+        if self._poller_stale:
+            self._rebuild_poller()
+        received, lost = [], []
+        for sock, _ in self._poller.poll(max(timeout_ms, 0)):
+            worker, is_monitor = self._by_socket[sock]
+            link = self.links.get(worker)
+            if link is None:
+                continue
+            if is_monitor:
+                if link.lost():
+                    lost.append(worker)
+                    if link.refused:
+                        self.refusals[worker] = (
+                            f"worker {worker} ({link.address}) failed the CURVE handshake: {link.refused}; "
+                            f"give that box the cluster's private/worker{worker}.key_secret and public/"
+                        )
+                    else:
+                        self.refusals.pop(worker, None)
+                continue
+            received.append((worker, link.sock.recv_multipart(copy=False)))
+        for worker in lost:
+            self.mark_lost(worker, self.refusals.get(worker) or "connection lost (heartbeat or reset)")
+        return received, lost
+
+    def _rebuild_poller(self) -> None:
+        self._poller = zmq.Poller()
+        self._by_socket = {}
+        for worker, link in self.links.items():
+            for sock, is_monitor in ((link.sock, False), (link.monitor, True)):
+                self._poller.register(sock, zmq.POLLIN)
+                self._by_socket[sock] = (worker, is_monitor)
+        self._poller_stale = False
+
+    # -- start-up ------------------------------------------------------------------------------
+    def ping_all(self, timeout_s: float, shadow_pub: str) -> list[Pong]:
+        """Every configured worker must be up and be what its address says (start-up only).
+
+        Raises WorkerUnavailable naming the workers that stay silent or are misconfigured."""
+        self.shadow_pub = shadow_pub
+        for worker in self.links:
+            self.send(worker, to_frames(Ping(shadow_pub=shadow_pub)))
+        deadline = time.monotonic() + timeout_s
+        while len(self.pongs) < self.topology.workers:
+            received, lost = self.wait(int((deadline - time.monotonic()) * 1000))
+            if refused := [w for w in lost if w in self.refusals]:
+                raise WorkerUnavailable(self.refusals[refused[0]])
+            if lost:
+                raise WorkerUnavailable(f"worker(s) {lost} dropped the connection while starting")
+            if not received and time.monotonic() >= deadline:
+                silent = [i for i in range(self.topology.workers) if i not in self.pongs]
+                raise WorkerUnavailable(f"worker(s) {silent} did not answer a ping within {timeout_s:.0f}s")
+            for worker, frames in received:
+                pong = self._pong(frames)
+                if pong is not None:
+                    if problem := self._verify(worker, pong):
+                        raise WorkerUnavailable(problem)
+                    self.pongs[worker] = pong
+        self.broadcast()
+        return [self.pongs[i] for i in range(self.topology.workers)]
+
+    def _pong(self, frames) -> Pong | None:
+        try:
+            message, _ = from_frames(frames)
+        except CodecError:
+            return None
+        return message if isinstance(message, Pong) else None
+
+    def _verify(self, worker: int, pong: Pong) -> str:
+        address = self.addresses[worker]
+        if pong.worker != worker:
+            return f"{address} answers as worker {pong.worker}, expected worker {worker}"
+        if missing := sorted(set(self.topology.stored_layers(worker, self.layers)) - set(pong.layers)):
+            return f"worker {worker} ({address}) does not hold layers {missing}"
+        return ""
+
+    # -- coming back ---------------------------------------------------------------------------
+    def join(self, worker: int, address: str) -> None:
+        """A worker announces it serves at `address` (any thread). Checked by `maintain`."""
+        self.announced.put((worker, address))
+
+    def maintain(self) -> bool:
+        """Notice losses while idle (so /health tells the truth between requests), probe lost workers,
+        admit the ones that prove themselves. True when `live` changed."""
+        changed = False
+        for worker, link in list(self.links.items()):
+            if link.lost():
+                self.mark_lost(worker, "connection lost while idle (heartbeat or reset)")
+        while True:
+            try:
+                worker, address = self.announced.get_nowait()
+            except queue.Empty:
+                break
+            if not 0 <= worker < self.topology.workers:
+                log.warning("ignoring an announcement from %s as worker %d: no such index", address, worker)
+                continue
+            self.addresses[worker] = address
+            if worker not in self.links:
+                self._probe(worker)
+        for worker in range(self.topology.workers):
+            if worker in self.links:
+                continue
+            probe = self.probes.get(worker) or self._probe(worker)
+            if self._admit(probe):
+                changed = True
+            elif time.monotonic() - probe.since > self.probe_interval_s:
+                self._probe(worker)  # a fresh connection and Ping: the old one may have been dropped
+        if changed:
+            self.broadcast()
+        return changed
+
+    def _probe(self, worker: int) -> _Probe:
+        old = self.probes.pop(worker, None)
+        if old is not None:
+            old.link.close()
+        link = self._connect(worker, self.addresses[worker])
+        link.sock.send_multipart(to_frames(Ping(shadow_pub=self.shadow_pub)))  # queued until it connects
+        probe = self.probes[worker] = _Probe(worker, link)
+        return probe
+
+    def _admit(self, probe: _Probe) -> bool:
+        link = probe.link
+        while link.sock.poll(0):
+            pong = self._pong(link.sock.recv_multipart(copy=False))
+            if pong is None:
+                continue
+            if problem := self._verify(probe.index, pong):
+                self.events.append(MembershipEvent(probe.index, "refused", now_us(), problem))
+                log.warning("not taking worker %d back: %s", probe.index, problem)
+                link.close()
+                del self.probes[probe.index]
+                return False
+            del self.probes[probe.index]
+            link.lost()  # drain the connect events of the probe
+            self.links[probe.index], self.pongs[probe.index] = link, pong
+            self._poller_stale = True
+            self.events.append(MembershipEvent(probe.index, "rejoined", now_us(), link.address))
+            log.info("worker %d (%s) is back; live: %s", probe.index, link.address, sorted(self.links))
+            return True
+        return False
+
+    def broadcast(self, shadow_pub: str | None = None) -> None:
+        """Tell every live worker who is live (and where predictions come from)."""
+        if shadow_pub is not None:
+            self.shadow_pub = shadow_pub
+        message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub))
+        for worker in list(self.links):
+            self.send(worker, message)
+
+    def close(self) -> None:
+        for link in [*self.links.values(), *(p.link for p in self.probes.values())]:
+            link.close()
+        self.links, self.probes = {}, {}

@@ -1,0 +1,136 @@
+"""Read a local Hugging Face MoE checkpoint tensor by tensor.
+
+Contract: nothing here loads a whole checkpoint. `Checkpoint` knows the config and the weight map
+(`model.safetensors.index.json`, or the single `model.safetensors`), and hands out either the
+non-expert tensors (what main needs) or one expert's three matrices (what a worker needs), read
+with `safe_open(...).get_slice` so other experts' bytes are never touched.
+
+What a real checkpoint may hold beyond the model transformers builds from its config: DeepSeek-V3's
+multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.{N}` and beyond
+for N = `num_hidden_layers`) are used only for speculative training/decoding, never by
+`generate()`; they are dropped from the weight map with a log line, so neither main nor any worker
+reads them. Quantized checkpoints (a `quantization_config`, e.g. DeepSeek-V3's FP8 weights with
+`weight_scale_inv` scales) are refused: workers compute on the raw tensors they read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, PretrainedConfig
+
+from odmoe.models.families import Family, UnsupportedModelError, family_of, is_expert_key, layer_of_key
+
+log = logging.getLogger("odmoe.models.checkpoint")
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+
+class CheckpointError(ValueError):
+    """The directory is missing or is not a usable safetensors checkpoint."""
+
+
+@dataclass(frozen=True)
+class ExpertWeights:
+    """One expert in the fused layout transformers computes with (gate rows first)."""
+
+    gate_up: torch.Tensor  # [2I, H]
+    down: torch.Tensor  # [H, I]
+
+    @property
+    def nbytes(self) -> int:
+        return (
+            self.gate_up.numel() * self.gate_up.element_size() + self.down.numel() * self.down.element_size()
+        )
+
+
+class Checkpoint:
+    def __init__(self, path: str | Path):
+        self.path = Path(path).expanduser()
+        if not self.path.is_dir():
+            raise CheckpointError(f"model directory {self.path} does not exist")
+        if not (self.path / "config.json").is_file():
+            raise CheckpointError(f"{self.path} has no config.json: not a Hugging Face checkpoint")
+        self.config: PretrainedConfig = AutoConfig.from_pretrained(self.path)
+        self.family: Family = family_of(self.config)
+        quantization = getattr(self.config, "quantization_config", None)
+        if quantization:
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
+            raise UnsupportedModelError(
+                f"{self.path} is a quantized checkpoint (quant_method {method!r}); odmoe serves "
+                "unquantized weights: convert it to bf16/fp16/fp32 safetensors first"
+            )
+        self.weight_map = self._without_extra_layers(self._read_weight_map())
+        self.moe_layers = sorted({layer_of_key(k) for k in self.weight_map if is_expert_key(k)} - {None})
+        if not self.moe_layers:
+            raise UnsupportedModelError(f"{self.path} holds no routed-expert tensors")
+        self._handles: dict[str, object] = {}
+
+    @property
+    def num_experts(self) -> int:
+        return int(getattr(self.config, self.family.num_experts_field))
+
+    @property
+    def top_k(self) -> int:
+        return int(getattr(self.config, self.family.top_k_field))
+
+    def _read_weight_map(self) -> dict[str, str]:
+        index = self.path / INDEX_FILE
+        if index.is_file():
+            return dict(json.loads(index.read_text())["weight_map"])
+        single = self.path / SINGLE_FILE
+        if not single.is_file():
+            raise CheckpointError(f"{self.path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+        with safe_open(single, "pt") as f:
+            return {key: SINGLE_FILE for key in f.keys()}
+
+    def _without_extra_layers(self, weight_map: dict[str, str]) -> dict[str, str]:
+        """The weight map less layers the model does not have (DeepSeek-V3's MTP layers)."""
+        layers = int(self.config.num_hidden_layers)
+        extra = sorted({n for k in weight_map if (n := layer_of_key(k)) is not None and n >= layers})
+        if extra:
+            log.info(
+                "%s: skipping layers %s beyond num_hidden_layers=%d (multi-token-prediction layers; "
+                "generate() never runs them)",
+                self.path,
+                extra,
+                layers,
+            )
+        return {k: v for k, v in weight_map.items() if (layer_of_key(k) or 0) < layers}
+
+    def _handle(self, key: str):
+        if key not in self.weight_map:
+            raise CheckpointError(f"tensor {key} is not in {self.path}")
+        shard = self.weight_map[key]
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(self.path / shard, "pt")
+        return self._handles[shard]
+
+    def tensor(self, key: str) -> torch.Tensor:
+        return self._handle(key).get_tensor(key)
+
+    def non_expert_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor but the routed experts, under the module names transformers uses."""
+        return {
+            self.family.module_key(key): self.tensor(key) for key in self.weight_map if not is_expert_key(key)
+        }
+
+    def expert(self, layer: int, expert: int) -> ExpertWeights:
+        fam = self.family
+        gate_key = fam.expert_key(layer, expert, fam.gate_proj)
+        if gate_key in self.weight_map:
+            gate = self.tensor(gate_key)
+            up = self.tensor(fam.expert_key(layer, expert, fam.up_proj))
+            down = self.tensor(fam.expert_key(layer, expert, fam.down_proj))
+            return ExpertWeights(gate_up=torch.cat([gate, up], dim=0), down=down)
+        # Fused layout on disk ([E, 2I, H] and [E, H, I]): read only this expert's slice.
+        gate_up_key, down_key = fam.fused_key(layer, "gate_up_proj"), fam.fused_key(layer, "down_proj")
+        gate_up = self._handle(gate_up_key).get_slice(gate_up_key)[expert]
+        down = self._handle(down_key).get_slice(down_key)[expert]
+        return ExpertWeights(gate_up=gate_up.contiguous(), down=down.contiguous())

@@ -1,0 +1,7 @@
+"""Serving: how users reach the cluster.
+
+The gRPC door is `odmoe.nodes.main`; `http_api` is the OpenAI-compatible one (completions, chat,
+streaming, logprobs shaped by `openai_logprobs`). Both map errors to statuses through one table
+(`error_status`) and export Prometheus metrics (`metrics`). `client` is the Python client of the
+gRPC door (`odmoe.Client`), with failover along main's standbys.
+"""

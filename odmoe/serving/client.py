@@ -1,0 +1,319 @@
+"""Client SDK: talk to a running cluster's main node over gRPC.
+
+    client = odmoe.Client("127.0.0.1:50051")
+    result = client.generate("def fibonacci(n):", max_new_tokens=32)
+    result.text, result.token_ids, result.stats
+    for piece in client.stream("def f(x):", max_new_tokens=16): print(piece.text, end="")
+
+A prompt string is tokenized by main exactly as `tokenizer(prompt)` (no chat template); a list of
+ints is sent as token ids. Greedy by default; `generate` and `stream` take transformers' sampling
+parameters (`do_sample=True, temperature=, top_p=, top_k=, min_p=, repetition_penalty=, seed=`)
+and `stop=[...]` strings; with a seed the tokens equal `torch.manual_seed(seed);
+model.generate(do_sample=True, ...)` in one process. Sampling without a seed: the client draws one,
+so a resumed stream (below) continues the same draws. Errors arrive as `grpc.RpcError` with INVALID_ARGUMENT,
+FAILED_PRECONDITION or UNAVAILABLE and a readable message.
+
+Failover (main's loss): give several main addresses, the active one first and standbys after
+(`Client(["10.0.0.1:50051", "10.0.0.2:50051"])`). A killed main breaks the stream at once; a
+frozen one is noticed when no reply came for `keepalive_s` and main then fails to answer a gRPC
+health check within `2 * keepalive_s` (gRPC's own keepalive took a minute here: its ping policy
+throttles pings on a stream). A busy main answers health checks from its gRPC threads, so slowness
+alone is not a loss. The client then resumes on the next main by sending the prompt
+plus the tokens it already received (`resume_ids`), and that main replays them and streams the
+rest. With greedy decoding the whole sequence equals the single-process reference. A stream that
+keeps failing without a new token after every main was tried raises the last error.
+
+Security: a cluster with security on (the default) answers only over TLS and only calls carrying
+its token: pass `credentials=` a key directory (what `odmoe-keys init` made: its tls/cert.pem and
+token are read) or a `ClientCredentials`; without them every call fails UNAVAILABLE (no TLS) or
+UNAUTHENTICATED (no or a wrong token). `LocalCluster.client` is given its cluster's credentials.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import grpc
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from odmoe.main.sampling import MAX_SEED, SamplingParams
+from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.transport.security import ClientCredentials, grpc_channel
+
+
+@dataclass(frozen=True)
+class Piece:
+    token_id: int
+    text: str
+    logprob: float | None = None  # with logprobs=: this token's (float32, as transformers computes it)
+    top: tuple[tuple[int, float], ...] = ()  # with logprobs=k > 0: the k most likely (token, logprob)
+
+
+@dataclass
+class GenerateResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)  # the new tokens only
+    stats: dict = field(default_factory=dict)
+    final_logits: torch.Tensor | None = None  # [vocab] fp32 when asked for (return_logits=True)
+    # with logprobs=k: each new token's log-probability and the k most likely (token, logprob)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # with prompt_logprobs=True: every prompt token's (None for the first), and the best k there
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[tuple[tuple[int, float], ...]] | None = None
+
+
+# What a lost main looks like from here: the connection dropped or its keepalive went unanswered.
+FAILOVER_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN)
+
+
+class StreamBroken(RuntimeError):
+    """A stream ended without its final reply, or its main stopped answering: it is lost."""
+
+
+_END = object()
+
+
+class Client:
+    def __init__(
+        self,
+        address: str | list[str],
+        timeout_s: float | None = None,
+        keepalive_s: float = 1.0,
+        credentials: ClientCredentials | str | Path | None = None,
+    ):
+        if isinstance(credentials, str | Path):
+            credentials = ClientCredentials.from_key_dir(credentials)
+        self.credentials = credentials
+        self.metadata = credentials.metadata if credentials else None
+        self.addresses = [address] if isinstance(address, str) else list(address)
+        if not self.addresses:
+            raise ValueError("Client needs at least one main address")
+        self.timeout_s = timeout_s
+        self.keepalive_s = keepalive_s
+        self.keepalive_ms = max(int(keepalive_s * 1000), 100)
+        self._channels: dict[int, grpc.Channel] = {}
+        self.current = 0  # the main used now; moves on when one is lost
+        self.failovers = 0
+        self.failover_log: list[dict] = []  # {at_us, lost, to, reason}: when and why it moved on
+
+    @property
+    def address(self) -> str:
+        return self.addresses[self.current]
+
+    def replace_address(self, old: str, new: str) -> None:
+        """A main came back at another address (restarted): fail over to it from now on."""
+        i = self.addresses.index(old)
+        self.addresses[i] = new
+        channel = self._channels.pop(i, None)
+        if channel is not None:
+            channel.close()
+
+    def _stub(self) -> odmoe_pb2_grpc.InferenceStub:
+        channel = self._channels.get(self.current)
+        if channel is None:
+            options = [
+                ("grpc.keepalive_time_ms", self.keepalive_ms),
+                ("grpc.keepalive_timeout_ms", self.keepalive_ms),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.http2.max_pings_without_data", 0),
+                ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
+            ]
+            channel = self._channels[self.current] = grpc_channel(self.address, self.credentials, options)
+        return odmoe_pb2_grpc.InferenceStub(channel)
+
+    def _request(self, prompt, max_new_tokens, return_logits, request_id, resume, options: dict):
+        fields = dict(
+            max_new_tokens=max_new_tokens,
+            return_logits=return_logits,
+            request_id=request_id,
+            resume_ids=resume,
+            **options,
+        )
+        if isinstance(prompt, str):
+            return odmoe_pb2.GenerateRequest(prompt=prompt, **fields)
+        return odmoe_pb2.GenerateRequest(token_ids=list(prompt), **fields)
+
+    def _replies(
+        self,
+        prompt,
+        max_new_tokens,
+        return_logits=False,
+        request_id="",
+        stop=(),
+        logprobs=None,
+        prompt_logprobs=False,
+        ignore_eos=False,
+        **sampling,
+    ):
+        """The stream of replies, resumed on the next main whenever the current one is lost."""
+        received: list[int] = []
+        failures = 0  # consecutive, without a new token in between
+        options = _options(stop, sampling)
+        if logprobs is not None:
+            options["logprobs"] = logprobs
+        options["prompt_logprobs"], options["ignore_eos"] = prompt_logprobs, ignore_eos
+        while True:
+            request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
+            call = self._stub().Generate(request, timeout=self.timeout_s, metadata=self.metadata)
+            try:
+                for reply in self._watched(call):
+                    if reply.WhichOneof("kind") == "token":
+                        received.append(reply.token.token_id)
+                        failures = 0
+                    if reply.WhichOneof("kind") == "prompt":
+                        options["prompt_logprobs"] = False  # a main resuming need not score it again
+                    yield reply
+                    if reply.WhichOneof("kind") == "done":
+                        return
+                raise StreamBroken(f"main {self.address} ended the stream without its final reply")
+            except (grpc.RpcError, StreamBroken) as error:
+                exc = error
+                code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
+                failures += 1
+                if code not in FAILOVER_CODES or failures >= len(self.addresses) + 1:
+                    raise
+            finally:
+                call.cancel()  # no-op once done; when the caller stops reading, main stops too
+            lost = self.address
+            self._channels.pop(self.current).close()
+            self.current = (self.current + 1) % len(self.addresses)
+            self.failovers += 1
+            self.failover_log.append(
+                {"at_us": time.time() * 1e6, "lost": lost, "to": self.address, "reason": str(exc)[:200]}
+            )
+
+    def _watched(self, call) -> Iterator:
+        """`call`'s replies; while none comes for keepalive_s, main must pass a health check."""
+        replies: queue.Queue = queue.Queue()
+
+        def pump() -> None:
+            try:
+                for reply in call:
+                    replies.put(reply)
+                replies.put(_END)
+            except grpc.RpcError as exc:
+                replies.put(exc)
+
+        threading.Thread(target=pump, name="odmoe-client-stream", daemon=True).start()
+        health = health_pb2_grpc.HealthStub(self._channels[self.current])
+        while True:
+            try:
+                item = replies.get(timeout=self.keepalive_s)
+            except queue.Empty:
+                try:
+                    health.Check(
+                        health_pb2.HealthCheckRequest(), timeout=2 * self.keepalive_s, metadata=self.metadata
+                    )
+                except grpc.RpcError as exc:
+                    raise StreamBroken(f"main {self.address} stopped answering ({exc.code().name})") from None
+                continue
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def stream(
+        self, prompt: str | list[int], max_new_tokens: int = 32, stop=(), logprobs=None, **sampling
+    ) -> Iterator[Piece]:
+        for reply in self._replies(prompt, max_new_tokens, stop=stop, logprobs=logprobs, **sampling):
+            if reply.WhichOneof("kind") == "token":
+                yield _piece(reply.token)
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 32,
+        return_logits: bool = False,
+        request_id: str = "",
+        stop: list[str] | tuple[str, ...] = (),
+        logprobs: int | None = None,
+        prompt_logprobs: bool = False,
+        ignore_eos: bool = False,
+        **sampling,
+    ) -> GenerateResult:
+        """`sampling`: do_sample, temperature, top_p, top_k, min_p, repetition_penalty, seed.
+        `logprobs=k` (0..20): each new token's log-probability and the k most likely;
+        `prompt_logprobs=True`: the prompt tokens' too (`max_new_tokens=0`: only those)."""
+        result = GenerateResult()
+        replies = self._replies(
+            prompt,
+            max_new_tokens,
+            return_logits,
+            request_id,
+            stop,
+            logprobs,
+            prompt_logprobs,
+            ignore_eos,
+            **sampling,
+        )
+        for reply in replies:
+            kind = reply.WhichOneof("kind")
+            if kind == "token":
+                piece = _piece(reply.token)
+                result.token_ids.append(piece.token_id)
+                result.text += piece.text
+                if piece.logprob is not None:
+                    result.logprobs.append(piece.logprob)
+                    result.top_logprobs.append(piece.top)
+            elif kind == "prompt":
+                tokens = reply.prompt.tokens
+                result.prompt_logprobs = [t.logprob if t.HasField("logprob") else None for t in tokens]
+                result.prompt_top_logprobs = [_top(t.top) for t in tokens]
+            else:
+                result.stats = json.loads(reply.done.stats_json)
+                if reply.done.final_logits:
+                    result.final_logits = torch.frombuffer(
+                        bytearray(reply.done.final_logits), dtype=torch.float32
+                    )
+        return result
+
+    def info(self) -> dict:
+        reply = self._stub().Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+        return {
+            "model_path": reply.model_path,
+            "family": reply.family,
+            "workers": reply.workers,
+            "group_size": reply.group_size,
+            **json.loads(reply.info_json),
+        }
+
+    def close(self) -> None:
+        for channel in self._channels.values():
+            channel.close()
+        self._channels = {}
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _top(top) -> tuple[tuple[int, float], ...]:
+    return tuple((t.token_id, t.logprob) for t in top)
+
+
+def _piece(token) -> Piece:
+    logprob = token.logprob if token.HasField("logprob") else None
+    return Piece(token.token_id, token.text, logprob, _top(token.top))
+
+
+def _options(stop, sampling: dict) -> dict:
+    """The request's sampling and stop fields (a seed is drawn here when sampling without one)."""
+    params = SamplingParams(**sampling)  # an unknown keyword fails here, before anything is sent
+    params.validate()
+    if params.do_sample and params.seed is None:
+        params = replace(params, seed=secrets.randbelow(MAX_SEED))
+    fields = {k: v for k, v in asdict(params).items() if v is not None}
+    stops = [stop] if isinstance(stop, str) else list(stop)
+    return {"sampling": odmoe_pb2.Sampling(**fields), "stop": stops}

@@ -1,0 +1,394 @@
+"""Key material and the checks that keep a cluster's transport its own: CurveZMQ, TLS and a token.
+
+Contract. A key directory (`odmoe-keys init DIR`, or LocalCluster's scratch copy) holds
+
+    DIR/public/<node>.key           every node's CURVE public key: the allow-list (every box gets all)
+    DIR/private/<node>.key_secret   one node's CURVE keypair, 0600 (only that node's box gets it)
+    DIR/tls/cert.pem                the self-signed certificate main serves gRPC and HTTP with
+    DIR/tls/key.pem                 its private key, 0600 (main boxes only)
+    DIR/token                       the client bearer token, 0600 (clients; workers and the shadow
+                                    use it for main's Join RPC)
+
+Node names are `main` (every main, standbys included: they are interchangeable), `shadow`,
+`worker<i>`. Every ZeroMQ server socket (a worker's ROUTER, the shadow's PULL and PUB) is a CURVE
+server whose ZAP authenticator admits only the keys in DIR/public; every client socket names its
+server's public key, so a box that answers with another key never completes a handshake. gRPC is
+TLS with the certificate pinned (clients trust only DIR/tls/cert.pem and check the name
+`odmoe-cluster` whatever address they dial) plus `authorization: Bearer <token>` on every call,
+health checks included; the HTTP API takes the same token over HTTPS.
+
+Why secrets are refused when others can read them (as ssh does): a key that any local user could
+copy authenticates nothing. Every error here is a `SecurityError` that names the file and says
+what to do, raised before a node binds anything.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hmac
+import ipaddress
+import logging
+import secrets
+import shutil
+import ssl
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
+
+log = logging.getLogger("odmoe.transport.security")
+TLS_NAME = "odmoe-cluster"  # the name in the certificate; gRPC clients check it whatever they dial
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class SecurityError(ValueError):
+    """Key material is missing, malformed or readable by others; the message names the file."""
+
+
+# -- the key directory -----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class KeyDir:
+    root: Path
+
+    @property
+    def public(self) -> Path:
+        return self.root / "public"
+
+    @property
+    def private(self) -> Path:
+        return self.root / "private"
+
+    @property
+    def cert(self) -> Path:
+        return self.root / "tls" / "cert.pem"
+
+    @property
+    def tls_key(self) -> Path:
+        return self.root / "tls" / "key.pem"
+
+    @property
+    def token(self) -> Path:
+        return self.root / "token"
+
+    def public_key(self, node: str) -> Path:
+        return self.public / f"{node}.key"
+
+    def secret_key(self, node: str) -> Path:
+        return self.private / f"{node}.key_secret"
+
+
+def node_names(workers: int) -> list[str]:
+    return ["main", "shadow", *(f"worker{i}" for i in range(workers))]
+
+
+def init_key_dir(root: str | Path, workers: int, hosts: tuple[str, ...] = ()) -> KeyDir:
+    """Create a cluster's keys: CURVE keypairs for main, shadow and `workers` workers, a TLS
+    certificate valid for `hosts` (plus loopback and TLS_NAME) and a client token. Refuses to
+    overwrite an existing key directory."""
+    keys = KeyDir(Path(root))
+    if keys.public.exists() or keys.token.exists():
+        raise SecurityError(f"{keys.root} already holds cluster keys; add a node with `odmoe-keys add`")
+    for folder in (keys.root, keys.public, keys.private, keys.cert.parent):
+        folder.mkdir(parents=True, exist_ok=True)
+    keys.private.chmod(0o700)
+    for name in node_names(workers):
+        add_node_key(keys, name)
+    cert, key = self_signed_certificate(hosts)
+    _write(keys.cert, cert, 0o644)
+    _write(keys.tls_key, key, 0o600)
+    _write(keys.token, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
+    return keys
+
+
+def add_node_key(keys: KeyDir, name: str) -> None:
+    """A CURVE keypair for node `name`: public half into the allow-list, secret half 0600."""
+    if keys.secret_key(name).exists():
+        raise SecurityError(f"{keys.secret_key(name)} exists already")
+    public_file, secret_file = zmq.auth.create_certificates(str(keys.private), name)
+    Path(secret_file).chmod(0o600)
+    shutil.move(public_file, keys.public_key(name))
+
+
+def _write(path: Path, data: bytes, mode: int) -> None:
+    path.touch(mode=mode, exist_ok=False)  # created with its mode: never readable by others meanwhile
+    path.chmod(mode)
+    path.write_bytes(data)
+
+
+def self_signed_certificate(hosts: tuple[str, ...] = ()) -> tuple[bytes, bytes]:
+    """(certificate PEM, private key PEM): EC P-256, ten years, names TLS_NAME, loopback and hosts."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    names: list[x509.GeneralName] = []
+    for host in (TLS_NAME, *LOOPBACK, *hosts):
+        try:
+            names.append(x509.IPAddress(ipaddress.ip_address(host)))
+        except ValueError:
+            names.append(x509.DNSName(host))
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, TLS_NAME)])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=3650))
+        .add_extension(x509.SubjectAlternativeName(list(dict.fromkeys(names))), critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+# -- reading it back, with the checks -----------------------------------------------------------------
+def read_secret(path: Path, what: str) -> bytes:
+    """A secret file's bytes; SecurityError when it is missing or group/world-accessible."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise SecurityError(
+            f"{what} {path} is missing: create the cluster's keys with `odmoe-keys init DIR` and copy "
+            "this node's files there (README: Several machines on a LAN)"
+        ) from None
+    if not stat.S_ISREG(mode):
+        raise SecurityError(f"{what} {path} is not a file")
+    if mode & 0o077:
+        raise SecurityError(
+            f"{what} {path} is accessible by others (mode {stat.S_IMODE(mode):04o}): "
+            f"run `chmod 600 {path}`; a node will not start from a secret others can read"
+        )
+    return path.read_bytes()
+
+
+def read_public(path: Path, what: str) -> bytes:
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        raise SecurityError(
+            f"{what} {path} is missing: copy the cluster key directory's public/ and tls/cert.pem "
+            "to every box (odmoe-keys init DIR made them)"
+        ) from None
+
+
+def _z85_key(text: bytes, label: bytes, path: Path) -> bytes:
+    for line in text.decode("utf-8", "replace").splitlines():
+        name, sep, value = line.strip().partition("=")
+        if sep and name.strip() == label.decode():
+            key = value.strip().strip('"').encode()
+            if len(key) == 40:
+                try:
+                    zmq.utils.z85.decode(key)
+                    return key
+                except (ValueError, KeyError):
+                    pass
+            raise SecurityError(f"{path}: {label.decode()} is not a 40-character Z85 CURVE key")
+    raise SecurityError(
+        f"{path} is not a ZeroMQ certificate (no {label.decode()} line): make it with `odmoe-keys`"
+    )
+
+
+def load_public_key(path: Path) -> bytes:
+    return _z85_key(read_public(path, "public key"), b"public-key", path)
+
+
+def load_keypair(path: Path) -> tuple[bytes, bytes]:
+    """(public, secret) Z85 keys from a `.key_secret` file (checked 0600 first)."""
+    text = read_secret(path, "secret key")
+    return _z85_key(text, b"public-key", path), _z85_key(text, b"secret-key", path)
+
+
+def read_token(path: Path) -> str:
+    token = read_secret(path, "client token").decode("utf-8", "replace").strip()
+    if len(token) < 16 or any(c.isspace() for c in token):
+        raise SecurityError(f"{path} does not hold a token (one line of at least 16 characters)")
+    return token
+
+
+def check_certificate(path: Path) -> bytes:
+    pem = read_public(path, "TLS certificate")
+    if b"-----BEGIN CERTIFICATE-----" not in pem:
+        raise SecurityError(f"{path} is not a PEM certificate")
+    return pem
+
+
+# -- CurveZMQ -----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Curve:
+    """One node's CURVE identity and where the cluster's public keys are."""
+
+    name: str
+    public: bytes
+    secret: bytes
+    keys: KeyDir
+
+    @classmethod
+    def load(cls, key_dir: str | Path, name: str) -> Curve:
+        keys = KeyDir(Path(key_dir))
+        public, secret = load_keypair(keys.secret_key(name))
+        if not keys.public_key(name).exists() or load_public_key(keys.public_key(name)) != public:
+            raise SecurityError(
+                f"{keys.secret_key(name)} does not match {keys.public_key(name)}: this is not the key "
+                f"the cluster knows as {name!r}"
+            )
+        return cls(name, public, secret, keys)
+
+    def server_key(self, node: str) -> bytes:
+        return load_public_key(self.keys.public_key(node))
+
+    def serve(self, sock: zmq.Socket) -> None:
+        """Make `sock` a CURVE server (before bind): only allow-listed keys complete a handshake."""
+        sock.curve_secretkey, sock.curve_publickey = self.secret, self.public
+        sock.curve_server = True
+
+    def connect_to(self, sock: zmq.Socket, node: str) -> None:
+        """Make `sock` a CURVE client of `node` (before connect): it talks only to that key."""
+        sock.curve_secretkey, sock.curve_publickey = self.secret, self.public
+        sock.curve_serverkey = self.server_key(node)
+
+    def authenticator(self, ctx: zmq.Context) -> ThreadAuthenticator:
+        """The process's ZAP handler: admits the keys in public/ (read once, at start)."""
+        auth = ThreadAuthenticator(ctx, log=logging.getLogger("odmoe.zap"))
+        auth.start()
+        auth.configure_curve(domain="*", location=str(self.keys.public))
+        return auth
+
+
+def secure_server(sock: zmq.Socket, curve: Curve | None) -> None:
+    if curve is not None:
+        curve.serve(sock)
+
+
+def secure_client(sock: zmq.Socket, curve: Curve | None, server: str) -> None:
+    if curve is not None:
+        curve.connect_to(sock, server)
+
+
+# -- gRPC and HTTP --------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ClientCredentials:
+    """What a client needs: the token, and the certificate it trusts (PEM bytes)."""
+
+    token: str
+    cert_pem: bytes
+
+    @classmethod
+    def from_key_dir(cls, key_dir: str | Path) -> ClientCredentials:
+        keys = KeyDir(Path(key_dir))
+        return cls(read_token(keys.token), check_certificate(keys.cert))
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),)
+
+    def channel(self, address: str, options: list | tuple = ()) -> grpc.Channel:
+        creds = grpc.ssl_channel_credentials(root_certificates=self.cert_pem)
+        return grpc.secure_channel(
+            address, creds, options=[*options, ("grpc.ssl_target_name_override", TLS_NAME)]
+        )
+
+    def ssl_context(self) -> ssl.SSLContext:
+        """For HTTPS clients (httpx `verify=`): trusts the cluster's certificate only."""
+        return ssl.create_default_context(cadata=self.cert_pem.decode())
+
+
+def grpc_channel(
+    address: str, credentials: ClientCredentials | None, options: list | tuple = ()
+) -> grpc.Channel:
+    if credentials is None:
+        return grpc.insecure_channel(address, options=list(options))
+    return credentials.channel(address, options)
+
+
+@dataclass(frozen=True)
+class ServerSecrets:
+    """What main needs to serve: its certificate + key and the token it admits."""
+
+    token: str
+    cert: Path
+    key: Path
+
+    @classmethod
+    def from_key_dir(cls, key_dir: str | Path) -> ServerSecrets:
+        keys = KeyDir(Path(key_dir))
+        check_certificate(keys.cert)
+        read_secret(keys.tls_key, "TLS private key")
+        return cls(read_token(keys.token), keys.cert, keys.tls_key)
+
+    def grpc_credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials([(self.key.read_bytes(), self.cert.read_bytes())])
+
+    def authorized(self, header: str | None) -> bool:
+        """`header` is an `Authorization` value; compared in constant time."""
+        return header is not None and hmac.compare_digest(header.encode(), f"Bearer {self.token}".encode())
+
+
+class BearerToken(grpc.ServerInterceptor):
+    """Every RPC (health checks included) must carry `authorization: Bearer <token>`: otherwise it
+    ends UNAUTHENTICATED before its handler runs, so no work is done for it."""
+
+    def __init__(self, secrets_: ServerSecrets):
+        self.secrets = secrets_
+
+    def intercept_service(self, continuation, details):
+        handler = continuation(details)
+        header = dict(details.invocation_metadata or ()).get("authorization")
+        if handler is None or self.secrets.authorized(header):
+            return handler
+        return _refusal(handler, "missing or wrong bearer token" if header else "no bearer token")
+
+
+def _refusal(handler, why: str):
+    def refuse(_request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{why}: this cluster admits only its own clients")
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse, handler.request_deserializer, handler.response_serializer)
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass(frozen=True)
+class NodeSecurity:
+    """What one node process loads at start (None fields: security off)."""
+
+    curve: Curve | None = None
+    client: ClientCredentials | None = None  # for main's Join RPC (workers, shadow)
+    server: ServerSecrets | None = None  # main only
+
+    @classmethod
+    def load(cls, enabled: bool, key_dir: str, name: str, serves_clients: bool = False) -> NodeSecurity:
+        if not enabled:
+            return cls()
+        return cls(
+            curve=Curve.load(key_dir, name),
+            client=ClientCredentials.from_key_dir(key_dir),
+            server=ServerSecrets.from_key_dir(key_dir) if serves_clients else None,
+        )
