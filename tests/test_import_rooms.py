@@ -1,0 +1,78 @@
+"""The import graph between the rooms of the house has no loop (issue 33): odmoe's sub-packages and
+top-level modules, nodes/, launch/, benchmarks/. Allowed by design and left out: odmoe/__init__.py
+re-exporting LocalCluster from launch, and odmoe-bench's entry point (launch/bench.py) running the
+benchmarks."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOWED = {("odmoe/__init__.py", "launch"), ("launch/bench.py", "benchmarks")}
+TOP = {"nodes": "nodes", "launch": "launch", "benchmarks": "benchmarks"}  # odmoe.<name> -> room
+
+
+def room_of_module(dotted: str) -> str | None:
+    """The room of an imported `odmoe...` module name (None: not ours)."""
+    parts = dotted.split(".")
+    if parts[0] != "odmoe" or len(parts) == 1:
+        return None
+    if parts[1] in TOP:
+        return TOP[parts[1]]
+    return f"odmoe.{parts[1]}"
+
+
+def room_of_file(path: Path) -> str:
+    rel = path.relative_to(ROOT)
+    if rel.parts[0] != "odmoe":
+        return rel.parts[0]
+    if len(rel.parts) == 2:  # a top-level module of odmoe (or its __init__)
+        return "odmoe" if rel.name == "__init__.py" else f"odmoe.{rel.stem}"
+    return f"odmoe.{rel.parts[1]}"
+
+
+def edges() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = {}
+    for top in ("odmoe", "nodes", "launch", "benchmarks"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            if "rpc" in path.parts:
+                continue
+            here = room_of_file(path)
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                else:
+                    continue
+                for name in names:
+                    there = room_of_module(name)
+                    rel = str(path.relative_to(ROOT))
+                    if there and there != here and (rel, there) not in ALLOWED and there != "odmoe":
+                        graph.setdefault(here, set()).add(there)
+    return graph
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    seen, stack = set(), [start]
+    while stack:
+        for nxt in graph.get(stack.pop(), ()):
+            if nxt not in seen:
+                seen.add(nxt)
+                stack.append(nxt)
+    return seen
+
+
+def test_no_loop_between_rooms():
+    graph = edges()
+    loops = sorted(room for room in graph if room in reachable(graph, room))
+    assert not loops, {room: sorted(graph[room]) for room in loops}
+
+
+def test_the_check_sees_the_rooms():
+    graph = edges()
+    assert "odmoe.main" in graph["nodes"] and "odmoe.worker" in graph["nodes"]
+    assert "launch" in graph["benchmarks"] and "odmoe.config" in graph["odmoe.main"]
+    # and a loop is found when there is one
+    assert "a" in reachable({"a": {"b"}, "b": {"a"}}, "a")
