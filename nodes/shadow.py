@@ -47,7 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from odmoe.config import OdmoeConfig
 from odmoe.main.alignment import make_plan
 from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
-from odmoe.models.families import family_of
+from odmoe.models.families import family_of, served_config
 from odmoe.models.main_model import experts_modules
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
@@ -137,7 +137,7 @@ class ShadowNode:
         self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size)
         self.alignment = cfg.alignment
         self.first_wait = make_plan(cfg.alignment).next_after(0)  # main's plan says the same
-        config = AutoConfig.from_pretrained(model_path)
+        config, _ = served_config(AutoConfig.from_pretrained(model_path))  # a wrapper's text model
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.family = family_of(config)

@@ -17,7 +17,9 @@ FAMILY_NAMES = [
 DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
 # Families with focused tests of their own (tests/test_<family>.py) rather than a place in every
 # family-parametrized test: the default run's time budget
-FOCUSED_FAMILIES = [f for f in ("glm4_moe", "phimoe", "qwen3_next", "qwen3_5_moe_text") if f in FAMILIES]
+FOCUSED_FAMILIES = [
+    f for f in ("glm4_moe", "phimoe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe") if f in FAMILIES
+]
 
 
 # The default run's time budget (~15 min on 2 cores): these multi-process tests each start a

@@ -24,7 +24,14 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
-from odmoe.models.families import Family, UnsupportedModelError, family_of, is_expert_key, layer_of_key
+from odmoe.models.families import (
+    Family,
+    UnsupportedModelError,
+    family_of,
+    is_expert_key,
+    layer_of_key,
+    served_config,
+)
 
 log = logging.getLogger("odmoe.models.checkpoint")
 
@@ -57,16 +64,22 @@ class Checkpoint:
             raise CheckpointError(f"model directory {self.path} does not exist")
         if not (self.path / "config.json").is_file():
             raise CheckpointError(f"{self.path} has no config.json: not a Hugging Face checkpoint")
-        self.config: PretrainedConfig = AutoConfig.from_pretrained(self.path)
+        saved = AutoConfig.from_pretrained(self.path)
+        self.config: PretrainedConfig
+        self.config, self.wrapper = served_config(saved)
         self.family: Family = family_of(self.config)
-        quantization = getattr(self.config, "quantization_config", None)
+        quantization = getattr(saved, "quantization_config", None)
         if quantization:
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
             raise UnsupportedModelError(
                 f"{self.path} is a quantized checkpoint (quant_method {method!r}); odmoe serves "
                 "unquantized weights: convert it to bf16/fp16/fp32 safetensors first"
             )
-        self.weight_map = self._without_extra_layers(self._read_weight_map())
+        self.disk_key: dict[str, str] = {}  # a wrapped checkpoint: the text model's name -> its name on disk
+        weight_map = self._read_weight_map()
+        if self.wrapper is not None:
+            weight_map = self._text_model_only(weight_map, saved.model_type)
+        self.weight_map = self._without_extra_layers(weight_map)
         self.moe_layers = sorted({layer_of_key(k) for k in self.weight_map if is_expert_key(k)} - {None})
         if not self.moe_layers:
             raise UnsupportedModelError(f"{self.path} holds no routed-expert tensors")
@@ -89,6 +102,28 @@ class Checkpoint:
             raise CheckpointError(f"{self.path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
         with safe_open(single, "pt") as f:
             return {key: SINGLE_FILE for key in f.keys()}
+
+    def _text_model_only(self, weight_map: dict[str, str], model_type: str) -> dict[str, str]:
+        """A multimodal checkpoint's language-model tensors under the text model's names."""
+        assert self.wrapper is not None
+        kept: dict[str, str] = {}
+        skipped: set[str] = set()
+        for disk_key, shard in weight_map.items():
+            name = self.wrapper.text_key(disk_key)
+            if name is None:
+                skipped.add(".".join(disk_key.split(".")[:2]))
+                continue
+            kept[name] = shard
+            self.disk_key[name] = disk_key
+        log.info(
+            "%s: a %s (vision-language) checkpoint: serving its language model (%s); the vision "
+            "tower is skipped (%s)",
+            self.path,
+            model_type,
+            self.config.model_type,
+            ", ".join(sorted(skipped)) or "none saved",
+        )
+        return kept
 
     def _without_extra_layers(self, weight_map: dict[str, str]) -> dict[str, str]:
         """The weight map less layers the model does not have (DeepSeek-V3's MTP layers)."""
@@ -113,7 +148,7 @@ class Checkpoint:
         return self._handles[shard]
 
     def tensor(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(key)
+        return self._handle(key).get_tensor(self.disk_key.get(key, key))
 
     def non_expert_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor but the routed experts, under the module names transformers uses."""
@@ -131,6 +166,6 @@ class Checkpoint:
             return ExpertWeights(gate_up=torch.cat([gate, up], dim=0), down=down)
         # Fused layout on disk ([E, 2I, H] and [E, H, I]): read only this expert's slice.
         gate_up_key, down_key = fam.fused_key(layer, "gate_up_proj"), fam.fused_key(layer, "down_proj")
-        gate_up = self._handle(gate_up_key).get_slice(gate_up_key)[expert]
-        down = self._handle(down_key).get_slice(down_key)[expert]
+        gate_up = self._handle(gate_up_key).get_slice(self.disk_key.get(gate_up_key, gate_up_key))[expert]
+        down = self._handle(down_key).get_slice(self.disk_key.get(down_key, down_key))[expert]
         return ExpertWeights(gate_up=gate_up.contiguous(), down=down.contiguous())

@@ -85,6 +85,42 @@ FAMILIES: dict[str, Family] = {
     ),
 }
 
+
+@dataclass(frozen=True)
+class Wrapper:
+    """A vision-language checkpoint whose language model odmoe serves: its `text_config` is the
+    model, and its tensors are those whose disk name starts with one of `text_keys`' disk prefixes,
+    renamed to the text model's names (as transformers' AutoModelForCausalLM loads the same
+    checkpoint). Every other tensor (the vision tower, its projector) is skipped."""
+
+    text_keys: tuple[tuple[str, str], ...]  # (disk prefix, the text model's prefix)
+
+    def text_key(self, disk_key: str) -> str | None:
+        for disk, text in self.text_keys:
+            if disk_key.startswith(disk):
+                return text + disk_key[len(disk) :]
+        return None
+
+
+# model_type of a published multimodal checkpoint -> where its language model is
+WRAPPERS: dict[str, Wrapper] = {
+    # Qwen3.5 MoE (Qwen3_5MoeForConditionalGeneration): model.language_model.* and lm_head
+    "qwen3_5_moe": Wrapper((("model.language_model.", "model."), ("lm_head.", "lm_head."))),
+}
+
+
+def served_config(config) -> tuple[object, Wrapper | None]:
+    """The config of the model odmoe serves from a checkpoint's config: a multimodal wrapper's text
+    model (with the wrapper's dtype when the text config names none), else the config itself."""
+    wrapper = WRAPPERS.get(getattr(config, "model_type", None))
+    if wrapper is None:
+        return config, None
+    text = config.text_config
+    if getattr(text, "dtype", None) is None and getattr(config, "dtype", None) is not None:
+        text.dtype = config.dtype
+    return text, wrapper
+
+
 # Matches any routed-expert tensor on disk, per-expert or fused; shared experts
 # ("shared_expert", "shared_experts") do not match and stay on main.
 _EXPERT_KEY = re.compile(r"\.experts\.(\d+\.|gate_up_proj|down_proj|gate_proj|up_proj)")
@@ -92,10 +128,12 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
 def family_of(config) -> Family:
+    config, _ = served_config(config)
     model_type = getattr(config, "model_type", None)
     if model_type not in FAMILIES:
+        served = sorted([*FAMILIES, *WRAPPERS])
         raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; odmoe serves {', '.join(sorted(FAMILIES))}"
+            f"model_type {model_type!r} is not supported; odmoe serves {', '.join(served)}"
         )
     family = FAMILIES[model_type]
     if not getattr(config, family.num_experts_field, 0):

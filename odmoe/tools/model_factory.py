@@ -23,13 +23,14 @@ import os
 import shutil
 import sysconfig
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     DeepseekV2Config,
     DeepseekV3Config,
     Glm4MoeConfig,
@@ -56,7 +57,11 @@ FAMILIES = (
     "phimoe",
     "qwen3_next",
     "qwen3_5_moe_text",
+    "qwen3_5_moe",
 )
+# Published as vision-language checkpoints whose language model odmoe serves (models.families.WRAPPERS):
+# the factory makes the whole wrapper, with a vision tower as small as it goes.
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 GROUP_ROUTED = (*DEEPSEEK, "glm4_moe")  # routing limited to the best expert groups
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
@@ -185,6 +190,8 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         return glm4_moe_config(spec, common)
     if spec.family in ("qwen3_next", "qwen3_5_moe_text"):
         return qwen3_next_config(spec, common)
+    if spec.family == "qwen3_5_moe":
+        return qwen3_5_moe_config(spec)
     if spec.family == "phimoe":  # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
         return PhimoeConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
     return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
@@ -217,6 +224,24 @@ def qwen3_next_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
         linear_num_value_heads=spec.heads,
         **common,
     )
+
+
+def qwen3_5_moe_config(spec: ModelSpec) -> PretrainedConfig:
+    """Qwen3.5 MoE as published: the vision-language wrapper (`Qwen3_5MoeForConditionalGeneration`)
+    around the `qwen3_5_moe_text` language model, with a one-block vision tower."""
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeConfig
+
+    text = hf_config(replace(spec, family=MULTIMODAL[spec.family]))
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=spec.hidden,
+        patch_size=4,
+        num_position_embeddings=16,
+    )
+    return Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
 
 
 def deepseek_groups(experts: int) -> tuple[int, int]:
@@ -367,7 +392,9 @@ def add_chat_template(model_dir: str | Path) -> None:
 def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None = None) -> Path:
     """Write checkpoint + tokenizer into out_dir atomically (a crash never leaves half a model)."""
     torch.manual_seed(spec.seed)
-    model = AutoModelForCausalLM.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
+    # a multimodal wrapper is made whole (AutoModelForCausalLM would make its language model alone)
+    auto = AutoModelForImageTextToText if spec.family in MULTIMODAL else AutoModelForCausalLM
+    model = auto.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith("mlp.gate.weight"):
