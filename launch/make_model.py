@@ -4,6 +4,7 @@ odmoe-make-model --demo --out /tmp/demo   # the demo model (what model.path=demo
 odmoe-make-model --family qwen2_moe --out /tmp/qwen-tiny --layers 4 --experts 8 --top-k 2 --seed 1
 odmoe-make-model --family deepseek_v3 --out /tmp/ds3-tiny --experts 16 --top-k 4 --intermediate 32
 odmoe-make-model --train --family deepseek_v3 --out /tmp/ds3-trained   # the DeepSeek benchmark model
+odmoe-make-model --family deepseek_v3 --dtype bfloat16 --fp8 32 --out /tmp/ds3-fp8   # as FP8 releases are
 """
 
 from __future__ import annotations
@@ -42,6 +43,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="train the demo model (odmoe-launch's model.path=demo: ~2 min on 2 cores) into --out; "
         "the other options do not apply",
+    )
+    parser.add_argument(
+        "--fp8",
+        type=int,
+        default=0,
+        metavar="BLOCK",
+        help="then store it as the block-wise FP8 releases are (DeepSeek-V3: 128), with BLOCK x BLOCK "
+        "scale blocks, by transformers' own FP8 quantizer",
     )
     parser.add_argument(
         "--steps",
@@ -84,16 +93,28 @@ def main(argv: list[str] | None = None) -> int:
         out = make_wide_model(spec, args.out, max_shard_size=args.max_shard_size or "4GB")
     else:
         out = make_model(spec, args.out, max_shard_size=args.max_shard_size)
+    if args.fp8:
+        from odmoe.tools.fp8_checkpoint import quantize_fp8
+
+        out = quantize_fp8(out, out, (args.fp8, args.fp8))
     from odmoe.models.checkpoint import Checkpoint
+    from odmoe.models.main_model import resolve_dtype
 
     ckpt = Checkpoint(out)
     expert = ckpt.expert(ckpt.moe_layers[0], 0)
+    saved_dtype = resolve_dtype("auto", ckpt)  # an FP8 expert comes dequantized to float32
+    expert_bytes = (expert.gate_up.numel() + expert.down.numel()) * saved_dtype.itemsize
     total = sum(ckpt.tensor(k).numel() for k in ckpt.weight_map)
     print(
         f"{out}: {spec.family}, {total / 1e6:.2f} M parameters, {len(ckpt.moe_layers)} MoE layers x "
-        f"{ckpt.num_experts} experts of {expert.nbytes / 1024:.0f} KiB"
+        f"{ckpt.num_experts} experts of {expert_bytes / 1024:.0f} KiB"
+        + (f" ({_fp8_bytes(ckpt) / 1024:.0f} KiB as stored in FP8)" if ckpt.fp8_experts else "")
     )
     return 0
+
+
+def _fp8_bytes(ckpt) -> int:
+    return ckpt.quantized_expert(ckpt.moe_layers[0], 0).nbytes
 
 
 if __name__ == "__main__":

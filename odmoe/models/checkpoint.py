@@ -9,8 +9,10 @@ What a real checkpoint may hold beyond the model transformers builds from its co
 multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.{N}` and beyond
 for N = `num_hidden_layers`) are used only for speculative training/decoding, never by
 `generate()`; they are dropped from the weight map with a log line, so neither main nor any worker
-reads them. Quantized checkpoints (a `quantization_config`, e.g. DeepSeek-V3's FP8 weights with
-`weight_scale_inv` scales) are refused: workers compute on the raw tensors they read.
+reads them. Block-wise FP8 checkpoints (DeepSeek-V3's release: `weight_scale_inv` per block,
+odmoe.models.fp8) are read as transformers reads them on a machine without FP8 kernels: main's
+tensors and `expert` dequantized exactly so; `quantized_expert` hands a worker an expert as stored.
+Other quantizations are refused.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ from odmoe.models.families import (
     is_expert_key,
     layer_of_key,
     served_config,
+)
+from odmoe.models.fp8 import (
+    SCALE_SUFFIX,
+    BlockFp8,
+    QuantizedExpert,
+    QuantizedMatrix,
+    block_fp8,
+    dequantize,
+    scale_key,
 )
 
 log = logging.getLogger("odmoe.models.checkpoint")
@@ -68,13 +79,7 @@ class Checkpoint:
         self.config: PretrainedConfig
         self.config, self.wrapper = served_config(saved)
         self.family: Family = family_of(self.config)
-        quantization = getattr(saved, "quantization_config", None)
-        if quantization:
-            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else quantization
-            raise UnsupportedModelError(
-                f"{self.path} is a quantized checkpoint (quant_method {method!r}); odmoe serves "
-                "unquantized weights: convert it to bf16/fp16/fp32 safetensors first"
-            )
+        self.fp8: BlockFp8 | None = block_fp8(saved)  # raises on a quantization odmoe does not serve
         self.disk_key: dict[str, str] = {}  # a wrapped checkpoint: the text model's name -> its name on disk
         weight_map = self._read_weight_map()
         if self.wrapper is not None:
@@ -151,19 +156,48 @@ class Checkpoint:
         return self._handle(key).get_tensor(self.disk_key.get(key, key))
 
     def non_expert_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every tensor but the routed experts, under the module names transformers uses."""
+        """Every tensor but the routed experts, under the module names transformers uses (an FP8
+        checkpoint's quantized ones dequantized to float32, as transformers does before its cast)."""
         return {
-            self.family.module_key(key): self.tensor(key) for key in self.weight_map if not is_expert_key(key)
+            self.family.module_key(key): self._dequantized(key)
+            for key in self.weight_map
+            if not is_expert_key(key) and not key.endswith(SCALE_SUFFIX)
         }
+
+    def _dequantized(self, key: str) -> torch.Tensor:
+        if self.fp8 is not None and scale_key(key) in self.weight_map:
+            return dequantize(self.tensor(key), self.tensor(scale_key(key)))
+        return self.tensor(key)
+
+    def quantized_expert(self, layer: int, expert: int) -> QuantizedExpert:
+        """An FP8 checkpoint's expert as stored (what a worker keeps in host memory)."""
+        fam = self.family
+        keys = [fam.expert_key(layer, expert, p) for p in (fam.gate_proj, fam.up_proj, fam.down_proj)]
+        if self.fp8 is None or any(scale_key(k) not in self.weight_map for k in keys):
+            raise CheckpointError(
+                f"{self.path}: expert {expert} of layer {layer} is not stored in FP8 per expert"
+            )
+        gate, up, down = (QuantizedMatrix(self.tensor(k), self.tensor(scale_key(k))) for k in keys)
+        return QuantizedExpert(gate, up, down)
+
+    @property
+    def fp8_experts(self) -> bool:
+        """Whether the routed experts are stored in FP8 (per expert, each with its scales)."""
+        if self.fp8 is None:
+            return False
+        fam = self.family
+        return scale_key(fam.expert_key(self.moe_layers[0], 0, fam.gate_proj)) in self.weight_map
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         fam = self.family
         gate_key = fam.expert_key(layer, expert, fam.gate_proj)
         if gate_key in self.weight_map:
-            gate = self.tensor(gate_key)
-            up = self.tensor(fam.expert_key(layer, expert, fam.up_proj))
-            down = self.tensor(fam.expert_key(layer, expert, fam.down_proj))
+            gate = self._dequantized(gate_key)
+            up = self._dequantized(fam.expert_key(layer, expert, fam.up_proj))
+            down = self._dequantized(fam.expert_key(layer, expert, fam.down_proj))
             return ExpertWeights(gate_up=torch.cat([gate, up], dim=0), down=down)
+        if self.fp8 is not None:
+            raise CheckpointError(f"{self.path}: FP8 experts in the fused layout are not served yet")
         # Fused layout on disk ([E, 2I, H] and [E, H, I]): read only this expert's slice.
         gate_up_key, down_key = fam.fused_key(layer, "gate_up_proj"), fam.fused_key(layer, "down_proj")
         gate_up = self._handle(gate_up_key).get_slice(self.disk_key.get(gate_up_key, gate_up_key))[expert]

@@ -7,9 +7,12 @@ host memory:
 - `HostExpert`: decompressed in host memory ("decompressed"): two copies.
 - `CompressedExpert`: chunks in host memory ("compressed") or in a pack file on disk ("disk").
 - `CheckpointExpert`: nothing held; the checkpoint's safetensors are read on each load ("disk").
+- `Fp8Expert`: an FP8 checkpoint's expert as stored, one byte a weight plus its block scales
+  ("fp8"), dequantized into the slot on the slot's device exactly as transformers dequantizes it.
 
 Bytes moved is what a load costs on the emulated link: the stored (compressed) bytes for a
-compressed expert — moving fewer bytes is the point of compressing — the raw bytes otherwise.
+compressed expert — moving fewer bytes is the point of compressing — the FP8 bytes and scales for
+an FP8 expert, the raw bytes otherwise.
 
 A compressed load is a small task graph per chunk, read -> check -> decompress -> recombine, on the
 store's thread pool: chunks are independent, so while one decompresses an earlier one is already
@@ -26,10 +29,11 @@ from concurrent.futures import Executor, as_completed
 import torch
 
 from odmoe.models.checkpoint import Checkpoint, ExpertWeights
+from odmoe.models.fp8 import QuantizedExpert
 from odmoe.worker.bitfields import byte_view
 from odmoe.worker.compressed_tensor import CompressedTensor, chunk_starts, decompress, decompress_chunk
 
-FORMS = ("decompressed", "compressed", "disk")
+FORMS = ("decompressed", "compressed", "fp8", "disk")
 
 
 class HostExpert:
@@ -46,6 +50,27 @@ class HostExpert:
 
     def weights_now(self, pool: Executor | None = None) -> ExpertWeights:
         return self.weights
+
+
+class Fp8Expert:
+    form = "fp8"
+
+    def __init__(self, expert: QuantizedExpert, dtype: torch.dtype):
+        self.expert, self.dtype = expert, dtype  # dtype: the slot's, what transformers casts to
+        self.host_bytes = self.stored_bytes = expert.nbytes
+
+    def load_into(self, gate_up: torch.Tensor, down: torch.Tensor, pool: Executor | None = None) -> int:
+        self.expert.load_into(gate_up, down)
+        return self.stored_bytes
+
+    def weights_now(self, pool: Executor | None = None) -> ExpertWeights:
+        gate_up_shape, down_shape = self.expert.shapes
+        gate_up, down = (
+            torch.empty(gate_up_shape, dtype=self.dtype),
+            torch.empty(down_shape, dtype=self.dtype),
+        )
+        self.expert.load_into(gate_up, down)
+        return ExpertWeights(gate_up, down)
 
 
 class CompressedExpert:
