@@ -19,6 +19,7 @@ from odmoe.main.engine import GenerateRequest
 from odmoe.main.inprocess import engine_in_process
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.families import UnsupportedModelError
+from odmoe.shadow.shadow_model import PRECISIONS, load_shadow_model
 from odmoe.tools.fp8_checkpoint import quantize_fp8
 from odmoe.tools.model_factory import make_model
 from odmoe.worker.expert_store import ExpertStore
@@ -127,3 +128,23 @@ def test_odmoe_pack_says_it_passes_fp8_experts_through(fp8_dirs, capsys):
 
     assert pack([fp8_dirs["qwen3_moe"]]) == 0
     assert "experts are FP8" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_shadow_loads_an_fp8_checkpoint_at_every_precision(fp8_dirs, precision):
+    model = load_shadow_model(fp8_dirs["deepseek_v3"], precision)
+    with torch.no_grad():
+        logits = model(torch.tensor([[5, 9, 200, 31]])).logits
+    assert torch.isfinite(logits.float()).all()
+
+
+@pytest.mark.extended
+@pytest.mark.integration
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_lost_worker_changes_no_fp8_token(fp8_dirs, family, reap_children):
+    path = fp8_dirs[family]
+    want, _ = reference(path, PROMPTS[0], new_tokens=24)
+    words = ["preset=paper", "fault.node=worker1", "fault.iteration=6"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=24)
+    assert got.token_ids == want and got.stats["failover"]["live_workers"] == [0]
