@@ -46,7 +46,7 @@ import zmq
 from odmoe.config import OdmoeConfig
 from odmoe.lossy.substitution import profile_path, use_rates
 from odmoe.models.checkpoint import Checkpoint
-from odmoe.models.expert_math import KERNELS, expert_forward
+from odmoe.models.expert_math import KERNELS, expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
 from odmoe.nodes.ready import announce_ready
@@ -103,7 +103,7 @@ class WorkerNode:
         self.index = cfg.worker.index
         self.topology = cfg.topology
         checkpoint = Checkpoint(model_path)
-        self.hidden_act = checkpoint.config.hidden_act
+        self.mlp = expert_mlp(checkpoint.config, checkpoint.family.expert_layout)  # what an expert computes
         # The experts' dtype as from_pretrained would load them (not always model.dtype: load_dtypes).
         dtype = expert_dtype(checkpoint.config, resolve_dtype(cfg.model.dtype, checkpoint))
         layers = checkpoint.moe_layers
@@ -183,7 +183,7 @@ class WorkerNode:
         self._home_memo: tuple = (None, 0, 0)  # (live, cache version) -> home, home cached
         # prefill batches being assembled, by (peer, step, expert): parts by part number
         self.batches: OrderedDict[tuple, dict[int, torch.Tensor]] = OrderedDict()
-        self.hidden_size = self.store.gate_up_shape[-1]
+        self.hidden_size = self.mlp.hidden_size(self.store.gate_up_shape)
         self.tracer = Tracer(f"worker{self.index}", cfg.trace_dir)
         self.fault = FaultTrigger(cfg.fault, f"worker{self.index}")
         self.dropped = DropLog(log, f"worker {self.index}")
@@ -492,7 +492,7 @@ class WorkerNode:
                     self._on_device(hidden),
                     slot.gate_up,
                     slot.down,
-                    self.hidden_act,
+                    self.mlp,
                     request.kernel,
                     tuple(request.grouped_shape) or None,
                 )
@@ -618,8 +618,7 @@ class WorkerNode:
             )
             parts = [x if x.data_ptr() % ALIGN == 0 else x.clone() for x in parts]  # see codec.ALIGN
             ys = [
-                expert_forward(x, slot.gate_up, slot.down, self.hidden_act, request.kernel, grouped)
-                for x in parts
+                expert_forward(x, slot.gate_up, slot.down, self.mlp, request.kernel, grouped) for x in parts
             ]
             y = ys[0] if len(ys) == 1 else torch.cat(ys)
             y = y if self.on_host else y.cpu()

@@ -18,7 +18,9 @@ DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
 # Families with focused tests of their own (tests/test_<family>.py) rather than a place in every
 # family-parametrized test: the default run's time budget
 FOCUSED_FAMILIES = [
-    f for f in ("glm4_moe", "phimoe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe") if f in FAMILIES
+    f
+    for f in ("glm4_moe", "phimoe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "gpt_oss")
+    if f in FAMILIES
 ]
 
 

@@ -329,14 +329,15 @@ def test_mtp_layer_is_skipped_with_a_log_line(downloaded_v3, caplog):
     assert len(main.model.model.layers) == 4
 
 
-def test_quantized_checkpoint_is_refused(tmp_path, model_dirs):
+def test_a_quantization_odmoe_does_not_serve_is_refused(tmp_path, model_dirs):
+    """Block-wise FP8 is served (tests/test_fp8_checkpoint.py); others are refused by name."""
     import shutil
 
-    path = Path(shutil.copytree(model_dirs["deepseek_v3"], tmp_path / "fp8"))
+    path = Path(shutil.copytree(model_dirs["deepseek_v3"], tmp_path / "awq"))
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(UnsupportedModelError, match="quantized checkpoint .*fp8"):
+    with pytest.raises(UnsupportedModelError, match="'awq'-quantized checkpoint is not served"):
         Checkpoint(path)
 
 

@@ -17,7 +17,7 @@ import torch
 from odmoe.main.engine import Batching, MainEngine
 from odmoe.main.remote_experts import RemoteExperts
 from odmoe.models.checkpoint import Checkpoint
-from odmoe.models.expert_math import expert_forward
+from odmoe.models.expert_math import expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import build_main_model
 from odmoe.placement import Topology
@@ -37,7 +37,7 @@ class InProcessWorkers:
         self.topology = topology
         experts = expert_dtype(checkpoint.config, dtype)
         self.store = ExpertStore.build(checkpoint, checkpoint.moe_layers, experts)
-        self.hidden_act = checkpoint.config.hidden_act
+        self.mlp = expert_mlp(checkpoint.config, checkpoint.family.expert_layout)
         self.live = frozenset(range(topology.workers))
         self.pongs: dict = {}
         self.events: list = []
@@ -71,7 +71,7 @@ class InProcessWorkers:
             gate_up, down = self._weights(m.step.layer, expert)
             shape = tuple(m.grouped_shape) or None
             parts = torch.split(rows, segments)
-            ys = [expert_forward(x, gate_up, down, self.hidden_act, m.kernel, shape) for x in parts]
+            ys = [expert_forward(x, gate_up, down, self.mlp, m.kernel, shape) for x in parts]
             outputs.append(torch.cat(ys))
         n = len(m.experts)
         zeros = [0.0] * n
@@ -87,7 +87,7 @@ class InProcessWorkers:
             rows = torch.cat([parts[i] for i in range(m.parts)])
             del self.batches[(m.step, m.expert)]
         gate_up, down = self._weights(m.step.layer, m.expert)
-        y = expert_forward(rows, gate_up, down, self.hidden_act, m.kernel, tuple(m.grouped_shape) or None)
+        y = expert_forward(rows, gate_up, down, self.mlp, m.kernel, tuple(m.grouped_shape) or None)
         result = ExpertResult(m.step, m.expert, worker, 0.0, 0.0, 0, 0, part=m.part if m.per_part else 0)
         return to_frames(result, [y])
 

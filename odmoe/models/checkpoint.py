@@ -169,6 +169,9 @@ class Checkpoint:
             return dequantize(self.tensor(key), self.tensor(scale_key(key)))
         return self.tensor(key)
 
+    def _slice(self, key: str, expert: int) -> torch.Tensor:
+        return self._handle(key).get_slice(self.disk_key.get(key, key))[expert]
+
     def quantized_expert(self, layer: int, expert: int) -> QuantizedExpert:
         """An FP8 checkpoint's expert as stored (what a worker keeps in host memory)."""
         fam = self.family
@@ -200,6 +203,15 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: FP8 experts in the fused layout are not served yet")
         # Fused layout on disk ([E, 2I, H] and [E, H, I]): read only this expert's slice.
         gate_up_key, down_key = fam.fused_key(layer, "gate_up_proj"), fam.fused_key(layer, "down_proj")
+        if fam.expert_layout == "gpt_oss":  # transposed, each with its bias as one more row (ExpertMLP)
+            rows = [
+                self._slice(k, expert)
+                for k in (gate_up_key, f"{gate_up_key}_bias", down_key, f"{down_key}_bias")
+            ]
+            gate_up, gate_up_bias, down, down_bias = rows
+            return ExpertWeights(
+                gate_up=torch.cat([gate_up, gate_up_bias[None]]), down=torch.cat([down, down_bias[None]])
+            )
         gate_up = self._handle(gate_up_key).get_slice(self.disk_key.get(gate_up_key, gate_up_key))[expert]
         down = self._handle(down_key).get_slice(self.disk_key.get(down_key, down_key))[expert]
         return ExpertWeights(gate_up=gate_up.contiguous(), down=down.contiguous())

@@ -36,6 +36,31 @@ KERNELS = ("grouped_mm", "eager")
 
 
 @dataclass(frozen=True)
+class ExpertMLP:
+    """What an expert computes besides its weights. `standard`: act(gate) * up over a gate_up
+    [2I, H] (gate rows first) and down [H, I], no bias (every family but gpt-oss). `gpt_oss`: weights
+    stored transposed with their bias as one more row — gate_up [H + 1, 2I], down [I + 1, H] — gate
+    and up interleaved in gate_up's columns, and the clamped SwiGLU (`alpha`, `limit`) of
+    transformers' GptOssExperts._apply_gate."""
+
+    hidden_act: str = "silu"
+    layout: str = "standard"
+    alpha: float = 0.0
+    limit: float = 0.0
+
+    def hidden_size(self, gate_up_shape: torch.Size) -> int:
+        """The rows' width an expert of this layout takes, from its gate_up's shape."""
+        return gate_up_shape[0] - 1 if self.layout == "gpt_oss" else gate_up_shape[-1]
+
+
+def expert_mlp(config, layout: str = "standard") -> ExpertMLP:
+    """The ExpertMLP of a model with this config and its family's expert layout."""
+    if layout == "gpt_oss":
+        return ExpertMLP(config.hidden_act, layout, float(config.swiglu_alpha), float(config.swiglu_limit))
+    return ExpertMLP(config.hidden_act)
+
+
+@dataclass(frozen=True)
 class ExpertRows:
     """The token rows one expert computes: `hidden[token_idx]`, with the k-slot each came from."""
 
@@ -88,13 +113,16 @@ def expert_forward(
     x: torch.Tensor,
     gate_up: torch.Tensor,
     down: torch.Tensor,
-    hidden_act: str,
+    mlp: str | ExpertMLP,
     kernel: str,
     grouped_shape: tuple[int, int] | None = None,
 ) -> torch.Tensor:
-    """One expert's gated MLP on rows x [n, H] -> [n, H], unweighted. `grouped_shape`: (rows, experts)
-    of the reference's grouped call, mirrored on CUDA (see the module's docstring)."""
-    act = _activation(hidden_act)
+    """One expert's gated MLP on rows x [n, H] -> [n, H], unweighted. `mlp`: an ExpertMLP, or the
+    standard layout's activation name. `grouped_shape`: (rows, experts) of the reference's grouped
+    call, mirrored on CUDA (see the module's docstring)."""
+    if isinstance(mlp, ExpertMLP) and mlp.layout == "gpt_oss":
+        return _gpt_oss_forward(x, gate_up, down, mlp, kernel, grouped_shape)
+    act = _activation(mlp.hidden_act if isinstance(mlp, ExpertMLP) else mlp)
     if kernel == "grouped_mm" and grouped_shape and x.device.type == "cuda":
         rows, groups = grouped_shape
         gate, up = _mirrored_grouped_linear(x, gate_up, rows, groups).chunk(2, dim=-1)
@@ -108,6 +136,46 @@ def expert_forward(
         gate, up = _grouped_linear(x, gate_up, offs).chunk(2, dim=-1)
         return _grouped_linear(act(gate) * up, down, offs)
     raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")
+
+
+def _gpt_oss_forward(x, gate_up, down, mlp: ExpertMLP, kernel: str, grouped_shape) -> torch.Tensor:
+    """gpt-oss's expert as transformers computes it: x @ W + b (W [in, out], transposed), the
+    clamped SwiGLU over interleaved gate/up columns, then @ W_down + b_down. `eager` is
+    GptOssExperts.forward's own arithmetic; `grouped_mm` is the generic kernel's with
+    is_transposed and has_bias (the bias added in place after the matmul)."""
+    w_gu, b_gu, w_d, b_d = gate_up[:-1], gate_up[-1], down[:-1], down[-1]
+    if kernel == "eager":
+        return _gpt_oss_gate(x @ w_gu + b_gu, mlp) @ w_d + b_d
+    if kernel != "grouped_mm":
+        raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")
+    if grouped_shape and x.device.type == "cuda":
+        rows, groups = grouped_shape
+        gated = _gpt_oss_gate(_mirrored_transposed_linear(x, w_gu, rows, groups).add_(b_gu), mlp)
+        return _mirrored_transposed_linear(gated, w_d, rows, groups).add_(b_d)
+    offs = _offsets(x.shape[0], x.device)
+    gated = _gpt_oss_gate(_grouped_mm(x, w_gu.unsqueeze(0), offs=offs).add_(b_gu), mlp)
+    return _grouped_mm(gated, w_d.unsqueeze(0), offs=offs).add_(b_d)
+
+
+def _gpt_oss_gate(gate_up: torch.Tensor, mlp: ExpertMLP) -> torch.Tensor:
+    """transformers' GptOssExperts._apply_gate, op for op."""
+    gate, up = gate_up[..., ::2], gate_up[..., 1::2]
+    gate = gate.clamp(min=None, max=mlp.limit)
+    up = up.clamp(min=-mlp.limit, max=mlp.limit)
+    glu = gate * torch.sigmoid(gate * mlp.alpha)
+    return (up + 1) * glu
+
+
+def _mirrored_transposed_linear(
+    x: torch.Tensor, weight: torch.Tensor, rows: int, groups: int
+) -> torch.Tensor:
+    """`_mirrored_grouped_linear` for a transposed weight [in, out] (gpt-oss)."""
+    n = x.shape[0]
+    padded = x.new_zeros(max(rows, n), x.shape[1])
+    padded[:n] = x
+    offs = torch.full((max(groups, 1),), n, dtype=torch.int32, device=x.device)
+    weights = weight.unsqueeze(0).expand(max(groups, 1), *weight.shape)
+    return _hf_grouped_linear(padded, weights, offs, is_transposed=True)[:n]
 
 
 @functools.cache

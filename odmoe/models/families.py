@@ -29,6 +29,9 @@ class Family:
     top_k_field: str = "num_experts_per_tok"
     # Disk-name -> module-name rewrites for the tensors main loads (transformers' own renames).
     renames: tuple[tuple[str, str], ...] = ()
+    # the experts' layout (odmoe.models.expert_math.ExpertMLP): standard, or gpt_oss (transposed,
+    # biased, interleaved gate/up, clamped SwiGLU)
+    expert_layout: str = "standard"
 
     def expert_key(self, layer: int, expert: int, proj: str) -> str:
         return f"model.layers.{layer}.{self.moe_module}.experts.{expert}.{proj}.weight"
@@ -73,6 +76,12 @@ FAMILIES: dict[str, Family] = {
     # Qwen3.5's MoE language model: Qwen3-Next's architecture under its own text-only config (its
     # published checkpoints wrap it in a vision-language `qwen3_5_moe` config: not served yet)
     "qwen3_5_moe_text": Family("qwen3_5_moe_text", num_experts_field="num_experts", **_MLP_STYLE),
+    # gpt-oss: fused, transposed experts with biases (gate_up_proj [E, H, 2I] + gate_up_proj_bias,
+    # down_proj [E, I, H] + down_proj_bias), gate and up interleaved, a clamped SwiGLU; a biased
+    # top-k router (`mlp.router`), attention sinks and sliding-window layers run on main as they are
+    "gpt_oss": Family(
+        "gpt_oss", num_experts_field="num_local_experts", expert_layout="gpt_oss", **_MLP_STYLE
+    ),
     # Phi-3.5-MoE: Mixtral's disk layout and expert MLP; its sparsemixer router runs on main as is
     "phimoe": Family(
         "phimoe",

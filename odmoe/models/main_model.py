@@ -73,6 +73,15 @@ def resolve_dtype(name: str, checkpoint: Checkpoint) -> torch.dtype:
     return dtype
 
 
+def experts_modules_named(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """(name, experts module) of every routed-experts block."""
+    return [
+        (name, module)
+        for name, module in model.named_modules()
+        if name.endswith(".experts") and hasattr(module, "gate_up_proj") and hasattr(module, "down_proj")
+    ]
+
+
 def experts_modules(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
     """(layer, experts module) for every routed-experts block, found by the fused parameter names."""
     found = []
@@ -94,11 +103,10 @@ def build_main_model(
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     kernel = model.config._experts_implementation
     state = checkpoint.non_expert_state_dict()
-    expert_params = {
+    expert_params = {  # the routed experts' weights (and gpt-oss's biases): the workers'
         f"{name}.{p}"
-        for name, module in model.named_modules()
-        for p in ("gate_up_proj", "down_proj")
-        if name.endswith(".experts") and hasattr(module, p)
+        for name, module in experts_modules_named(model)
+        for p, _ in module.named_parameters(recurse=False)
     }
     needed = {n for n, _ in model.named_parameters()} - expert_params
     if getattr(config, "tie_word_embeddings", False):

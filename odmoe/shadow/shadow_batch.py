@@ -33,7 +33,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from odmoe.models.kv_rows import has_recurrent_state, row_layers
+from odmoe.models.kv_rows import croppable, overwrite_rows, row_layers
 
 
 def batchable(cache: DynamicCache) -> bool:
@@ -55,8 +55,9 @@ class RowCache:
 
     @property
     def croppable(self) -> bool:
-        """False for a hybrid model's cache: its recurrent states cannot go back (see `crop_to`)."""
-        return self.cache is None or not has_recurrent_state(self.cache)
+        """False for a hybrid model's cache (its recurrent states cannot go back, see `crop_to`) and
+        a sliding window's (it keeps nothing older than the window)."""
+        return self.cache is None or croppable(self.cache)
 
     @property
     def length(self) -> int:
@@ -75,12 +76,12 @@ class RowCache:
     def overwrite(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Positions [start, start + rows) of every layer := main's K/V rows ([layers, heads, rows, D])."""
         rows = keys.shape[2]
-        if self.cache is not None:
-            where, layers, b = slice(start, start + rows), row_layers(self.cache), 0
-        else:
-            b = self.batch.index(self.request)
-            where = self.batch.valid[b].nonzero().flatten()[start : start + rows]
-            layers = row_layers(self.batch.cache)
+        if self.cache is not None:  # its own positions, a sliding window's offset taken into account
+            overwrite_rows(self.cache, start, keys, values)
+            return
+        b = self.batch.index(self.request)
+        where = self.batch.valid[b].nonzero().flatten()[start : start + rows]
+        layers = row_layers(self.batch.cache)
         for i, layer in enumerate(layers):
             layer.keys[b, :, where] = keys[i].to(layer.keys.device, layer.keys.dtype)
             layer.values[b, :, where] = values[i].to(layer.values.device, layer.values.dtype)

@@ -61,6 +61,8 @@ class UnfusedExperts(nn.Module):
 
 def _unfuse(model: PreTrainedModel, copy: bool = True) -> None:
     for layer, module in experts_modules(model):
+        if getattr(module, "has_bias", False):  # gpt-oss: its biased experts stay fused, unquantized
+            continue
         parent = model.get_submodule(f"model.layers.{layer}.mlp")
         parent.experts = UnfusedExperts(module, model.config.hidden_act, copy)
 

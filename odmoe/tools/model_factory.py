@@ -58,6 +58,7 @@ FAMILIES = (
     "qwen3_next",
     "qwen3_5_moe_text",
     "qwen3_5_moe",
+    "gpt_oss",
 )
 # Published as vision-language checkpoints whose language model odmoe serves (models.families.WRAPPERS):
 # the factory makes the whole wrapper, with a vision tower as small as it goes.
@@ -73,6 +74,7 @@ ROUTER_SCALE = 8.0
 # DeepSeek-V3's aux-loss-free balancing bias, added to the sigmoid scores for the choice only. A
 # random-init model would have it all zero; the factory draws it (std E_BIAS_STD) so it matters.
 E_BIAS_STD = 0.05
+GPT_OSS_BIAS_STD = 0.1  # gpt-oss's expert, router and sink biases, drawn so that they matter
 # Left out of the corpus: tests, vendored or generated tables that would dominate the merges.
 _SKIP_DIRS = {
     "test",
@@ -192,6 +194,8 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         return qwen3_next_config(spec, common)
     if spec.family == "qwen3_5_moe":
         return qwen3_5_moe_config(spec)
+    if spec.family == "gpt_oss":
+        return gpt_oss_config(spec, common)
     if spec.family == "phimoe":  # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
         return PhimoeConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
     return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
@@ -242,6 +246,21 @@ def qwen3_5_moe_config(spec: ModelSpec) -> PretrainedConfig:
         num_position_embeddings=16,
     )
     return Qwen3_5MoeConfig(text_config=text.to_dict(), vision_config=vision, tie_word_embeddings=False)
+
+
+def gpt_oss_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
+    """gpt-oss in miniature: sliding-window and full attention alternating (a window of 8 tokens, so
+    the tests' requests outgrow it), attention sinks, biased projections, a biased top-k router, and
+    fused, transposed, biased experts with the clamped SwiGLU (alpha 1.702, limit 7)."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig(
+        intermediate_size=spec.intermediate,
+        num_local_experts=spec.experts,
+        head_dim=spec.hidden // spec.heads,
+        sliding_window=8,
+        **common,
+    )
 
 
 def deepseek_groups(experts: int) -> tuple[int, int]:
@@ -397,8 +416,12 @@ def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None 
     model = auto.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight"):
+            if name.endswith("mlp.gate.weight") or (
+                spec.family == "gpt_oss" and name.endswith("mlp.router.weight")
+            ):
                 param.mul_(ROUTER_SCALE)
+            if spec.family == "gpt_oss" and name.endswith(("_proj_bias", "router.bias", "self_attn.sinks")):
+                param.copy_(torch.randn(param.shape) * GPT_OSS_BIAS_STD)  # zero at init: make them count
         for name, bias in model.named_buffers():
             if name.endswith("mlp.gate.e_score_correction_bias"):
                 bias.copy_(torch.randn(bias.shape) * E_BIAS_STD)
