@@ -5,6 +5,7 @@ odmoe-make-model --family qwen2_moe --out /tmp/qwen-tiny --layers 4 --experts 8 
 odmoe-make-model --family deepseek_v3 --out /tmp/ds3-tiny --experts 16 --top-k 4 --intermediate 32
 odmoe-make-model --train --family deepseek_v3 --out /tmp/ds3-trained   # the DeepSeek benchmark model
 odmoe-make-model --family deepseek_v3 --dtype bfloat16 --fp8 32 --out /tmp/ds3-fp8   # as FP8 releases are
+odmoe-make-model --family gpt_oss --dtype bfloat16 --mxfp4 --out /tmp/oss-mxfp4   # as gpt-oss is released
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "scale blocks, by transformers' own FP8 quantizer",
     )
     parser.add_argument(
+        "--mxfp4",
+        action="store_true",
+        help="--family gpt_oss: then store its experts as gpt-oss's MXFP4 release does",
+    )
+    parser.add_argument(
         "--steps",
         type=int,
         default=None,
@@ -97,23 +103,30 @@ def main(argv: list[str] | None = None) -> int:
         from odmoe.tools.fp8_checkpoint import quantize_fp8
 
         out = quantize_fp8(out, out, (args.fp8, args.fp8))
+    if args.mxfp4:
+        if spec.family != "gpt_oss":
+            print("odmoe-make-model: --mxfp4 stores gpt-oss's experts (--family gpt_oss)", file=sys.stderr)
+            return 2
+        from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4
+
+        out = quantize_mxfp4(out, out)
     from odmoe.models.checkpoint import Checkpoint
     from odmoe.models.main_model import resolve_dtype
 
     ckpt = Checkpoint(out)
-    expert = ckpt.expert(ckpt.moe_layers[0], 0)
+    expert, form = ckpt.expert(ckpt.moe_layers[0], 0), ckpt.quantized_experts
     saved_dtype = resolve_dtype("auto", ckpt)  # an FP8 expert comes dequantized to float32
     expert_bytes = (expert.gate_up.numel() + expert.down.numel()) * saved_dtype.itemsize
     total = sum(ckpt.tensor(k).numel() for k in ckpt.weight_map)
     print(
         f"{out}: {spec.family}, {total / 1e6:.2f} M parameters, {len(ckpt.moe_layers)} MoE layers x "
         f"{ckpt.num_experts} experts of {expert_bytes / 1024:.0f} KiB"
-        + (f" ({_fp8_bytes(ckpt) / 1024:.0f} KiB as stored in FP8)" if ckpt.fp8_experts else "")
+        + (f" ({_stored_bytes(ckpt) / 1024:.0f} KiB as stored in {form.upper()})" if form else "")
     )
     return 0
 
 
-def _fp8_bytes(ckpt) -> int:
+def _stored_bytes(ckpt) -> int:
     return ckpt.quantized_expert(ckpt.moe_layers[0], 0).nbytes
 
 

@@ -82,12 +82,12 @@ def main(argv: list[str] | None = None) -> int:
     except (CheckpointError, UnsupportedModelError, ValueError) as exc:
         print(f"odmoe-pack: {exc}", file=sys.stderr)
         return 2
-    if checkpoint.fp8_experts:  # nothing to gain: kept as stored, one byte a weight (worker.store=memory)
+    if form := checkpoint.quantized_experts:  # nothing to gain: workers keep them as stored
         expert = checkpoint.quantized_expert(checkpoint.moe_layers[0], 0)
         print(
-            f"odmoe-pack: {checkpoint.path}'s experts are FP8 ({expert.nbytes} bytes each with their scales, "
-            "against bf16's twice that): workers keep them as stored (worker.store=memory) and move those "
-            "bytes; nothing to pack"
+            f"odmoe-pack: {checkpoint.path}'s experts are {form.upper()} ({expert.nbytes} bytes each with "
+            "their scales): workers keep them as stored (worker.store=memory) and move those bytes; "
+            "nothing to pack"
         )
         return 0
     out = args.out or str(checkpoint.path / PACK_DIR)

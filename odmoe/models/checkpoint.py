@@ -43,6 +43,7 @@ from odmoe.models.fp8 import (
     dequantize,
     scale_key,
 )
+from odmoe.models.mxfp4 import Mxfp4Expert, Mxfp4Matrix
 
 log = logging.getLogger("odmoe.models.checkpoint")
 
@@ -80,6 +81,9 @@ class Checkpoint:
         self.config, self.wrapper = served_config(saved)
         self.family: Family = family_of(self.config)
         self.fp8: BlockFp8 | None = block_fp8(saved)  # raises on a quantization odmoe does not serve
+        self.mxfp4 = _quant_method(saved) == "mxfp4"
+        if self.mxfp4 and self.family.expert_layout != "gpt_oss":
+            raise UnsupportedModelError(f"MXFP4 experts are served for gpt-oss, not {self.family.model_type}")
         self.disk_key: dict[str, str] = {}  # a wrapped checkpoint: the text model's name -> its name on disk
         weight_map = self._read_weight_map()
         if self.wrapper is not None:
@@ -172,8 +176,10 @@ class Checkpoint:
     def _slice(self, key: str, expert: int) -> torch.Tensor:
         return self._handle(key).get_slice(self.disk_key.get(key, key))[expert]
 
-    def quantized_expert(self, layer: int, expert: int) -> QuantizedExpert:
-        """An FP8 checkpoint's expert as stored (what a worker keeps in host memory)."""
+    def quantized_expert(self, layer: int, expert: int) -> QuantizedExpert | Mxfp4Expert:
+        """A quantized checkpoint's expert as stored (what a worker keeps in host memory)."""
+        if self.mxfp4:
+            return self._mxfp4_expert(layer, expert)
         fam = self.family
         keys = [fam.expert_key(layer, expert, p) for p in (fam.gate_proj, fam.up_proj, fam.down_proj)]
         if self.fp8 is None or any(scale_key(k) not in self.weight_map for k in keys):
@@ -183,13 +189,25 @@ class Checkpoint:
         gate, up, down = (QuantizedMatrix(self.tensor(k), self.tensor(scale_key(k))) for k in keys)
         return QuantizedExpert(gate, up, down)
 
+    def _mxfp4_expert(self, layer: int, expert: int) -> Mxfp4Expert:
+        parts = []
+        for name in ("gate_up_proj", "down_proj"):
+            key = self.family.fused_key(layer, name)
+            blocks, scales, bias = (self._slice(f"{key}{s}", expert) for s in ("_blocks", "_scales", "_bias"))
+            parts.append(Mxfp4Matrix(blocks.contiguous(), scales.contiguous(), bias.contiguous()))
+        return Mxfp4Expert(*parts)
+
     @property
-    def fp8_experts(self) -> bool:
-        """Whether the routed experts are stored in FP8 (per expert, each with its scales)."""
+    def quantized_experts(self) -> str:
+        """How the routed experts are stored quantized: "fp8" (per expert, each with its block
+        scales), "mxfp4" (gpt-oss), or "" (not quantized)."""
+        if self.mxfp4:
+            return "mxfp4"
         if self.fp8 is None:
-            return False
+            return ""
         fam = self.family
-        return scale_key(fam.expert_key(self.moe_layers[0], 0, fam.gate_proj)) in self.weight_map
+        gate = fam.expert_key(self.moe_layers[0], 0, fam.gate_proj)
+        return "fp8" if scale_key(gate) in self.weight_map else ""
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         fam = self.family
@@ -203,6 +221,11 @@ class Checkpoint:
             raise CheckpointError(f"{self.path}: FP8 experts in the fused layout are not served yet")
         # Fused layout on disk ([E, 2I, H] and [E, H, I]): read only this expert's slice.
         gate_up_key, down_key = fam.fused_key(layer, "gate_up_proj"), fam.fused_key(layer, "down_proj")
+        if self.mxfp4:  # dequantized as transformers loads the release, in gpt-oss's slot layout
+            q = self._mxfp4_expert(layer, expert)
+            gate_up, down = (torch.empty(shape, dtype=torch.float32) for shape in q.shapes)
+            q.load_into(gate_up, down)
+            return ExpertWeights(gate_up=gate_up, down=down)
         if fam.expert_layout == "gpt_oss":  # transposed, each with its bias as one more row (ExpertMLP)
             rows = [
                 self._slice(k, expert)
@@ -215,3 +238,11 @@ class Checkpoint:
         gate_up = self._handle(gate_up_key).get_slice(self.disk_key.get(gate_up_key, gate_up_key))[expert]
         down = self._handle(down_key).get_slice(self.disk_key.get(down_key, down_key))[expert]
         return ExpertWeights(gate_up=gate_up.contiguous(), down=down.contiguous())
+
+
+def _quant_method(config) -> str | None:
+    quantization = getattr(config, "quantization_config", None)
+    if not quantization:
+        return None
+    q = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    return q.get("quant_method")

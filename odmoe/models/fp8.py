@@ -37,10 +37,13 @@ def block_fp8(config) -> BlockFp8 | None:
         return None
     q = quantization if isinstance(quantization, dict) else quantization.to_dict()
     method = q.get("quant_method", "?")
+    if method == "mxfp4":
+        return None  # gpt-oss's experts: odmoe.models.mxfp4
     if method != "fp8":
         raise UnsupportedModelError(
-            f"a {method!r}-quantized checkpoint is not served; odmoe serves unquantized weights and "
-            "block-wise FP8 (quant_method fp8); convert it to bf16/fp16/fp32 safetensors first"
+            f"a {method!r}-quantized checkpoint is not served; odmoe serves unquantized weights, "
+            "block-wise FP8 (quant_method fp8) and gpt-oss's MXFP4 experts; convert it to bf16/fp16/fp32 "
+            "safetensors first"
         )
     if q.get("activation_scheme", "dynamic") != "dynamic":
         raise UnsupportedModelError("FP8 checkpoints with static activation scales are not served")
@@ -95,6 +98,7 @@ class QuantizedExpert:
     gate: QuantizedMatrix  # [I, H]
     up: QuantizedMatrix  # [I, H]
     down: QuantizedMatrix  # [H, I]
+    form = "fp8"
 
     @property
     def nbytes(self) -> int:

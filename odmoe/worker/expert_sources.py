@@ -7,8 +7,9 @@ host memory:
 - `HostExpert`: decompressed in host memory ("decompressed"): two copies.
 - `CompressedExpert`: chunks in host memory ("compressed") or in a pack file on disk ("disk").
 - `CheckpointExpert`: nothing held; the checkpoint's safetensors are read on each load ("disk").
-- `Fp8Expert`: an FP8 checkpoint's expert as stored, one byte a weight plus its block scales
-  ("fp8"), dequantized into the slot on the slot's device exactly as transformers dequantizes it.
+- `QuantizedHostExpert`: an FP8 checkpoint's expert as stored, one byte a weight plus its block
+  scales ("fp8"), or gpt-oss's MXFP4 one, half a byte a weight plus a byte per 32 ("mxfp4"),
+  dequantized into the slot on the slot's device exactly as transformers dequantizes it.
 
 Bytes moved is what a load costs on the emulated link: the stored (compressed) bytes for a
 compressed expert — moving fewer bytes is the point of compressing — the FP8 bytes and scales for
@@ -30,10 +31,11 @@ import torch
 
 from odmoe.models.checkpoint import Checkpoint, ExpertWeights
 from odmoe.models.fp8 import QuantizedExpert
+from odmoe.models.mxfp4 import Mxfp4Expert
 from odmoe.worker.bitfields import byte_view
 from odmoe.worker.compressed_tensor import CompressedTensor, chunk_starts, decompress, decompress_chunk
 
-FORMS = ("decompressed", "compressed", "fp8", "disk")
+FORMS = ("decompressed", "compressed", "fp8", "mxfp4", "disk")
 
 
 class HostExpert:
@@ -52,11 +54,12 @@ class HostExpert:
         return self.weights
 
 
-class Fp8Expert:
-    form = "fp8"
+class QuantizedHostExpert:
+    """An FP8 or MXFP4 expert as its checkpoint stores it (form "fp8" / "mxfp4")."""
 
-    def __init__(self, expert: QuantizedExpert, dtype: torch.dtype):
+    def __init__(self, expert: QuantizedExpert | Mxfp4Expert, dtype: torch.dtype):
         self.expert, self.dtype = expert, dtype  # dtype: the slot's, what transformers casts to
+        self.form = expert.form
         self.host_bytes = self.stored_bytes = expert.nbytes
 
     def load_into(self, gate_up: torch.Tensor, down: torch.Tensor, pool: Executor | None = None) -> int:

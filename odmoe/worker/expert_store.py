@@ -28,9 +28,15 @@ from odmoe.models.checkpoint import Checkpoint, ExpertWeights
 from odmoe.worker.compressed_tensor import MemoryBytes, compress
 from odmoe.worker.device_slots import CopyStream, Transfer, pin
 from odmoe.worker.expert_pack import PACK_DIR, ExpertPack, PackError, pack_path
-from odmoe.worker.expert_sources import FORMS, CheckpointExpert, CompressedExpert, Fp8Expert, HostExpert
+from odmoe.worker.expert_sources import (
+    FORMS,
+    CheckpointExpert,
+    CompressedExpert,
+    HostExpert,
+    QuantizedHostExpert,
+)
 
-ExpertSource = HostExpert | CompressedExpert | CheckpointExpert | Fp8Expert
+ExpertSource = HostExpert | CompressedExpert | CheckpointExpert | QuantizedHostExpert
 
 ExpertKey = tuple[int, int]  # (layer, expert)
 
@@ -83,10 +89,11 @@ class ExpertStore:
         is an asynchronous DMA."""
         if kind not in STORES:
             raise ValueError(f"worker.store={kind!r} is not one of {', '.join(STORES)}")
-        if kind == "compressed" and checkpoint.fp8_experts:
+        if kind == "compressed" and checkpoint.quantized_experts:
             raise ValueError(
-                "worker.store=compressed codes bf16/fp16/fp32 experts; this checkpoint's experts are FP8 "
-                "(one byte a weight, kept as stored by worker.store=memory): use memory or disk"
+                "worker.store=compressed codes bf16/fp16/fp32 experts; this checkpoint's experts are "
+                f"{checkpoint.quantized_experts.upper()} (kept as stored by worker.store=memory): use memory "
+                "or disk"
             )
         keys = [(layer, e) for layer in layers for e in range(checkpoint.num_experts)]
         path = pack_path(Path(pack_dir) if pack_dir else checkpoint.path / PACK_DIR, dtype)
@@ -168,7 +175,7 @@ def _shapes(source: ExpertSource) -> tuple[torch.Size, torch.Size, torch.dtype]:
         return w.gate_up.shape, w.down.shape, w.gate_up.dtype
     if isinstance(source, CompressedExpert):
         return torch.Size(source.gate_up.shape), torch.Size(source.down.shape), source.gate_up.dtype
-    if isinstance(source, Fp8Expert):
+    if isinstance(source, QuantizedHostExpert):
         return (*source.expert.shapes, source.dtype)
     w = source.weights_now()
     return w.gate_up.shape, w.down.shape, w.gate_up.dtype
@@ -178,9 +185,9 @@ def _held_source(
     checkpoint, key, dtype, kind, pack, room: float, raw_bytes: int, pin_memory: bool = False
 ) -> ExpertSource | None:
     """Expert `key` kept in host memory in `kind`'s form, or None: `disk`, or not within `room` bytes."""
-    if kind == "memory" and checkpoint.fp8_experts:  # kept as stored, dequantized on each load
-        fp8 = Fp8Expert(checkpoint.quantized_expert(*key), dtype)
-        return fp8 if fp8.host_bytes <= room else None
+    if kind == "memory" and checkpoint.quantized_experts:  # kept as stored, dequantized on each load
+        held = QuantizedHostExpert(checkpoint.quantized_expert(*key), dtype)
+        return held if held.host_bytes <= room else None
     if kind == "memory" and raw_bytes <= room:
         w = checkpoint.expert(*key)
         gate_up, down = w.gate_up.to(dtype).contiguous(), w.down.to(dtype).contiguous()

@@ -1,10 +1,11 @@
-"""Link bytes of FP8 experts against bf16: the same DeepSeek-V3-style model stored in bf16 and as the
-FP8 releases store it (transformers' own quantizer, `odmoe-make-model --fp8`), each decoding through
-a local cluster with the paper's cacheless workers (every expert crosses the link as it is stored).
+"""Link bytes of quantized experts against bf16, as the releases store them: a DeepSeek-V3-style
+model in bf16 and in block-wise FP8 (transformers' own quantizer, `odmoe-make-model --fp8`), and a
+gpt-oss-style model in bf16 and with MXFP4 experts (`--mxfp4`), each decoding through a local
+cluster with the paper's cacheless workers (every expert crosses the link as it is stored).
 
-python -m odmoe.benchmarks.fp8_link [--tokens 32] [--block 32] [--out benchmarks/results/fp8-link.json]
+python -m odmoe.benchmarks.quantized_link [--tokens 32] [--block 32] [--out FILE]
 
-Prints, per format: the experts' bytes as stored (one expert), bytes loaded per decode token and per
+Prints, per model and format: one expert's bytes as stored, bytes loaded per decode token and per
 load, and whether the tokens equal transformers loading that checkpoint in one process.
 """
 
@@ -20,8 +21,10 @@ from odmoe import LocalCluster
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.tools.fp8_checkpoint import quantize_fp8
 from odmoe.tools.model_factory import ModelSpec, make_model
+from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4
 
 SPEC = ModelSpec(family="deepseek_v3", hidden=64, intermediate=32, experts=16, top_k=4, dtype="bfloat16")
+GPT_OSS = ModelSpec(family="gpt_oss", dtype="bfloat16")
 PROMPT = "def fibonacci(n):"
 
 
@@ -44,7 +47,7 @@ def run(path: str, tokens: int) -> dict:
     key = (checkpoint.moe_layers[0], 0)
     stored = (
         checkpoint.quantized_expert(*key).nbytes
-        if checkpoint.fp8_experts
+        if checkpoint.quantized_experts
         else checkpoint.expert(*key).nbytes  # as stored: bf16
     )
     return {
@@ -58,30 +61,41 @@ def run(path: str, tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m odmoe.benchmarks.fp8_link", description=__doc__.splitlines()[0]
+        prog="python -m odmoe.benchmarks.quantized_link", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--block", type=int, default=32, help="FP8 scale block (the releases: 128)")
-    parser.add_argument("--out", default="benchmarks/results/fp8-link.json")
+    parser.add_argument("--out", default="benchmarks/results/quantized-link.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        bf16 = make_model(SPEC, Path(tmp) / "bf16")
-        fp8 = quantize_fp8(bf16, Path(tmp) / "fp8", (args.block, args.block))
-        rows = {"bf16": run(str(bf16), args.tokens), "fp8": run(str(fp8), args.tokens)}
-    ratio = rows["fp8"]["bytes_loaded_per_token"] / rows["bf16"]["bytes_loaded_per_token"]
-    print(f"{'format':<8}{'expert B':>10}{'B/token':>12}{'B/load':>10}{'loads':>8}  tokens = transformers")
+        ds, oss = make_model(SPEC, Path(tmp) / "ds-bf16"), make_model(GPT_OSS, Path(tmp) / "oss-bf16")
+        models = {
+            "deepseek_v3 bf16": ds,
+            "deepseek_v3 fp8": quantize_fp8(ds, Path(tmp) / "ds-fp8", (args.block, args.block)),
+            "gpt_oss bf16": oss,
+            "gpt_oss mxfp4": quantize_mxfp4(oss, Path(tmp) / "oss-mxfp4"),
+        }
+        rows = {name: run(str(path), args.tokens) for name, path in models.items()}
+    ratios = {
+        "fp8_over_bf16": rows["deepseek_v3 fp8"]["bytes_loaded_per_token"]
+        / rows["deepseek_v3 bf16"]["bytes_loaded_per_token"],
+        "mxfp4_over_bf16": rows["gpt_oss mxfp4"]["bytes_loaded_per_token"]
+        / rows["gpt_oss bf16"]["bytes_loaded_per_token"],
+    }
+    print(f"{'model':<18}{'expert B':>10}{'B/token':>12}{'B/load':>10}{'loads':>8}  tokens = transformers")
     for name, r in rows.items():
         print(
-            f"{name:<8}{r['expert_bytes_stored']:>10}{r['bytes_loaded_per_token']:>12.0f}"
+            f"{name:<18}{r['expert_bytes_stored']:>10}{r['bytes_loaded_per_token']:>12.0f}"
             f"{r['bytes_per_load']:>10.0f}{r['experts_loaded']:>8}  {r['tokens_equal_transformers']}"
         )
-    print(f"fp8 / bf16 link bytes per token: {ratio:.3f}")
+    for name, ratio in ratios.items():
+        print(f"{name}: {ratio:.3f} of the link bytes per token")
     report = {
-        "spec": SPEC.name,
-        "block": args.block,
+        "specs": [SPEC.name, GPT_OSS.name],
+        "fp8_block": args.block,
         "tokens": args.tokens,
         "rows": rows,
-        "fp8_over_bf16": ratio,
+        **ratios,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
