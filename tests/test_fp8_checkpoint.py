@@ -108,18 +108,23 @@ def test_a_cluster_serves_fp8_exactly_and_moves_fp8_bytes(fp8_dirs, reap_childre
     assert loaded["fp8"] < 0.6 * loaded["bf16"], loaded
 
 
-def test_other_quantizations_are_refused_with_what_is_served(fp8_dirs, tmp_path):
+@pytest.mark.parametrize(
+    "method, refusal",
+    [
+        ("awq", "'awq'-quantized checkpoint is not served; .*block-wise FP8.*MXFP4"),
+        ("mxfp4", "MXFP4 experts are served for gpt-oss, not qwen3_moe"),
+    ],
+)
+def test_other_quantizations_are_refused_with_what_is_served(fp8_dirs, tmp_path, method, refusal):
     import json
     import shutil
 
-    path = tmp_path / "mxfp4"
-    shutil.copytree(fp8_dirs["qwen3_moe"], path)
+    path = tmp_path / method
+    shutil.copytree(fp8_dirs["qwen3_moe-bf16"], path)
     config = json.loads((path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "mxfp4"}
+    config["quantization_config"] = {"quant_method": method}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(
-        UnsupportedModelError, match="'mxfp4'-quantized checkpoint is not served.*block-wise FP8"
-    ):
+    with pytest.raises(UnsupportedModelError, match=refusal):
         Checkpoint(path)
 
 
