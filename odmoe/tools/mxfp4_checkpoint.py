@@ -11,62 +11,33 @@ triton kernels this machine does not have; what must match is how the checkpoint
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from odmoe.models.mxfp4 import quantize
+from odmoe.tools.rewrite_checkpoint import rewrite_checkpoint
 
 EXPERT_MATRICES = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+RELEASE = {  # as openai/gpt-oss-20b's config.json has it
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+    "quant_method": "mxfp4",
+}
 
 
 def quantize_mxfp4(src: str | Path, out: str | Path) -> Path:
-    src, out = Path(src), Path(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        for item in src.iterdir():
-            if item.suffix != ".safetensors" and item.is_file():
-                shutil.copy2(item, tmp / item.name)
-        for shard in sorted(src.glob("*.safetensors")):
-            tensors = {}
-            with safe_open(shard, "pt") as f:
-                for key in f.keys():
-                    value = f.get_tensor(key)
-                    if key.endswith(EXPERT_MATRICES):  # [E, in, out] in gpt-oss's layout: W is its transpose
-                        pairs = [quantize(value[e].t()) for e in range(value.shape[0])]
-                        tensors[f"{key}_blocks"] = torch.stack([b for b, _ in pairs])
-                        tensors[f"{key}_scales"] = torch.stack([s for _, s in pairs])
-                    else:
-                        tensors[key] = value
-            save_file(tensors, tmp / shard.name, metadata={"format": "pt"})
-        index = tmp / "model.safetensors.index.json"
-        if index.is_file():
-            data = json.loads(index.read_text())
-            data["weight_map"] = {}
-            for shard in sorted(tmp.glob("*.safetensors")):
-                with safe_open(shard, "pt") as f:
-                    data["weight_map"].update(dict.fromkeys(f.keys(), shard.name))
-            index.write_text(json.dumps(data, indent=2))
-        config = json.loads((tmp / "config.json").read_text())
-        config["quantization_config"] = {  # as openai/gpt-oss-20b's config.json has it
-            "modules_to_not_convert": [
-                "model.layers.*.self_attn",
-                "model.layers.*.mlp.router",
-                "model.embed_tokens",
-                "lm_head",
-            ],
-            "quant_method": "mxfp4",
+    def convert(key: str, value: torch.Tensor) -> dict[str, torch.Tensor]:
+        if not key.endswith(EXPERT_MATRICES):
+            return {key: value}
+        pairs = [quantize(value[e].t()) for e in range(value.shape[0])]  # [E, in, out]: W is its transpose
+        return {
+            f"{key}_blocks": torch.stack([b for b, _ in pairs]),
+            f"{key}_scales": torch.stack([s for _, s in pairs]),
         }
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
+
+    return rewrite_checkpoint(src, out, convert, RELEASE)
