@@ -41,6 +41,7 @@ from odmoe.models.fp8 import (
     QuantizedMatrix,
     block_fp8,
     dequantize,
+    quantization_of,
     scale_key,
 )
 from odmoe.models.mxfp4 import Mxfp4Expert, Mxfp4Matrix
@@ -81,7 +82,7 @@ class Checkpoint:
         self.config, self.wrapper = served_config(saved)
         self.family: Family = family_of(self.config)
         self.fp8: BlockFp8 | None = block_fp8(saved)  # raises on a quantization odmoe does not serve
-        self.mxfp4 = _quant_method(saved) == "mxfp4"
+        self.mxfp4 = quantization_of(saved).get("quant_method") == "mxfp4"
         if self.mxfp4 and self.family.expert_layout != "gpt_oss":
             raise UnsupportedModelError(f"MXFP4 experts are served for gpt-oss, not {self.family.model_type}")
         self.disk_key: dict[str, str] = {}  # a wrapped checkpoint: the text model's name -> its name on disk
@@ -238,11 +239,3 @@ class Checkpoint:
         gate_up = self._handle(gate_up_key).get_slice(self.disk_key.get(gate_up_key, gate_up_key))[expert]
         down = self._handle(down_key).get_slice(self.disk_key.get(down_key, down_key))[expert]
         return ExpertWeights(gate_up=gate_up.contiguous(), down=down.contiguous())
-
-
-def _quant_method(config) -> str | None:
-    quantization = getattr(config, "quantization_config", None)
-    if not quantization:
-        return None
-    q = quantization if isinstance(quantization, dict) else quantization.to_dict()
-    return q.get("quant_method")

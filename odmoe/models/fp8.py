@@ -31,11 +31,18 @@ class BlockFp8:
     block: tuple[int, int] | None  # weight_block_size; None: read from each scale grid's shape
 
 
-def block_fp8(config) -> BlockFp8 | None:
+def quantization_of(config) -> dict:
+    """A config's `quantization_config` as a dict ({} when it has none)."""
     quantization = getattr(config, "quantization_config", None)
     if not quantization:
+        return {}
+    return quantization if isinstance(quantization, dict) else quantization.to_dict()
+
+
+def block_fp8(config) -> BlockFp8 | None:
+    q = quantization_of(config)
+    if not q:
         return None
-    q = quantization if isinstance(quantization, dict) else quantization.to_dict()
     method = q.get("quant_method", "?")
     if method == "mxfp4":
         return None  # gpt-oss's experts: odmoe.models.mxfp4
