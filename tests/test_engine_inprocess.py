@@ -75,6 +75,18 @@ def serve(engine, arrivals: dict[int, list[GenerateRequest]]) -> dict[str, list[
     return out
 
 
+def check_batched_equal_alone(path: str, prompts: list[str], dtype=torch.float32) -> None:
+    """Greedy and seeded requests (alternating) decoding together in process, each equal to
+    transformers alone; `dtype`: what main computes in, as transformers loads the checkpoint."""
+    engine, _ = engine_in_process(path, dtype, max_running=4)
+    requests = [
+        GenerateRequest(p, max_new_tokens=10, request_id=f"r{i}", sampling=SAMPLINGS[i % 2])
+        for i, p in enumerate(prompts)
+    ]
+    want = {f"r{i}": list(reference(path, p, 10, i % 2)) for i, p in enumerate(prompts)}
+    assert serve(engine, {0: requests}) == want
+
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     schedule=st.lists(

@@ -19,14 +19,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe import LocalCluster
-from odmoe.main.engine import GenerateRequest
-from odmoe.main.inprocess import engine_in_process
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.shadow.shadow_model import PRECISIONS, choice_scores, load_shadow_model, router_modules
 from tests.conftest import FOCUSED_FAMILIES
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
-from tests.test_engine_inprocess import SAMPLINGS, serve
-from tests.test_engine_inprocess import reference as alone
+from tests.test_engine_inprocess import check_batched_equal_alone
 from tests.test_load_dtypes import test_every_tensor_has_from_pretrained_dtype as check_dtypes
 
 pytestmark = pytest.mark.parametrize("family", FOCUSED_FAMILIES)
@@ -62,14 +59,7 @@ def test_the_shadow_loads_at_every_precision(precision, model_dirs, family):
 
 def test_requests_batched_in_process_equal_alone(model_dirs, family):
     """Greedy and seeded requests decoding together, each equal to transformers alone."""
-    path = model_dirs[family]
-    engine, _ = engine_in_process(path, max_running=4)
-    requests = [
-        GenerateRequest(p, max_new_tokens=10, request_id=f"r{i}", sampling=SAMPLINGS[i % 2])
-        for i, p in enumerate(PROMPTS)
-    ]
-    want = {f"r{i}": list(alone(path, p, 10, i % 2)) for i, p in enumerate(PROMPTS)}
-    assert serve(engine, {0: requests}) == want
+    check_batched_equal_alone(model_dirs[family], PROMPTS)
 
 
 @pytest.mark.extended  # a real cluster: CI runs it

@@ -15,8 +15,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe import LocalCluster
-from odmoe.main.engine import GenerateRequest
-from odmoe.main.inprocess import engine_in_process
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.families import UnsupportedModelError
 from odmoe.shadow.shadow_model import PRECISIONS, load_shadow_model
@@ -25,8 +23,7 @@ from odmoe.tools.model_factory import make_model
 from odmoe.worker.expert_store import ExpertStore
 from tests.conftest import _spec
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
-from tests.test_engine_inprocess import SAMPLINGS, serve
-from tests.test_engine_inprocess import reference as alone
+from tests.test_engine_inprocess import check_batched_equal_alone
 
 FAMILIES = ["deepseek_v3", "qwen3_moe"]
 BLOCK = (32, 32)  # the releases' 128 x 128 is wider than these models' matrices
@@ -79,14 +76,7 @@ def test_main_and_every_expert_dequantize_as_transformers_loads_them(fp8_dirs, f
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_requests_in_process_equal_transformers(fp8_dirs, family):
-    path = fp8_dirs[family]
-    engine, _ = engine_in_process(path, torch.bfloat16, max_running=4)  # as transformers loads it on a CPU
-    requests = [
-        GenerateRequest(p, max_new_tokens=10, request_id=f"r{i}", sampling=SAMPLINGS[i % 2])
-        for i, p in enumerate(PROMPTS)
-    ]
-    want = {f"r{i}": list(alone(path, p, 10, i % 2)) for i, p in enumerate(PROMPTS)}
-    assert serve(engine, {0: requests}) == want
+    check_batched_equal_alone(fp8_dirs[family], PROMPTS, torch.bfloat16)  # as transformers loads it on a CPU
 
 
 @pytest.mark.integration

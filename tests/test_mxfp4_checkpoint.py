@@ -14,8 +14,6 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 from odmoe import LocalCluster
-from odmoe.main.engine import GenerateRequest
-from odmoe.main.inprocess import engine_in_process
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.mxfp4 import dequantize, quantize
 from odmoe.tools.model_factory import make_model
@@ -23,8 +21,7 @@ from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4
 from odmoe.worker.expert_store import ExpertStore
 from tests.conftest import _spec
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
-from tests.test_engine_inprocess import SAMPLINGS, serve
-from tests.test_engine_inprocess import reference as alone
+from tests.test_engine_inprocess import check_batched_equal_alone
 
 
 @pytest.fixture(scope="session")
@@ -71,13 +68,7 @@ def test_main_and_every_expert_dequantize_as_transformers_loads_them(mxfp4_dir):
 
 
 def test_requests_in_process_equal_transformers(mxfp4_dir):
-    engine, _ = engine_in_process(mxfp4_dir, torch.bfloat16, max_running=4)  # as transformers loads it
-    requests = [
-        GenerateRequest(p, max_new_tokens=10, request_id=f"r{i}", sampling=SAMPLINGS[i % 2])
-        for i, p in enumerate(PROMPTS)
-    ]
-    want = {f"r{i}": list(alone(mxfp4_dir, p, 10, i % 2)) for i, p in enumerate(PROMPTS)}
-    assert serve(engine, {0: requests}) == want
+    check_batched_equal_alone(mxfp4_dir, PROMPTS, torch.bfloat16)  # as transformers loads it on a CPU
 
 
 @pytest.mark.integration

@@ -150,8 +150,9 @@ def _gpt_oss_forward(x, gate_up, down, mlp: ExpertMLP, kernel: str, grouped_shap
         raise ValueError(f"unknown experts kernel {kernel!r}; expected one of {KERNELS}")
     if grouped_shape and x.device.type == "cuda":
         rows, groups = grouped_shape
-        gated = _gpt_oss_gate(_mirrored_transposed_linear(x, w_gu, rows, groups).add_(b_gu), mlp)
-        return _mirrored_transposed_linear(gated, w_d, rows, groups).add_(b_d)
+        gate_up = _mirrored_grouped_linear(x, w_gu, rows, groups, transposed=True).add_(b_gu)
+        gated = _gpt_oss_gate(gate_up, mlp)
+        return _mirrored_grouped_linear(gated, w_d, rows, groups, transposed=True).add_(b_d)
     offs = _offsets(x.shape[0], x.device)
     gated = _gpt_oss_gate(_grouped_mm(x, w_gu.unsqueeze(0), offs=offs).add_(b_gu), mlp)
     return _grouped_mm(gated, w_d.unsqueeze(0), offs=offs).add_(b_d)
@@ -164,18 +165,6 @@ def _gpt_oss_gate(gate_up: torch.Tensor, mlp: ExpertMLP) -> torch.Tensor:
     up = up.clamp(min=-mlp.limit, max=mlp.limit)
     glu = gate * torch.sigmoid(gate * mlp.alpha)
     return (up + 1) * glu
-
-
-def _mirrored_transposed_linear(
-    x: torch.Tensor, weight: torch.Tensor, rows: int, groups: int
-) -> torch.Tensor:
-    """`_mirrored_grouped_linear` for a transposed weight [in, out] (gpt-oss)."""
-    n = x.shape[0]
-    padded = x.new_zeros(max(rows, n), x.shape[1])
-    padded[:n] = x
-    offs = torch.full((max(groups, 1),), n, dtype=torch.int32, device=x.device)
-    weights = weight.unsqueeze(0).expand(max(groups, 1), *weight.shape)
-    return _hf_grouped_linear(padded, weights, offs, is_transposed=True)[:n]
 
 
 @functools.cache
@@ -205,15 +194,18 @@ def _grouped_linear(x: torch.Tensor, weight: torch.Tensor, offs: torch.Tensor) -
     return _grouped_mm(x, w, offs=offs)
 
 
-def _mirrored_grouped_linear(x: torch.Tensor, weight: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
-    """x [n, in] @ weight [out, in].T as group 0 of a grouped call shaped like the reference's:
-    input [max(rows, n), in] (rows past n are never read), `groups` groups, the others empty."""
+def _mirrored_grouped_linear(
+    x: torch.Tensor, weight: torch.Tensor, rows: int, groups: int, transposed: bool = False
+) -> torch.Tensor:
+    """x [n, in] @ weight [out, in].T (`transposed`: weight [in, out], gpt-oss) as group 0 of a
+    grouped call shaped like the reference's: input [max(rows, n), in] (rows past n are never read),
+    `groups` groups, the others empty."""
     n = x.shape[0]
     padded = x.new_zeros(max(rows, n), x.shape[1])
     padded[:n] = x
     offs = torch.full((max(groups, 1),), n, dtype=torch.int32, device=x.device)
     weights = weight.unsqueeze(0).expand(max(groups, 1), *weight.shape)  # stride 0: no copy
-    return _hf_grouped_linear(padded, weights, offs)[:n]
+    return _hf_grouped_linear(padded, weights, offs, is_transposed=transposed)[:n]
 
 
 def combine(
