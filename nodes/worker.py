@@ -471,11 +471,12 @@ class WorkerNode:
                 slot = load(key, tag=tag)
             except (KeyError, RuntimeError, ValueError) as exc:  # ValueError: a corrupt stored chunk
                 return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
-        last = True
+        last, positions = True, request.positions
         if request.parts > 1 and not request.per_part:
-            hidden = self._assemble((peer, step, request.expert), request, hidden)
-            if hidden is None:
+            assembled = self._assemble((peer, step, request.expert), request, hidden)
+            if assembled is None:
                 return None
+            hidden, positions = assembled
         else:
             last = request.part == request.parts - 1
         try:
@@ -495,6 +496,7 @@ class WorkerNode:
                     self.mlp,
                     request.kernel,
                     tuple(request.grouped_shape) or None,
+                    positions or None,
                 )
                 y = y if self.on_host else y.cpu()
             device_wait_s = self.slots.device_wait_s(slot, probe)
@@ -703,18 +705,24 @@ class WorkerNode:
             len(shape) != 2 or not (1 <= shape[0] <= MAX_GROUPED_ROWS and 1 <= shape[1] <= MAX_GROUPS)
         ):
             return f"grouped_shape {shape!r:.40} is not [rows <= {MAX_GROUPED_ROWS}, experts <= {MAX_GROUPS}]"
+        if request.positions:
+            return request.positions_problem(hidden.shape[0])
         return ""
 
-    def _assemble(self, key: tuple, request: ComputeExpert, hidden: torch.Tensor) -> torch.Tensor | None:
-        """Collect one expert's prefill mini-batches; the whole batch once every part is in."""
+    def _assemble(
+        self, key: tuple, request: ComputeExpert, hidden: torch.Tensor
+    ) -> tuple[torch.Tensor, list[int]] | None:
+        """Collect one expert's prefill mini-batches; the whole batch (rows, their positions) once
+        every part is in."""
         parts = self.batches.setdefault(key, {})
-        parts[request.part] = hidden
+        parts[request.part] = (hidden, request.positions)
         if len(parts) < request.parts:
             while len(self.batches) > MAX_OPEN_BATCHES:  # parts that will never complete (a lost main)
                 self.batches.popitem(last=False)
             return None
         del self.batches[key]
-        return torch.cat([parts[i] for i in range(request.parts)])
+        ordered = [parts[i] for i in range(request.parts)]
+        return torch.cat([rows for rows, _ in ordered]), [p for _, positions in ordered for p in positions]
 
     def _result(
         self,

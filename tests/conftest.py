@@ -19,7 +19,16 @@ DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
 # family-parametrized test: the default run's time budget
 FOCUSED_FAMILIES = [
     f
-    for f in ("glm4_moe", "phimoe", "qwen3_next", "qwen3_5_moe_text", "qwen3_5_moe", "gpt_oss")
+    for f in (
+        "glm4_moe",
+        "phimoe",
+        "qwen3_next",
+        "qwen3_5_moe_text",
+        "qwen3_5_moe",
+        "gpt_oss",
+        "llama4_text",
+        "llama4",
+    )
     if f in FAMILIES
 ]
 
@@ -104,7 +113,7 @@ def _spec(family: str) -> ModelSpec:
         hidden=64,
         intermediate=32 if many else 128,
         experts=16 if many else 8,
-        top_k=4 if many else 2,
+        top_k=4 if many else 1 if family == "llama4" else 2,  # Llama 4 as published: top-1
         vocab=1024,
         max_positions=256,
         seed=0,

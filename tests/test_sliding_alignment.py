@@ -1,5 +1,6 @@
 """Aligning a shadow whose model has sliding-window layers (gpt-oss: every other layer attends to its
-last `sliding_window` tokens and its cache keeps only those): main's newest rows, and a prompt's rows
+last `sliding_window` tokens and its cache keeps only those; Llama 4's chunked-attention layers are
+kept the same way): main's newest rows, and a prompt's rows
 longer than the window, land where each layer stores them, and the next step is then bit-identical
 to main's. Before odmoe.models.kv_rows knew windows, stacking a prompt's rows failed on the shorter
 sliding layers and writing at absolute positions missed the window's offset."""
@@ -13,10 +14,13 @@ from transformers import AutoModelForCausalLM
 from odmoe.models.kv_rows import croppable, newest_rows, overwrite_newest_rows, overwrite_rows
 
 
-@pytest.fixture(scope="module")
-def model(model_dirs):
-    m = AutoModelForCausalLM.from_pretrained(model_dirs["gpt_oss"]).eval()
-    assert m.config.sliding_window == 8
+@pytest.fixture(scope="module", params=["gpt_oss", "llama4_text"])
+def model(model_dirs, request):
+    """gpt-oss's sliding windows; Llama 4's chunked attention, whose cache layers transformers keeps
+    as sliding windows of the chunk size (only the mask differs)."""
+    m = AutoModelForCausalLM.from_pretrained(model_dirs[request.param]).eval()
+    window = getattr(m.config, "sliding_window", None) or m.config.attention_chunk_size
+    assert window == 8
     return m
 
 

@@ -79,15 +79,19 @@ class InProcessWorkers:
         return to_frames(result, outputs)
 
     def _one(self, worker: int, m: ComputeExpert, rows: torch.Tensor) -> list | None:
+        positions = m.positions
         if m.parts > 1 and not m.per_part:
             parts = self.batches.setdefault((m.step, m.expert), {})
-            parts[m.part] = rows
+            parts[m.part] = (rows, m.positions)
             if len(parts) < m.parts:
                 return None
-            rows = torch.cat([parts[i] for i in range(m.parts)])
+            ordered = [parts[i] for i in range(m.parts)]
+            rows = torch.cat([r for r, _ in ordered])
+            positions = [p for _, ps in ordered for p in ps]
             del self.batches[(m.step, m.expert)]
         gate_up, down = self._weights(m.step.layer, m.expert)
-        y = expert_forward(rows, gate_up, down, self.mlp, m.kernel, tuple(m.grouped_shape) or None)
+        shape = tuple(m.grouped_shape) or None
+        y = expert_forward(rows, gate_up, down, self.mlp, m.kernel, shape, positions or None)
         result = ExpertResult(m.step, m.expert, worker, 0.0, 0.0, 0, 0, part=m.part if m.per_part else 0)
         return to_frames(result, [y])
 

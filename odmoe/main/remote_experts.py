@@ -63,7 +63,7 @@ from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
 from odmoe.main.shadow_link import ShadowLink
-from odmoe.models.expert_math import ExpertRows, combine, split_by_expert
+from odmoe.models.expert_math import ExpertRows, combine, expert_input, split_by_expert
 from odmoe.placement import LayerUnavailable
 from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
@@ -99,6 +99,7 @@ class _Call:
     rows: torch.Tensor  # [n, H]
     expected: int  # answers to wait for (mini-batch parts computed one by one, else 1)
     parts: dict[int, torch.Tensor] = field(default_factory=dict)
+    positions: list[int] = field(default_factory=list)  # "bmm": the rows' token positions
 
     @property
     def done(self) -> bool:
@@ -294,17 +295,27 @@ class RemoteExperts:
         exchange.experts = len(groups)
         placement = self._prefill_place(exchange.step, hidden.shape[0], groups)
         start = time.perf_counter()
-        one = hidden.shape[0] == 1
-        rows_of = {rows.expert: hidden if one else hidden[rows.token_idx] for rows in groups}
-        # the reference's grouped call covers every (token, slot) pair over all E experts (expert_math)
-        grouped = [top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
-        outputs = self._exchange(exchange, rows_of, placement, LayerClock(), grouped)
+        rows_of = {rows.expert: expert_input(hidden, rows, top_k_weights, self.kernel) for rows in groups}
+        grouped = self._reference_shape(top_k_index)
+        # "bmm": each expert's rows sit at their tokens' positions in the reference's [T] rows
+        positions = {r.expert: r.token_idx.tolist() for r in groups} if self.kernel == "bmm" else {}
+        outputs = self._exchange(exchange, rows_of, placement, LayerClock(), grouped, positions)
         if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
             outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
         exchange.waited = time.perf_counter() - start
         self.observe.gathered(exchange.step)
         self.observe.prefill_done(exchange)
-        return combine(hidden, [(rows, outputs[rows.expert]) for rows in groups], top_k_weights, self.kernel)
+        parts = [(rows, outputs[rows.expert]) for rows in groups]
+        return combine(hidden, parts, top_k_weights, self.kernel, self.num_experts)
+
+    def _reference_shape(self, top_k_index: torch.Tensor) -> list[int]:
+        """The shape of the reference's call over the layer that a worker mirrors (expert_math):
+        grouped_mm's (T*k, E) over every (token, slot) pair, bmm's (T, E), else none."""
+        if self.kernel == "grouped_mm":
+            return [top_k_index.numel(), self.num_experts]
+        if self.kernel == "bmm":
+            return [top_k_index.shape[0], self.num_experts]
+        return []
 
     def _prefill_place(self, step: Step, tokens: int, groups) -> dict[int, int]:
         """Prefill: spread over every live worker storing the layer (a one-token prompt: its group)."""
@@ -326,9 +337,9 @@ class RemoteExperts:
         x = DecodeExchange(Step(self.stream, self.tick, layer), batch, entered=time.perf_counter())
         self.observe.entered(x.step)
         x.prediction = self.shadow.prediction(x.step) if self.shadow is not None else None
-        x.users = _rows_by_expert(batch)
+        x.users = _rows_by_expert(batch, self.kernel)
         placement = self._decode_place(x.step, sorted(x.users), x.prediction)
-        grouped = [batch[0].top_k_index.numel(), self.num_experts] if self.kernel == "grouped_mm" else []
+        grouped = self._reference_shape(batch[0].top_k_index)
         x.started = time.perf_counter()
         # each worker's last (only) call says the layer is over for it; without a shadow nothing
         # is ever preloaded, so nothing to release
@@ -344,7 +355,7 @@ class RemoteExperts:
             parts = [(group, outputs[b][rows.computed(group.expert)]) for group in rows.groups]
             if rows.hidden.device.type != "cpu":
                 parts = [(g, y.to(rows.hidden.device)) for g, y in parts]
-            out.append(combine(rows.hidden, parts, rows.top_k_weights, self.kernel))
+            out.append(combine(rows.hidden, parts, rows.top_k_weights, self.kernel, self.num_experts))
         x.combined = time.perf_counter()
         self.observe.decode_done(x)
         return out
@@ -508,13 +519,17 @@ class RemoteExperts:
         placement: dict[int, int],
         clock: LayerClock,
         grouped: list[int],
+        positions: dict[int, list[int]],
     ) -> dict[int, torch.Tensor]:
         """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
         step = x.step
         # Every call is encoded before the first one leaves (see _exchange_many).
-        messages = {e: self._encode(step, e, x, grouped) for e, x in rows.items()}
+        messages = {e: self._encode(step, e, x, grouped, positions.get(e, [])) for e, x in rows.items()}
         clock.sending = time.perf_counter()
-        calls = {e: self._send(step, e, x, placement[e], grouped, messages[e]) for e, x in rows.items()}
+        calls = {
+            e: self._send(step, e, x, placement[e], grouped, positions.get(e, []), messages[e])
+            for e, x in rows.items()
+        }
         deadline = time.monotonic() + self.timeout_s
         while not all(c.done for c in calls.values()):
             received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
@@ -536,10 +551,14 @@ class RemoteExperts:
             for e, c in calls.items()
         }
 
-    def _encode(self, step: Step, expert: int, x: torch.Tensor, grouped: list[int]) -> list[list]:
-        """One expert's rows as the frames of each message: one message, or prefill mini-batches."""
+    def _encode(
+        self, step: Step, expert: int, x: torch.Tensor, grouped: list[int], positions: list[int]
+    ) -> list[list]:
+        """One expert's rows as the frames of each message: one message, or prefill mini-batches
+        (each with its rows' positions, "bmm")."""
         size = self.prefill.mini_batch if self.prefill.mini_batch > 0 else x.shape[0]
-        chunks = torch.split(x, max(size, 1)) if x.shape[0] > size else (x,)
+        size = max(size, 1)
+        chunks = torch.split(x, size) if x.shape[0] > size else (x,)
         per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
         return [
             to_frames(
@@ -551,6 +570,7 @@ class RemoteExperts:
                     parts=len(chunks),
                     per_part=per_part,
                     grouped_shape=grouped,
+                    positions=positions[part * size : (part + 1) * size],
                 ),
                 [chunk],
             )
@@ -564,11 +584,12 @@ class RemoteExperts:
         x: torch.Tensor,
         worker: int,
         grouped: list[int],
+        positions: list[int],
         messages: list[list] | None = None,
     ) -> _Call:
         """Send one expert's rows (`messages`: as `_encode` made them). A worker that cannot take
         them is lost, and the rows go to its replacement."""
-        messages = messages or self._encode(step, expert, x, grouped)
+        messages = messages or self._encode(step, expert, x, grouped, positions)
         while True:
             sent = True
             for frames in messages:
@@ -579,7 +600,7 @@ class RemoteExperts:
             worker = self._replacement(step, {expert: worker})[expert]
         self.observe.sent(step, [expert])
         per_part = len(messages) > 1 and self.prefill.compute_per_mini_batch
-        return _Call(worker, x, len(messages) if per_part else 1)
+        return _Call(worker, x, len(messages) if per_part else 1, positions=positions)
 
     def _replacement(self, step: Step, lost: dict[int, int]) -> dict[int, int]:
         try:
@@ -593,7 +614,7 @@ class RemoteExperts:
             return
         new = self._replacement(step, owed)
         for e in owed:
-            calls[e] = self._send(step, e, calls[e].rows, new[e], grouped)
+            calls[e] = self._send(step, e, calls[e].rows, new[e], grouped, calls[e].positions)
             x.resent += 1
         log.info(
             "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
@@ -651,13 +672,12 @@ class RemoteExperts:
         self.members.close()
 
 
-def _rows_by_expert(batch: list[DecodeRows]) -> dict[int, list[tuple[int, torch.Tensor]]]:
+def _rows_by_expert(batch: list[DecodeRows], kernel: str) -> dict[int, list[tuple[int, torch.Tensor]]]:
     """expert -> [(request index, its rows of that expert)], requests in batch order; a lossy
     policy's stand-in is computed (and sent) in place of the missing expert."""
     users: dict[int, list[tuple[int, torch.Tensor]]] = {}
     for b, rows in enumerate(batch):
-        one = rows.hidden.shape[0] == 1
         for group in rows.groups:
-            x = rows.hidden if one else rows.hidden[group.token_idx]
+            x = expert_input(rows.hidden, group, rows.top_k_weights, kernel)
             users.setdefault(rows.computed(group.expert), []).append((b, x))
     return users

@@ -19,6 +19,19 @@ kernel never reads (rows past the last offset), and E groups of which only the f
 the weight repeated over the group dimension by a stride-0 view (no copy). Every shape the kernel
 selects on is then the reference's. The non-bf16 CUDA path (a per-group `mm` loop) and the CPU path
 see the same rows either way; the CPU path is left as it was.
+
+Llama 4 is not on transformers' experts interface: `Llama4TextMoe` scales each token's row by its
+router score (a sigmoid, 0 for experts not chosen) *before* the experts, then runs every expert over
+every row of the layer as one `bmm` ([E, T, H] @ [E, H, 2I]) and sums the [E, T, H] outputs over E.
+A row's result in a CPU matmul can depend on how many rows the call has and where the row sits
+(measured: the routed rows alone through `mm` differ from the reference's bmm in 72 of 168 fp32
+cases), so this module's kernel "bmm" computes an expert the way the reference's bmm computes its
+slice: the routed rows, already scaled (`expert_input`), placed at their token positions in a zero
+[T, H] block, one single-threaded bmm (the reference's batch of E experts is parallel across experts,
+each expert's product on one thread; a two-thread batch-of-one call differs in a few shapes), and
+only the routed rows sent back. The rows left zero are exactly what the reference computes for the
+experts a token did not choose (a zero row maps to zero), so `combine` rebuilds the [E, T, H] block
+and sums it as the reference does.
 """
 
 from __future__ import annotations
@@ -32,16 +45,17 @@ from transformers.integrations.moe import _grouped_linear as _hf_grouped_linear
 from transformers.integrations.moe import _grouped_mm
 from transformers.utils.import_utils import is_torch_greater_or_equal
 
-KERNELS = ("grouped_mm", "eager")
+KERNELS = ("grouped_mm", "eager", "bmm")
 
 
 @dataclass(frozen=True)
 class ExpertMLP:
     """What an expert computes besides its weights. `standard`: act(gate) * up over a gate_up
-    [2I, H] (gate rows first) and down [H, I], no bias (every family but gpt-oss). `gpt_oss`: weights
-    stored transposed with their bias as one more row — gate_up [H + 1, 2I], down [I + 1, H] — gate
-    and up interleaved in gate_up's columns, and the clamped SwiGLU (`alpha`, `limit`) of
-    transformers' GptOssExperts._apply_gate."""
+    [2I, H] (gate rows first) and down [H, I], no bias (every family but gpt-oss and Llama 4).
+    `gpt_oss`: weights stored transposed with their bias as one more row — gate_up [H + 1, 2I], down
+    [I + 1, H] — gate and up interleaved in gate_up's columns, and the clamped SwiGLU (`alpha`,
+    `limit`) of transformers' GptOssExperts._apply_gate. `llama4`: transposed, no bias — gate_up
+    [H, 2I] (gate columns first), down [I, H] — computed by the "bmm" kernel."""
 
     hidden_act: str = "silu"
     layout: str = "standard"
@@ -50,14 +64,22 @@ class ExpertMLP:
 
     def hidden_size(self, gate_up_shape: torch.Size) -> int:
         """The rows' width an expert of this layout takes, from its gate_up's shape."""
-        return gate_up_shape[0] - 1 if self.layout == "gpt_oss" else gate_up_shape[-1]
+        if self.layout == "gpt_oss":
+            return gate_up_shape[0] - 1
+        return gate_up_shape[0] if self.layout == "llama4" else gate_up_shape[-1]
 
 
 def expert_mlp(config, layout: str = "standard") -> ExpertMLP:
     """The ExpertMLP of a model with this config and its family's expert layout."""
     if layout == "gpt_oss":
         return ExpertMLP(config.hidden_act, layout, float(config.swiglu_alpha), float(config.swiglu_limit))
-    return ExpertMLP(config.hidden_act)
+    return ExpertMLP(config.hidden_act, layout)
+
+
+def kernel_of(layout: str, implementation: str) -> str:
+    """The kernel an expert of this layout computes with: Llama 4's own bmm, else the experts
+    implementation transformers resolved for the model."""
+    return "bmm" if layout == "llama4" else implementation
 
 
 @dataclass(frozen=True)
@@ -109,6 +131,17 @@ def split_by_expert(top_k_index: torch.Tensor, num_experts: int, kernel: str = "
     return rows
 
 
+def expert_input(
+    hidden: torch.Tensor, rows: ExpertRows, top_k_weights: torch.Tensor, kernel: str
+) -> torch.Tensor:
+    """The rows one expert computes on: `hidden[token_idx]`; for "bmm" (Llama 4) each multiplied by
+    the router's score for this expert first, the very product Llama4TextMoe forms."""
+    x = hidden if hidden.shape[0] == 1 else hidden[rows.token_idx]
+    if kernel != "bmm":
+        return x
+    return x * top_k_weights[rows.token_idx, rows.slot_idx, None]
+
+
 def expert_forward(
     x: torch.Tensor,
     gate_up: torch.Tensor,
@@ -116,10 +149,14 @@ def expert_forward(
     mlp: str | ExpertMLP,
     kernel: str,
     grouped_shape: tuple[int, int] | None = None,
+    positions: list[int] | None = None,
 ) -> torch.Tensor:
     """One expert's gated MLP on rows x [n, H] -> [n, H], unweighted. `mlp`: an ExpertMLP, or the
     standard layout's activation name. `grouped_shape`: (rows, experts) of the reference's grouped
-    call, mirrored on CUDA (see the module's docstring)."""
+    call, mirrored on CUDA (see the module's docstring); for "bmm" (T, E) of the reference's bmm,
+    with `positions` the rows' token positions in its T (None: x is all T rows)."""
+    if kernel == "bmm":
+        return _bmm_forward(x, gate_up, down, mlp, grouped_shape, positions)
     if isinstance(mlp, ExpertMLP) and mlp.layout == "gpt_oss":
         return _gpt_oss_forward(x, gate_up, down, mlp, kernel, grouped_shape)
     act = _activation(mlp.hidden_act if isinstance(mlp, ExpertMLP) else mlp)
@@ -156,6 +193,35 @@ def _gpt_oss_forward(x, gate_up, down, mlp: ExpertMLP, kernel: str, grouped_shap
     offs = _offsets(x.shape[0], x.device)
     gated = _gpt_oss_gate(_grouped_mm(x, w_gu.unsqueeze(0), offs=offs).add_(b_gu), mlp)
     return _grouped_mm(gated, w_d.unsqueeze(0), offs=offs).add_(b_d)
+
+
+def _bmm_forward(x, gate_up, down, mlp, grouped_shape, positions) -> torch.Tensor:
+    """Llama4TextExperts.forward for one expert's slice of its bmm: x's rows at their positions in
+    a zero [T, H] block, on one thread (see the module's docstring)."""
+    act = _activation(mlp.hidden_act if isinstance(mlp, ExpertMLP) else mlp)
+    block = x
+    if positions is not None:
+        if grouped_shape is None:
+            raise ValueError("the bmm kernel needs the reference's row count with positions")
+        block = x.new_zeros(grouped_shape[0], x.shape[1])
+        block[positions] = x
+    with _one_thread():
+        gate, up = torch.bmm(block[None], gate_up[None]).chunk(2, dim=-1)
+        y = torch.bmm(up * act(gate), down[None])[0]
+    return y if positions is None else y[positions]
+
+
+class _one_thread:
+    """torch on one intra-op thread for the block (restored after)."""
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        if self.before != 1:
+            torch.set_num_threads(1)
+
+    def __exit__(self, *_):
+        if self.before != 1:
+            torch.set_num_threads(self.before)
 
 
 def _gpt_oss_gate(gate_up: torch.Tensor, mlp: ExpertMLP) -> torch.Tensor:
@@ -213,10 +279,17 @@ def combine(
     parts: list[tuple[ExpertRows, torch.Tensor]],
     top_k_weights: torch.Tensor,
     kernel: str,
+    num_experts: int = 0,
 ) -> torch.Tensor:
-    """Weighted sum of the experts' outputs per token, [T, H], in the reference's order and dtype."""
+    """Weighted sum of the experts' outputs per token, [T, H], in the reference's order and dtype
+    ("bmm": the outputs come weighted, summed over all `num_experts` as Llama4TextMoe sums them)."""
     num_tokens, hidden_dim = hidden.shape
     top_k = top_k_weights.shape[-1]
+    if kernel == "bmm":
+        dense = hidden.new_zeros(max(num_experts, 1), num_tokens, hidden_dim)
+        for rows, y in parts:
+            dense[rows.expert, rows.token_idx] = y.to(dense.dtype)
+        return dense.sum(dim=0)
     if num_tokens == 1 and (by_slot := _one_row_per_slot(parts, top_k, hidden.dtype)) is not None:
         return _combine_one_token(hidden, by_slot, top_k_weights, kernel)
     if kernel == "eager":

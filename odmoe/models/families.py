@@ -29,16 +29,18 @@ class Family:
     top_k_field: str = "num_experts_per_tok"
     # Disk-name -> module-name rewrites for the tensors main loads (transformers' own renames).
     renames: tuple[tuple[str, str], ...] = ()
-    # the experts' layout (odmoe.models.expert_math.ExpertMLP): standard, or gpt_oss (transposed,
-    # biased, interleaved gate/up, clamped SwiGLU)
+    # the experts' layout (odmoe.models.expert_math.ExpertMLP): standard, gpt_oss (transposed,
+    # biased, interleaved gate/up, clamped SwiGLU) or llama4 (transposed, router score applied to
+    # the input, every expert a bmm over all of the layer's rows)
     expert_layout: str = "standard"
+    fused_module: str = "mlp"  # the MoE block's name over fused [E, ...] expert tensors on disk
 
     def expert_key(self, layer: int, expert: int, proj: str) -> str:
         return f"model.layers.{layer}.{self.moe_module}.experts.{expert}.{proj}.weight"
 
     def fused_key(self, layer: int, name: str) -> str:
         """Key of a fused [E, ...] expert tensor, for checkpoints saved in the fused layout."""
-        return f"model.layers.{layer}.mlp.experts.{name}"
+        return f"model.layers.{layer}.{self.fused_module}.experts.{name}"
 
     def module_key(self, disk_key: str) -> str:
         for old, new in self.renames:
@@ -82,6 +84,21 @@ FAMILIES: dict[str, Family] = {
     "gpt_oss": Family(
         "gpt_oss", num_experts_field="num_local_experts", expert_layout="gpt_oss", **_MLP_STYLE
     ),
+    # Llama 4 (Scout, Maverick): fused, transposed experts (gate_up_proj [E, H, 2I], down_proj
+    # [E, I, H]) outside transformers' experts interface: the router's sigmoid score scales each
+    # token's row *before* the experts, which run as one bmm over every expert and every row
+    # (odmoe.models.expert_math, kernel "bmm"); top-1 routing plus a shared expert, MoE on
+    # interleaved layers, chunked attention on the RoPE layers
+    "llama4_text": Family(
+        "llama4_text",
+        moe_module="feed_forward",
+        gate_proj="gate_proj",
+        up_proj="up_proj",
+        down_proj="down_proj",
+        num_experts_field="num_local_experts",
+        expert_layout="llama4",
+        fused_module="feed_forward",
+    ),
     # Phi-3.5-MoE: Mixtral's disk layout and expert MLP; its sparsemixer router runs on main as is
     "phimoe": Family(
         "phimoe",
@@ -115,6 +132,8 @@ class Wrapper:
 WRAPPERS: dict[str, Wrapper] = {
     # Qwen3.5 MoE (Qwen3_5MoeForConditionalGeneration): model.language_model.* and lm_head
     "qwen3_5_moe": Wrapper((("model.language_model.", "model."), ("lm_head.", "lm_head."))),
+    # Llama 4 (Llama4ForConditionalGeneration): language_model.model.* and language_model.lm_head
+    "llama4": Wrapper((("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))),
 }
 
 

@@ -7,16 +7,23 @@ implementation "odmoe_remote", which forwards `(layer, hidden[T, H], top_k_index
 whatever `ExpertCall` is attached. The kernel transformers would have used for the reference is kept
 in `MainModel.kernel` so the remote side reproduces it exactly (see expert_math).
 
-Every family odmoe serves computes its routed experts through transformers' experts interface,
-DeepSeek-V2/V3 included, so the router's output (DeepSeek: float32 weights, already normalised
+Every family odmoe serves but Llama 4 computes its routed experts through transformers' experts
+interface, DeepSeek-V2/V3 included, so the router's output (DeepSeek: float32 weights, already normalised
 and multiplied by `routed_scaling_factor` inside the router) reaches the remote call exactly as it
 would reach transformers' kernel. Persistent buffers (DeepSeek-V3's `e_score_correction_bias`) are
 loaded like parameters, and every tensor takes the dtype `from_pretrained(dtype=...)` would give it,
 read from the model class by `load_dtypes` (DeepSeek's router weight stays float32 at bf16).
+
+Llama 4's MoE block (`Llama4TextMoe`) calls its experts module on rows already scaled by the
+router, for every expert and every token; main replaces the block's forward with
+`_llama4_moe_forward`, which runs the same router, hands the remote call the tokens' rows and the
+router's top-k choice and scores (expert_math's kernel "bmm" scales and sums as the block does),
+and adds the shared expert as the block does.
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +33,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from odmoe.models.checkpoint import Checkpoint, CheckpointError
+from odmoe.models.expert_math import kernel_of
 from odmoe.models.load_dtypes import loaded_dtypes
 
 REMOTE = "odmoe_remote"
@@ -41,10 +49,24 @@ def _remote_experts_forward(module, hidden, top_k_index, top_k_weights):
 ALL_EXPERTS_FUNCTIONS.register(REMOTE, _remote_experts_forward)
 
 
+def _llama4_moe_forward(self, hidden_states):
+    """Llama4TextMoe.forward with the routed experts remote: the same router, the same top-k (its
+    own call, so ties break alike), the same shared expert and in-place add."""
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_scores, router_logits = self.router(hidden_states)
+    top_k_index = torch.topk(router_logits, self.top_k, dim=1).indices
+    top_k_weights = router_scores.gather(1, top_k_index)
+    experts = self.experts
+    routed = experts.odmoe_call(experts.odmoe_layer, hidden_states, top_k_index, top_k_weights)
+    out = self.shared_expert(hidden_states)
+    out.add_(routed)
+    return out, router_logits
+
+
 @dataclass
 class MainModel:
     model: PreTrainedModel
-    kernel: str  # experts implementation transformers resolves for this model ("grouped_mm"/"eager")
+    kernel: str  # experts kernel of the reference: transformers' implementation ("grouped_mm"/"eager"), "bmm"
     moe_layers: list[int]
     dtype: torch.dtype
     device: torch.device = torch.device("cpu")  # where main computes (`model.device`)
@@ -101,7 +123,7 @@ def build_main_model(
     # Parameters on `meta`, buffers real: rotary inv_freq is computed as usual, no weight allocated.
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    kernel = model.config._experts_implementation
+    kernel = kernel_of(checkpoint.family.expert_layout, model.config._experts_implementation)
     state = checkpoint.non_expert_state_dict()
     expert_params = {  # the routed experts' weights (and gpt-oss's biases): the workers'
         f"{name}.{p}"
@@ -128,7 +150,12 @@ def build_main_model(
             setattr(model.get_submodule(owner_name), attr, buffer.to(device))
     if getattr(config, "tie_word_embeddings", False):
         model.tie_weights()
-    model.set_experts_implementation(REMOTE)
+    if kernel == "bmm":  # Llama 4: its MoE block's forward, not an experts implementation
+        for name, _ in experts_modules_named(model):
+            block = model.get_submodule(name.rpartition(".")[0])
+            block.forward = types.MethodType(_llama4_moe_forward, block)
+    else:
+        model.set_experts_implementation(REMOTE)
     model.eval()
     return MainModel(model=model, kernel=kernel, moe_layers=checkpoint.moe_layers, dtype=dtype, device=device)
 

@@ -6,6 +6,8 @@ what the router ranks by (`choice_scores`: softmax, or DeepSeek-V3's sigmoid + b
 allowed groups), computed once per call. With `rank_top_k` it also keeps `ranked[layer]`, the newest
 row's top-(k+1) as the shadow node publishes them (`rank`). With `on_route(layer, module, output)`
 the hook hands each call to it and keeps nothing (the shadow node, which publishes as it goes).
+Every family's router output is read as (logits, top_k_weights, top_k_index)
+(`shadow_model.router_output`: Llama 4's router returns its scores and logits instead).
 `close()` removes the hooks.
 
 `rank` (the top-(k+1) candidates and their scores, group-limited where the router is, and every
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from odmoe.shadow.hedging import GroupLimit
-from odmoe.shadow.shadow_model import choice_scores, group_limit, mask_groups, router_modules
+from odmoe.shadow.shadow_model import choice_scores, group_limit, mask_groups, router_modules, router_output
 from odmoe.shadow.shadow_model import unmasked_choice_scores as _unmasked
 
 
@@ -90,6 +92,7 @@ class RouterTap:
 
     def _hook(self, layer: int):
         def hook(module, _inputs, output):
+            output = router_output(module, output)  # (logits, top_k_weights, top_k_index), any family
             if self._on_route is not None:
                 self._on_route(layer, module, output)
                 return

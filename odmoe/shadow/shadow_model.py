@@ -22,8 +22,9 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.activations import ACT2FN
+from transformers.models.llama4.modeling_llama4 import Llama4Router
 
-from odmoe.models.main_model import experts_modules
+from odmoe.models.main_model import experts_modules_named
 from odmoe.shadow.hedging import GroupLimit
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic")
@@ -59,12 +60,45 @@ class UnfusedExperts(nn.Module):
         return out
 
 
+class UnfusedBmmExperts(nn.Module):
+    """Llama 4's fused experts ([E, H, 2I], [E, I, H], called on [E * T, H] rows already scaled by
+    the router) as per-expert linears; rows a token did not route to are zero and give zero, so
+    only the others are computed (a predictor's shortcut: the shadow need not be exact)."""
+
+    def __init__(self, fused: nn.Module, hidden_act: str, copy: bool = True):
+        super().__init__()
+        take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+        self.num_experts, hidden, double = fused.gate_up_proj.shape
+        self.gate_up = nn.ModuleList()
+        self.down = nn.ModuleList()
+        for e in range(self.num_experts):
+            gate_up = nn.Linear(hidden, double, bias=False)
+            gate_up.weight = nn.Parameter(take(fused.gate_up_proj[e].T), requires_grad=False)
+            down = nn.Linear(double // 2, hidden, bias=False)
+            down.weight = nn.Parameter(take(fused.down_proj[e].T), requires_grad=False)
+            self.gate_up.append(gate_up)
+            self.down.append(down)
+        self.act_fn = ACT2FN[hidden_act]
+
+    def forward(self, routed_in: torch.Tensor) -> torch.Tensor:
+        rows = routed_in.view(self.num_experts, -1, routed_in.shape[-1])
+        out = torch.zeros_like(rows)
+        for e in range(self.num_experts):
+            used = rows[e].abs().sum(-1).nonzero().flatten()
+            if used.numel():
+                gate, up = self.gate_up[e](rows[e, used]).chunk(2, dim=-1)
+                out[e, used] = self.down[e](up * self.act_fn(gate)).to(out.dtype)
+        return out.view(-1, routed_in.shape[-1])
+
+
 def _unfuse(model: PreTrainedModel, copy: bool = True) -> None:
-    for layer, module in experts_modules(model):
+    for name, module in experts_modules_named(model):
         if getattr(module, "has_bias", False):  # gpt-oss: its biased experts stay fused, unquantized
             continue
-        parent = model.get_submodule(f"model.layers.{layer}.mlp")
-        parent.experts = UnfusedExperts(module, model.config.hidden_act, copy)
+        parent = model.get_submodule(name.rpartition(".")[0])
+        llama4 = isinstance(getattr(parent, "router", None), Llama4Router)
+        unfused = UnfusedBmmExperts if llama4 else UnfusedExperts
+        parent.experts = unfused(module, model.config.hidden_act, copy)
 
 
 def _linears(model: nn.Module):
@@ -168,13 +202,14 @@ def load_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrai
 
 
 def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Module]]:
-    """(layer, router) of every routed MoE layer: the `mlp.gate` (Phi-3.5-MoE: `mlp.router`) whose
-    weight is [experts, hidden] (Qwen2-MoE's one-output shared-expert gate is not one). Its forward
-    returns (logits [T, E], top_k_weights [T, k], top_k_index [T, k])."""
+    """(layer, router) of every routed MoE layer: the `mlp.gate` (Phi-3.5-MoE, gpt-oss:
+    `mlp.router`; Llama 4: `feed_forward.router`) whose weight is [experts, hidden] (Qwen2-MoE's
+    one-output shared-expert gate is not one). `router_output` reads its forward's output as
+    (logits [T, E], top_k_weights [T, k], top_k_index [T, k])."""
     found = [
         (int(name.split(".layers.")[1].split(".")[0]), module)
         for name, module in model.named_modules()
-        if name.endswith((".mlp.gate", ".mlp.router"))
+        if name.endswith((".mlp.gate", ".mlp.router", ".feed_forward.router"))
         and getattr(module, "weight", None) is not None
         and module.weight.dim() == 2
         and module.weight.shape[0] == num_experts
@@ -182,10 +217,22 @@ def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Mod
     return sorted(found, key=lambda item: item[0])
 
 
+def router_output(router: nn.Module, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A router call's (logits [T, E], top_k_weights [T, k], top_k_index [T, k]), as transformers'
+    experts interface has them; Llama 4's router returns (scores [T, E], logits [T, E]) instead,
+    its choice the top-k logits (the same `topk` call as its own) and its weights their sigmoid."""
+    if isinstance(router, Llama4Router):
+        scores, logits = output
+        index = torch.topk(logits, router.top_k, dim=1).indices
+        return logits, scores.gather(1, index), index
+    return output
+
+
 def choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """The scores a router ranks experts by, for its logits [..., E]; top-k of these is its choice.
 
-    Softmax for every family but DeepSeek-V3, whose sigmoid scores plus `e_score_correction_bias`
+    Softmax for every family but DeepSeek-V3 and Llama 4 (a sigmoid, whose order is the logits'):
+    DeepSeek-V3's sigmoid scores plus `e_score_correction_bias`
     decide (the bias moves the choice, not the weights). Where the router limits the choice to its
     best `topk_group` of `n_group` expert groups (V3 always; V2 with `group_limited_greedy`), experts
     of the other groups score -inf, so the top-(k+1) the shadow publishes are ones the router could
@@ -208,6 +255,8 @@ def mask_groups(scores: torch.Tensor, limit: GroupLimit | None) -> torch.Tensor:
 def unmasked_choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """`choice_scores` before any expert group is ruled out (what group hedging ranks groups by)."""
     logits = logits.float()
+    if isinstance(router, Llama4Router):
+        return logits.sigmoid()
     bias = getattr(router, "e_score_correction_bias", None)
     return logits.sigmoid() + bias if bias is not None else logits.softmax(dim=-1)
 

@@ -59,10 +59,12 @@ FAMILIES = (
     "qwen3_5_moe_text",
     "qwen3_5_moe",
     "gpt_oss",
+    "llama4_text",
+    "llama4",
 )
 # Published as vision-language checkpoints whose language model odmoe serves (models.families.WRAPPERS):
 # the factory makes the whole wrapper, with a vision tower as small as it goes.
-MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text"}
+MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
 DEEPSEEK = ("deepseek_v2", "deepseek_v3")
 GROUP_ROUTED = (*DEEPSEEK, "glm4_moe")  # routing limited to the best expert groups
 SPECIAL_TOKENS = ["<pad>", "<s>", "</s>", "<unk>"]  # ids 0..3
@@ -196,6 +198,10 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         return qwen3_5_moe_config(spec)
     if spec.family == "gpt_oss":
         return gpt_oss_config(spec, common)
+    if spec.family == "llama4_text":
+        return llama4_text_config(spec, common)
+    if spec.family == "llama4":
+        return llama4_config(spec)
     if spec.family == "phimoe":  # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
         return PhimoeConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
     return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
@@ -261,6 +267,45 @@ def gpt_oss_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
         sliding_window=8,
         **common,
     )
+
+
+def llama4_text_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
+    """Llama 4 in miniature, Maverick's shape: MoE on every other layer (dense MLPs between), the
+    routed experts beside a shared expert, chunked attention (chunks of 8 tokens, so the tests'
+    requests cross them) on the RoPE layers and every fourth layer global without RoPE, with
+    temperature tuning; L2-normed q/k. The spec's top_k is kept (the published models route top-1)."""
+    from transformers import Llama4TextConfig
+
+    return Llama4TextConfig(
+        intermediate_size=spec.intermediate,
+        intermediate_size_mlp=spec.intermediate,
+        num_local_experts=spec.experts,
+        head_dim=spec.hidden // spec.heads,
+        interleave_moe_layer_step=2 if spec.layers > 1 else 1,
+        attention_chunk_size=8,
+        **common,
+    )
+
+
+def llama4_config(spec: ModelSpec) -> PretrainedConfig:
+    """Llama 4 as published: the vision-language wrapper (`Llama4ForConditionalGeneration`) around
+    the `llama4_text` language model, with a one-layer vision tower."""
+    from transformers import Llama4Config, Llama4VisionConfig
+
+    text = hf_config(replace(spec, family=MULTIMODAL[spec.family]))
+    vision = Llama4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=32,
+        patch_size=8,
+        vision_output_dim=32,
+        projector_input_dim=32,
+        projector_output_dim=spec.hidden,
+        pixel_shuffle_ratio=0.5,
+    )
+    return Llama4Config(text_config=text.to_dict(), vision_config=vision.to_dict(), tie_word_embeddings=False)
 
 
 def deepseek_groups(experts: int) -> tuple[int, int]:
@@ -416,7 +461,7 @@ def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None 
     model = auto.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith("mlp.gate.weight") or (
+            if name.endswith(("mlp.gate.weight", "feed_forward.router.weight")) or (
                 spec.family == "gpt_oss" and name.endswith("mlp.router.weight")
             ):
                 param.mul_(ROUTER_SCALE)

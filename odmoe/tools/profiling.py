@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from odmoe.lossy.miss_policy import buddy_lists
-from odmoe.shadow.shadow_model import router_modules
+from odmoe.shadow.shadow_model import router_modules, router_output
 
 
 @dataclass
@@ -85,7 +85,7 @@ def profile_model(
     for layer, router in router_modules(model, num_experts):
 
         def hook(module, _inputs, output, layer=layer):
-            _logits, weights, index = output
+            _logits, weights, index = router_output(module, output)
             counts[layer].add(index, weights)
 
         handles.append(router.register_forward_hook(hook))

@@ -47,7 +47,23 @@ class ComputeExpert:
     # decode: main asks this worker nothing more in this layer, so once it has answered it drops what
     # it preloaded for the layer, as a Release would, without a message (and a wake-up) of its own
     release: bool = False
+    # kernel "bmm" (Llama 4): this part's rows' token positions among the reference bmm's
+    # grouped_shape[0] rows, where the worker computes them (odmoe.models.expert_math); [] = the
+    # rows are all of them
+    positions: list[int] = field(default_factory=list)
     kind: str = "compute"
+
+    def positions_problem(self, rows: int) -> str:
+        """What is wrong with `positions` for `rows` rows, or "": the bmm kernel and its
+        [rows, experts], one distinct position per row, each within the reference's rows."""
+        shape = self.grouped_shape
+        if self.kernel != "bmm" or len(shape) != 2:
+            return f"row positions need the bmm kernel and [rows, experts]: {self.kernel!r:.20} {shape!r:.30}"
+        if len(self.positions) != rows or len(set(self.positions)) != rows:
+            return f"{len(self.positions)} row positions for {rows} rows"
+        if not all(type(p) is int and 0 <= p < shape[0] for p in self.positions):
+            return f"row positions outside the reference's {shape[0]} rows"
+        return ""
 
 
 @dataclass(frozen=True)
