@@ -1,7 +1,7 @@
 """lm-evaluation-harness end to end, reduced (issue 29): the repository's offline tasks through
-`--model hf` in this process and `--model local-completions` against a real local cluster (its
-OpenAI API over TLS with a token), every document compared. `odmoe-bench suite=eval` runs them in
-full on the trained model."""
+`--model hf` in this process and `--model local-completions` and `--model odmoe-completions`
+against a real local cluster (its OpenAI API over TLS with a token), every document compared.
+`odmoe-bench suite=eval` runs them in full on the trained model."""
 
 from __future__ import annotations
 
@@ -28,5 +28,9 @@ def test_lm_eval_through_the_cluster_scores_as_one_process(model_dirs, tmp_path,
     assert gen["generations_equal"] == 4
     assert all(a == b for a, b in mc["scores"].values()) and all(a == b for a, b in gen["scores"].values())
     assert mc["documents_differing"] == gen["documents_differing"] == 0 and report["identical"]
+    # odmoe-completions (local-completions summing as hf sums) reports hf's log-likelihoods as they are
+    mc2, gen2 = report["odmoe_completions"]["odmoe_code_mc"], report["odmoe_completions"]["odmoe_code_gen"]
+    assert mc2["choices"] == mc2["ll_equal_as_reported"] == mc2["greedy_equal"] == 16
+    assert mc2["documents_differing"] == gen2["documents_differing"] == 0 and gen2["generations_equal"] == 4
     assert all(v > 0 for k, v in report["scoring"].items() if "tokens/s" in k or "," in k)
     assert (tmp_path / "eval.json").is_file()

@@ -10,7 +10,7 @@ import zmq
 from odmoe import LocalCluster
 from odmoe.transport.messages import ShadowEnded, from_frames
 from odmoe.transport.security import NodeSecurity, secure_client
-from tests.conftest import FAMILY_NAMES
+from tests.conftest import FAMILY_NAMES, FOCUSED_FAMILIES
 from tests.test_cluster_fidelity import PROMPTS, reference
 
 pytestmark = pytest.mark.integration
@@ -202,7 +202,7 @@ ALIGNMENTS = [(1, 1), (1, 0), (0, 1), (0, 0), (2, 4)]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", FAMILY_NAMES)
+@pytest.mark.parametrize("family", [*FAMILY_NAMES, *FOCUSED_FAMILIES])
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic"])
 def test_fidelity_matrix(family, precision, model_dirs, reap_children):
     """Every family x precision; the alignment setting rotates with the precision, faults injected."""

@@ -4,15 +4,18 @@ The same tasks run twice through lm-eval's own code:
 - `--model hf`: transformers in this process (float32, batch size 1, on as many threads as a node
   computes with: a CPU's float32 matmul rounds otherwise over another number of threads);
 - `--model local-completions`: a local cluster's OpenAI API (token-id prompts, `echo` + `logprobs`,
-  `temperature=0`), as a user points the harness at a server.
+  `temperature=0`), as a user points the harness at a server;
+- `--model odmoe-completions` (odmoe.serving.lm_eval_backend): local-completions summing each
+  choice's token logprobs in float32, as `hf` sums them.
 The tasks (benchmarks/eval/tasks/*.yaml: `odmoe_code_mc`, multiple choice by log-likelihood, and
 `odmoe_code_gen`, greedy generation; data from benchmarks/eval/make_tasks.py) run offline.
 
 Compared per document: each choice's log-likelihood and is-greedy flag, each generated text, each
 document's metrics, and every task score. The harness sums a request's token logprobs in float32 for
-`hf` (a tensor sum) and in float64 for the API (Python floats), so its per-choice numbers may differ in
-their last bits while every token's logprob is the same; the suite records the API's token logprobs
-as they arrive and sums them as `hf` does, which must give `hf`'s number to the bit.
+`hf` (a tensor sum) and in float64 for local-completions (Python floats), so local-completions'
+per-choice numbers may differ in their last bits while every token's logprob is the same; the suite
+records the API's token logprobs as they arrive and sums them as `hf` does, which must give `hf`'s
+number to the bit, and odmoe-completions must report `hf`'s numbers as they are.
 
 Then the cost of scoring: prompt tokens/s of `echo` + `max_tokens=0` requests against the cluster (one
 prompt per request, then `scoring_batch` prompts per request, which the cluster prefills together)
@@ -39,6 +42,7 @@ from odmoe.benchmarks.results import ResultsDir
 
 EVAL_DIR = Path(__file__).resolve().parent.parent / "eval"
 NODE_THREADS = 1  # conf/cluster/local.yaml: torch_threads of every local node
+API_BACKENDS = ("local-completions", "odmoe-completions")
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -56,22 +60,26 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         start = time.perf_counter()
         one = harness_hf(model_path, tasks_dir, suite.tasks, suite.limit)
         one_s = time.perf_counter() - start
+        seconds, backends = {"hf": one_s}, {}
         with odmoe.LocalCluster(model_path, overrides=cluster_words(cfg)) as cluster:
-            start = time.perf_counter()
-            api, sent = harness_api(
-                cluster, model_path, tasks_dir, suite.tasks, suite.limit, suite.num_concurrent
-            )
-            api_s = time.perf_counter() - start
+            for backend in API_BACKENDS:
+                start = time.perf_counter()
+                api, sent = harness_api(
+                    cluster, model_path, tasks_dir, suite.tasks, suite.limit, suite.num_concurrent, backend
+                )
+                seconds[backend] = time.perf_counter() - start
+                strict = backend == "odmoe-completions"  # its sums are hf's, as reported
+                backends[backend] = {name: compare(name, one, api, sent, strict) for name in suite.tasks}
             scoring = scoring_throughput(cluster, model_path, suite.scoring_prompts, suite.scoring_batch)
     finally:
         shutil.rmtree(tasks_dir, ignore_errors=True)
-    tasks = {name: compare(name, one, api, sent) for name in suite.tasks}
     report = {
-        "tasks": tasks,
-        "harness_seconds": {"hf": one_s, "local-completions": api_s},
+        "tasks": backends["local-completions"],
+        "odmoe_completions": backends["odmoe-completions"],
+        "harness_seconds": seconds,
         "num_concurrent": suite.num_concurrent,
         "scoring": scoring,
-        "identical": all(t["identical"] for t in tasks.values()),
+        "identical": all(t["identical"] for b in backends.values() for t in b.values()),
     }
     _print(report)
     out.write("eval", "eval", report)
@@ -118,10 +126,22 @@ def harness_hf(model_path: str, tasks_dir: Path, tasks: list[str], limit: int) -
         torch.set_num_threads(before)
 
 
-def harness_api(cluster, model_path: str, tasks_dir: Path, tasks: list[str], limit: int, concurrent: int):
-    """lm-eval's local-completions against the cluster; also what the API sent: each request's token
-    ids -> its continuation's token logprobs, as the harness read them."""
+def harness_api(
+    cluster,
+    model_path: str,
+    tasks_dir: Path,
+    tasks: list[str],
+    limit: int,
+    concurrent: int,
+    backend: str = "local-completions",
+):
+    """lm-eval's `backend` (one of API_BACKENDS) against the cluster; also what the API sent: each
+    request's token ids -> its continuation's token logprobs, as the harness read them."""
     from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    from odmoe.serving.lm_eval_backend import OdmoeCompletions
+
+    model_class = OdmoeCompletions if backend == "odmoe-completions" else LocalCompletionsAPI
 
     cert = str(cluster.key_dir / "tls" / "cert.pem")
     # the harness's requests read the key and the CA bundle from the environment in its synchronous path
@@ -140,7 +160,7 @@ def harness_api(cluster, model_path: str, tasks_dir: Path, tasks: list[str], lim
 
     LocalCompletionsAPI.parse_logprobs = staticmethod(recording)
     try:
-        lm = LocalCompletionsAPI(
+        lm = model_class(
             base_url=f"{cluster.http_url}/v1/completions",
             model=name,
             tokenizer=model_path,
@@ -163,8 +183,9 @@ def harness_api(cluster, model_path: str, tasks_dir: Path, tasks: list[str], lim
                 os.environ[k] = v
 
 
-def compare(task: str, one: dict, api: dict, sent: dict) -> dict:
-    """Document by document, `hf` against `local-completions`."""
+def compare(task: str, one: dict, api: dict, sent: dict, strict: bool = False) -> dict:
+    """Document by document, `hf` against an API backend; `strict`: each choice's log-likelihood
+    must equal hf's as the backend reports it (else once summed as hf sums)."""
     a = {s["doc_id"]: s for s in one["samples"][task]}
     b = {s["doc_id"]: s for s in api["samples"][task]}
     metrics = [k for k in one["results"][task] if "," in k and "stderr" not in k]
@@ -196,7 +217,7 @@ def compare(task: str, one: dict, api: dict, sent: dict) -> dict:
                 row["ll_max_abs_diff_as_reported"] = max(
                     row["ll_max_abs_diff_as_reported"], abs(hf_ll - api_ll)
                 )
-                same &= hf_ll == summed and hf_greedy == api_greedy
+                same &= hf_ll == (api_ll if strict else summed) and hf_greedy == api_greedy
         else:
             equal = x["filtered_resps"] == y["filtered_resps"]
             row["generations_equal"] += equal
@@ -248,8 +269,28 @@ def scoring_throughput(cluster, model_path: str, prompts: int, batch: int) -> di
 
 
 def _print(report: dict) -> None:
-    print("\nlm-evaluation-harness: --model hf (one process) vs --model local-completions (the cluster)")
-    for task, row in report["tasks"].items():
+    for backend, rows in (
+        ("local-completions", report["tasks"]),
+        ("odmoe-completions", report["odmoe_completions"]),
+    ):
+        print(f"\nlm-evaluation-harness: --model hf (one process) vs --model {backend} (the cluster)")
+        _print_rows(rows)
+    t = report["harness_seconds"]
+    print(
+        "harness wall time: "
+        + ", ".join(f"{k} {v:.0f} s" for k, v in t.items())
+        + f" (num_concurrent={report['num_concurrent']})"
+    )
+    s = report["scoring"]
+    print(f"prompt scoring (echo, max_tokens=0), {s['prompts']} prompts, {s['prompt_tokens']} tokens:")
+    for label, value in s.items():
+        if label not in ("prompts", "prompt_tokens"):
+            print(f"  {label:40s} {value:8.0f} tokens/s")
+    print(f"identical: {report['identical']}")
+
+
+def _print_rows(rows: dict) -> None:
+    for task, row in rows.items():
         scores = ", ".join(f"{m} {v[0]:.4f} / {v[1]:.4f}" for m, v in row["scores"].items())
         print(f"  {task:16s} {row['documents']} documents; scores hf / cluster: {scores}")
         if "choices" in row:
@@ -262,14 +303,3 @@ def _print(report: dict) -> None:
         else:
             print(f"  {'':16s} generations equal {row['generations_equal']} of {row['documents']}")
         print(f"  {'':16s} documents differing: {row['documents_differing']}")
-    t = report["harness_seconds"]
-    print(
-        f"harness wall time: hf {t['hf']:.0f} s, local-completions {t['local-completions']:.0f} s "
-        f"(num_concurrent={report['num_concurrent']})"
-    )
-    s = report["scoring"]
-    print(f"prompt scoring (echo, max_tokens=0), {s['prompts']} prompts, {s['prompt_tokens']} tokens:")
-    for label, value in s.items():
-        if label not in ("prompts", "prompt_tokens"):
-            print(f"  {label:40s} {value:8.0f} tokens/s")
-    print(f"identical: {report['identical']}")
