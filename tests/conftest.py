@@ -28,6 +28,7 @@ FOCUSED_FAMILIES = [
         "gpt_oss",
         "llama4_text",
         "llama4",
+        "ernie4_5_moe",
     )
     if f in FAMILIES
 ]

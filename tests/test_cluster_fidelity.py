@@ -115,11 +115,11 @@ LONG_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    for name in sorte
 
 
 @pytest.mark.extended
-@pytest.mark.parametrize("family", [*FAMILY_NAMES, "llama4"])
+@pytest.mark.parametrize("family", [*FAMILY_NAMES, "llama4", "ernie4_5_moe"])
 def test_bf16_cluster_with_bf16_shadow_every_family(family, model_dirs, reap_children):
     """Issue 27: at bf16 every family's tokens (decode with a bf16 shadow predicting, and batched
-    prefill) equal transformers' at bf16, DeepSeek's float32 routers included; Llama 4's bmm
-    experts too (its published wrapper, top-1)."""
+    prefill) equal transformers' at bf16, DeepSeek's and ERNIE's float32 routers included; Llama 4's
+    bmm experts too (its published wrapper, top-1)."""
     path = model_dirs[family]
     overrides = ["model.dtype=bfloat16", "shadow.precision=bf16", "prefill.mini_batch=4"]
     overrides.append("worker.cache=0")  # the shadow predicts for every request (none skipped: all cached)

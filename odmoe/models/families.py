@@ -99,6 +99,15 @@ FAMILIES: dict[str, Family] = {
         expert_layout="llama4",
         fused_module="feed_forward",
     ),
+    # ERNIE 4.5 MoE: Qwen's per-expert layout and experts; a float32 softmax router whose choice adds
+    # a correction bias (`moe_statics`), shared experts, the first layer dense
+    "ernie4_5_moe": Family(
+        "ernie4_5_moe",
+        num_experts_field="moe_num_experts",
+        top_k_field="moe_k",
+        renames=((".mlp.moe_statics.", ".mlp.gate.moe_statics."),),
+        **_MLP_STYLE,
+    ),
     # Phi-3.5-MoE: Mixtral's disk layout and expert MLP; its sparsemixer router runs on main as is
     "phimoe": Family(
         "phimoe",

@@ -231,12 +231,13 @@ def router_output(router: nn.Module, output) -> tuple[torch.Tensor, torch.Tensor
 def choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Tensor:
     """The scores a router ranks experts by, for its logits [..., E]; top-k of these is its choice.
 
-    Softmax for every family but DeepSeek-V3 and Llama 4 (a sigmoid, whose order is the logits'):
-    DeepSeek-V3's sigmoid scores plus `e_score_correction_bias`
-    decide (the bias moves the choice, not the weights). Where the router limits the choice to its
-    best `topk_group` of `n_group` expert groups (V3 always; V2 with `group_limited_greedy`), experts
-    of the other groups score -inf, so the top-(k+1) the shadow publishes are ones the router could
-    pick. Group ranking as transformers does it: V3 sums each group's best two, V2 takes the best.
+    Softmax for every family but these: Llama 4 takes a sigmoid (the logits' order); ERNIE 4.5 adds
+    its `moe_statics` correction bias to the softmax; DeepSeek-V3's sigmoid scores plus
+    `e_score_correction_bias` decide (the bias moves the choice, not the weights). Where the router
+    limits the choice to its best `topk_group` of `n_group` expert groups (V3 always; V2 with
+    `group_limited_greedy`), experts of the other groups score -inf, so the top-(k+1) the shadow
+    publishes are ones the router could pick. Group ranking as transformers does it: V3 sums each
+    group's best two, V2 takes the best.
     """
     return mask_groups(unmasked_choice_scores(router, logits), group_limit(router))
 
@@ -257,6 +258,9 @@ def unmasked_choice_scores(router: nn.Module, logits: torch.Tensor) -> torch.Ten
     logits = logits.float()
     if isinstance(router, Llama4Router):
         return logits.sigmoid()
+    statics = getattr(router, "moe_statics", None)  # ERNIE 4.5: softmax, plus a bias for the choice
+    if statics is not None:
+        return logits.softmax(dim=-1) + statics.e_score_correction_bias.float().squeeze(0)
     bias = getattr(router, "e_score_correction_bias", None)
     return logits.sigmoid() + bias if bias is not None else logits.softmax(dim=-1)
 

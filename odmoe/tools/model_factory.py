@@ -61,6 +61,7 @@ FAMILIES = (
     "gpt_oss",
     "llama4_text",
     "llama4",
+    "ernie4_5_moe",
 )
 # Published as vision-language checkpoints whose language model odmoe serves (models.families.WRAPPERS):
 # the factory makes the whole wrapper, with a vision tower as small as it goes.
@@ -73,6 +74,7 @@ DTYPES = ("float32", "float16", "bfloat16")
 # Random routers give nearly uniform probabilities, so top-k would hinge on noise; scaling the
 # router weights makes the choices decisive, closer to a trained model's routing.
 ROUTER_SCALE = 8.0
+ROUTER_WEIGHTS = ("mlp.gate.weight", "feed_forward.router.weight")
 # DeepSeek-V3's aux-loss-free balancing bias, added to the sigmoid scores for the choice only. A
 # random-init model would have it all zero; the factory draws it (std E_BIAS_STD) so it matters.
 E_BIAS_STD = 0.05
@@ -198,6 +200,8 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         return qwen3_5_moe_config(spec)
     if spec.family == "gpt_oss":
         return gpt_oss_config(spec, common)
+    if spec.family == "ernie4_5_moe":
+        return ernie4_5_moe_config(spec, common)
     if spec.family == "llama4_text":
         return llama4_text_config(spec, common)
     if spec.family == "llama4":
@@ -265,6 +269,22 @@ def gpt_oss_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
         num_local_experts=spec.experts,
         head_dim=spec.hidden // spec.heads,
         sliding_window=8,
+        **common,
+    )
+
+
+def ernie4_5_moe_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
+    """ERNIE 4.5 MoE in miniature: the first layer dense, then MoE layers with one shared expert
+    beside the routed ones; a float32 softmax router whose choice adds a correction bias (drawn)."""
+    from transformers import Ernie4_5_MoeConfig
+
+    return Ernie4_5_MoeConfig(
+        intermediate_size=spec.intermediate,
+        moe_intermediate_size=spec.intermediate,
+        moe_num_experts=spec.experts,
+        moe_num_shared_experts=1,
+        moe_layer_start_index=1 if spec.layers > 1 else 0,
+        head_dim=spec.hidden // spec.heads,
         **common,
     )
 
@@ -461,14 +481,15 @@ def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None 
     model = auto.from_config(hf_config(spec), dtype=getattr(torch, spec.dtype))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "feed_forward.router.weight")) or (
+            if name.endswith(ROUTER_WEIGHTS) or (
                 spec.family == "gpt_oss" and name.endswith("mlp.router.weight")
             ):
                 param.mul_(ROUTER_SCALE)
             if spec.family == "gpt_oss" and name.endswith(("_proj_bias", "router.bias", "self_attn.sinks")):
                 param.copy_(torch.randn(param.shape) * GPT_OSS_BIAS_STD)  # zero at init: make them count
-        for name, bias in model.named_buffers():
-            if name.endswith("mlp.gate.e_score_correction_bias"):
+        for name, bias in [*model.named_buffers(), *model.named_parameters()]:
+            # DeepSeek-V3's choice bias (a buffer), ERNIE 4.5's (a parameter): zero at init
+            if name.endswith(("mlp.gate.e_score_correction_bias", "moe_statics.e_score_correction_bias")):
                 bias.copy_(torch.randn(bias.shape) * E_BIAS_STD)
     _save_atomically(model, spec, Path(out_dir), max_shard_size, asdict(spec))
     log.info("wrote %s model to %s", spec.family, out_dir)
