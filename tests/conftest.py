@@ -15,23 +15,9 @@ FAMILY_NAMES = [
     f for f in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3") if f in FAMILIES
 ]
 DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
-# Families with focused tests of their own (tests/test_<family>.py) rather than a place in every
-# family-parametrized test: the default run's time budget
-FOCUSED_FAMILIES = [
-    f
-    for f in (
-        "glm4_moe",
-        "phimoe",
-        "qwen3_next",
-        "qwen3_5_moe_text",
-        "qwen3_5_moe",
-        "gpt_oss",
-        "llama4_text",
-        "llama4",
-        "ernie4_5_moe",
-    )
-    if f in FAMILIES
-]
+# Every other family the factory makes has focused tests (tests/test_focused_families.py) rather than
+# a place in every family-parametrized test: the default run's time budget
+FOCUSED_FAMILIES = [f for f in FAMILIES if f not in FAMILY_NAMES]
 
 
 # The default run's time budget (~15 min on 2 cores): these multi-process tests each start a
