@@ -721,8 +721,7 @@ class WorkerNode:
                 self.batches.popitem(last=False)
             return None
         del self.batches[key]
-        ordered = [parts[i] for i in range(request.parts)]
-        return torch.cat([rows for rows, _ in ordered]), [p for _, positions in ordered for p in positions]
+        return ComputeExpert.joined(parts)
 
     def _result(
         self,

@@ -42,7 +42,7 @@ class InProcessWorkers:
         self.pongs: dict = {}
         self.events: list = []
         self.inbox: list[tuple[int, list]] = []
-        self.batches: dict[tuple, dict[int, torch.Tensor]] = {}
+        self.batches: dict[tuple, dict[int, tuple[torch.Tensor, list[int]]]] = {}
         self.messages = 0  # compute messages received
         self.decode_messages = 0  # of which ComputeExperts: one per worker and decode layer, batched
 
@@ -85,9 +85,7 @@ class InProcessWorkers:
             parts[m.part] = (rows, m.positions)
             if len(parts) < m.parts:
                 return None
-            ordered = [parts[i] for i in range(m.parts)]
-            rows = torch.cat([r for r, _ in ordered])
-            positions = [p for _, ps in ordered for p in ps]
+            rows, positions = ComputeExpert.joined(parts)
             del self.batches[(m.step, m.expert)]
         gate_up, down = self._weights(m.step.layer, m.expert)
         shape = tuple(m.grouped_shape) or None

@@ -49,13 +49,21 @@ def _remote_experts_forward(module, hidden, top_k_index, top_k_weights):
 ALL_EXPERTS_FUNCTIONS.register(REMOTE, _remote_experts_forward)
 
 
+def llama4_choice(
+    top_k: int, scores: torch.Tensor, logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama 4's router output (scores [T, E], logits [T, E]) as (top_k_index, top_k_weights): the
+    top-k logits by the router's own `topk` call (so ties break alike) and their scores."""
+    top_k_index = torch.topk(logits, top_k, dim=1).indices
+    return top_k_index, scores.gather(1, top_k_index)
+
+
 def _llama4_moe_forward(self, hidden_states):
-    """Llama4TextMoe.forward with the routed experts remote: the same router, the same top-k (its
-    own call, so ties break alike), the same shared expert and in-place add."""
+    """Llama4TextMoe.forward with the routed experts remote: the same router and choice, the same
+    shared expert and in-place add."""
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_scores, router_logits = self.router(hidden_states)
-    top_k_index = torch.topk(router_logits, self.top_k, dim=1).indices
-    top_k_weights = router_scores.gather(1, top_k_index)
+    top_k_index, top_k_weights = llama4_choice(self.top_k, router_scores, router_logits)
     experts = self.experts
     routed = experts.odmoe_call(experts.odmoe_layer, hidden_states, top_k_index, top_k_weights)
     out = self.shared_expert(hidden_states)

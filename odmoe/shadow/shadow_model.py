@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.models.llama4.modeling_llama4 import Llama4Router
 
-from odmoe.models.main_model import experts_modules_named
+from odmoe.models.main_model import experts_modules_named, llama4_choice
 from odmoe.shadow.hedging import GroupLimit
 
 PRECISIONS = ("fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic")
@@ -220,11 +220,11 @@ def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Mod
 def router_output(router: nn.Module, output) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A router call's (logits [T, E], top_k_weights [T, k], top_k_index [T, k]), as transformers'
     experts interface has them; Llama 4's router returns (scores [T, E], logits [T, E]) instead,
-    its choice the top-k logits (the same `topk` call as its own) and its weights their sigmoid."""
+    read as main reads it (`llama4_choice`)."""
     if isinstance(router, Llama4Router):
         scores, logits = output
-        index = torch.topk(logits, router.top_k, dim=1).indices
-        return logits, scores.gather(1, index), index
+        index, weights = llama4_choice(router.top_k, scores, logits)
+        return logits, weights, index
     return output
 
 

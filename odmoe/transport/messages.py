@@ -53,6 +53,13 @@ class ComputeExpert:
     positions: list[int] = field(default_factory=list)
     kind: str = "compute"
 
+    @staticmethod
+    def joined(parts: dict[int, tuple[torch.Tensor, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+        """One expert's prefill mini-batches, part index -> (rows [n, H], their positions), as
+        the whole batch: the rows concatenated in part order, and their positions."""
+        ordered = [parts[i] for i in range(len(parts))]
+        return torch.cat([rows for rows, _ in ordered]), [p for _, positions in ordered for p in positions]
+
     def positions_problem(self, rows: int) -> str:
         """What is wrong with `positions` for `rows` rows, or "": the bmm kernel and its
         [rows, experts], one distinct position per row, each within the reference's rows."""
