@@ -510,6 +510,13 @@ def validate(cfg: BenchConfig) -> None:
         or g.dtype not in ("bfloat16", "float16", "float32")
     ):
         raise ValueError("gpu: new_tokens >= 2, a known shadow_precision and dtype bfloat16/float16/float32")
+    groups = g.workers // max(g.group_size, 1)
+    if "odmoe" in g.systems and (g.workers % max(g.group_size, 1) or groups > g.layers):
+        # each worker stores only its group's layers (worker.only_own_layers): a group needs a layer
+        raise ValueError(
+            f"gpu: workers={g.workers} in groups of {g.group_size} must make at most gpu.layers={g.layers} "
+            "groups (each worker stores only its group's layers)"
+        )
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")
 

@@ -8,7 +8,9 @@
 #                                                           #   LAYERS default 4, 2 for a safe first run)
 #     bash benchmarks/gpu_session.sh "$OUT" part3           # install, gpu whole-cluster tests (<=420 s)
 #   also:   install (install and versions only; runs without a GPU too), all (part1..3 in a row, for a
-#           box with no 10-minute limit: ~15-20 min).
+#           box with no 10-minute limit: ~15-20 min), lease (one call for a 15-minute lease, timeout_s
+#           600: every gpu test at once on the box's cores within TESTS_S=200 s, then suite gpu at
+#           LAYERS within BENCH_S=320 s; writes session, gpu-tests .txt/.xml, gpu-bench.txt, gpu.json/.png).
 # Install (offline, every part: the box may be a fresh one): .whl/*.whl into $SITE (default /tmp/site)
 # with PYTHONPATH=$SITE ahead of the image's packages, then odmoe itself editable into the box's Python
 # (--no-index --no-build-isolation: the image's setuptools builds it). Every part writes
@@ -18,7 +20,7 @@
 # A step is bounded by `timeout`; a failing or timed-out step does not stop the next. BENCH_ARGS: more
 # odmoe-bench words for part2 (e.g. the CPU dry run: gpu.device=cpu gpu.hidden=64 gpu.intermediate=128 ...).
 set -u
-OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT_DIR part1|part2|part3|install|all [LAYERS]}
+OUT=${1:?usage: bash benchmarks/gpu_session.sh OUT_DIR part1|part2|part3|lease|install|all [LAYERS]}
 PART=${2:-all}
 LAYERS=${3:-4}
 SITE=${SITE:-/tmp/site}
@@ -116,6 +118,17 @@ part2() {  # suite gpu. Its model: LAYERS x 8 experts x 352 MB, bf16 (4 layers: 
 part3() {  # the gpu-marked whole-cluster tests: every family + 3 quantized shadows (~3-6 min)
   step gpu-cluster-tests 420 "${PYTEST[@]}" -m "gpu and integration" --junitxml="$OUT/gpu-cluster-tests.xml"
 }
+lease() {  # all of it in one call of a 15-minute lease (timeout_s 600): every gpu test at once, spread
+  # over the box's cores (pytest-xdist, in its image; nodes bind port 0), then suite gpu with the
+  # systems in the order that matters most (the reference first; the suite writes its JSON after each
+  # system, so a system cut off by the step's limit leaves the others' figures)
+  local workers=()
+  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${XDIST:-5}")
+  step gpu-tests "${TESTS_S:-200}" "${PYTEST[@]}" "${workers[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
+  step gpu-bench "${BENCH_S:-320}" "$PY" -m odmoe.launch.bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
+    gpu.model_dir="/tmp/odmoe-gpu-model-$LAYERS" gpu.timeout_s=240 \
+    'gpu.systems=[single_process,odmoe,lru_offloader,accelerate_offload]' ${BENCH_ARGS:-}
+}
 
 say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
@@ -125,7 +138,8 @@ case "$PART" in
   part1) part1 ;;
   part2) part2 ;;
   part3) part3 ;;
+  lease) lease ;;
   all) part1; part2; part3 ;;
-  *) say "unknown part '$PART': part1|part2|part3|install|all"; exit 2 ;;
+  *) say "unknown part '$PART': part1|part2|part3|lease|install|all"; exit 2 ;;
 esac
 say "done $PART in $((SECONDS - t_start))s $(date -u +%FT%TZ)"

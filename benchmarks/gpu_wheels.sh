@@ -49,6 +49,8 @@ WHEELS=(
   cryptography==48.0.0           # missing: odmoe-keys, authenticated transport
   cffi==2.0.0                    # cryptography (>=2.0.0)
   pycparser==3.0                 # cffi
+  greenlet==3.5.6                # missing: main and the shadow step batched requests (lockstep.py)
+  regex==2026.5.9                # box's unknown; transformers 5.23 needs >=2025.10.22
 )
 # Published as a source archive only (pure Python): built into a wheel here.
 SDISTS=(

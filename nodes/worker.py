@@ -108,7 +108,15 @@ class WorkerNode:
         dtype = expert_dtype(checkpoint.config, resolve_dtype(cfg.model.dtype, checkpoint))
         layers = checkpoint.moe_layers
         self.layer_rank = {layer: i for i, layer in enumerate(layers)}  # main's order of decode layers
+        moe_layers = len(layers)
         layers = self.topology.stored_layers(self.index, layers)
+        if not layers:
+            raise ValueError(
+                f"worker {self.index} would hold no experts: with worker.only_own_layers its group stores "
+                f"only its own layers, and the model has {moe_layers} MoE layer(s) for "
+                f"{self.topology.groups} groups; use at most {moe_layers} group(s) (cluster.workers / "
+                "cluster.group_size) or worker.only_own_layers=false"
+            )
         start = time.perf_counter()
         w = cfg.worker
         device = compute_device(cfg.worker.device)

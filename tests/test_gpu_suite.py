@@ -46,6 +46,9 @@ def test_gpu_suite_config_is_checked():
     validate(BenchConfig(suite="gpu"))
     with pytest.raises(ValueError, match="gpu.systems"):
         validate(BenchConfig(suite="gpu", gpu=GpuSuite(systems=["vllm"])))
+    with pytest.raises(ValueError, match="at most gpu.layers=1 groups"):
+        validate(BenchConfig(suite="gpu", gpu=GpuSuite(layers=1)))  # 4 workers in 2 groups
+    validate(BenchConfig(suite="gpu", gpu=GpuSuite(layers=1, workers=2)))
 
 
 def test_gpu_suite_dry_run_on_cpu(tmp_path):
@@ -67,6 +70,40 @@ def test_gpu_suite_dry_run_on_cpu(tmp_path):
     assert "offloaded_modules" in report["systems"]["accelerate_offload"]  # accelerate's placement
     written = json.loads((tmp_path / "results" / "gpu.json").read_text())
     assert written["bus_peak_bytes_per_s"] is None and (tmp_path / "results" / "gpu.png").is_file()
+
+
+def test_gpu_suite_reports_a_failed_system_and_keeps_the_others(tmp_path, monkeypatch):
+    """One system failing (here accelerate's process, made to run out of time) is named with its
+    error; the other's figures are still measured, written and drawn."""
+    import subprocess
+
+    from odmoe.benchmarks.results import ResultsDir
+    from odmoe.benchmarks.suites import gpu
+
+    measure = gpu._process
+
+    def accelerate_times_out(g, model_path, system, *rest):
+        if system == "accelerate_offload":
+            raise subprocess.TimeoutExpired(["baselines", system], g.timeout_s)
+        return measure(g, model_path, system, *rest)
+
+    monkeypatch.setattr(gpu, "_process", accelerate_times_out)
+    g = GpuSuite(
+        **DRY,
+        systems=["accelerate_offload", "single_process"],
+        model_dir=str(tmp_path / "model"),
+        new_tokens=2,
+        repeats=1,
+    )
+    cfg = BenchConfig(suite="gpu", results_dir=str(tmp_path / "results"), gpu=g)
+    path = gpu.prepare(cfg)
+    report = gpu.run(cfg, path, ResultsDir(cfg, path))
+    assert list(report["failed"]) == ["accelerate_offload"]
+    assert "TimeoutExpired" in report["failed"]["accelerate_offload"]
+    assert report["systems"]["single_process"]["tokens_equal_single_process"]
+    written = json.loads((tmp_path / "results" / "gpu.json").read_text())
+    assert set(written["systems"]) == {"single_process"} and set(written["failed"]) == {"accelerate_offload"}
+    assert (tmp_path / "results" / "gpu.png").is_file()
 
 
 @pytest.mark.integration

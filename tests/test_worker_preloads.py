@@ -198,3 +198,18 @@ def test_a_prefill_call_of_another_request_does_not_end_the_decode_stream(worker
     hidden = torch.randn(4, worker.store.gate_up_shape[1])
     worker.compute(ComputeExpert(step=Step("newcomer", 0, 2), expert=1, kernel="eager"), hidden)
     assert worker.schedule.request == "stream" and [s.holds for s in worker.slots.held()] == [(0, 3)]
+
+
+def test_a_worker_whose_group_stores_no_layer_says_so(model_dirs):
+    """More groups than MoE layers, each group storing only its own layers: the last group would hold
+    nothing (the gpu suite at 1 layer met this as an IndexError deep in the store)."""
+    from odmoe.models.checkpoint import Checkpoint
+
+    layers = len(Checkpoint(model_dirs["mixtral"]).moe_layers)
+    last = 2 * layers  # worker index of the first worker of group `layers` (groups of 2)
+    words = [f"worker.index={last}", f"model.path={model_dirs['mixtral']}", "security.enabled=false"]
+    words += [f"cluster.workers={last + 2}", "cluster.group_size=2", "worker.only_own_layers=true"]
+    words += ["role=worker", "worker.replicas=1"]
+    match = f"worker {last} would hold no experts.*{layers} MoE layer.*{layers + 1} groups"
+    with pytest.raises(ValueError, match=match):
+        WorkerNode(compose(words), model_dirs["mixtral"])

@@ -115,16 +115,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     expert_bytes = ckpt.expert(ckpt.moe_layers[0], 0).nbytes
     bus = _bus_peak(g)
     systems: dict[str, dict] = {}
+    failed: dict[str, str] = {}
     budget = g.accelerate_gpu_memory or str(_odmoe_weight_bytes(ckpt, g, expert_bytes))
-    for system in g.systems:
-        print(f"-- {system}", flush=True)
-        if system == "odmoe":
-            systems[system] = _odmoe(g, model_path, prompts)
-        else:
-            systems[system] = _process(g, model_path, system, prompts, budget)
-    reference = systems.get("single_process", {}).get("token_ids")
-    for s in systems.values():
-        s["tokens_equal_single_process"] = None if reference is None else s["token_ids"] == reference
     report = {
         "device": g.device,
         "gpu": torch.cuda.get_device_name(torch.device(g.device)) if g.device.startswith("cuda") else None,
@@ -132,13 +124,36 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         "bus_peak_bytes_per_s": bus,
         "accelerate_gpu_memory": budget,
         "systems": systems,
+        "failed": failed,
     }
+    for system in g.systems:
+        print(f"-- {system}", flush=True)
+        # A GPU box is lent by the minute: one system that fails or runs out of time must not take the
+        # others' figures with it, so each is recorded as it ends and the JSON rewritten each time.
+        try:
+            if system == "odmoe":
+                systems[system] = _odmoe(g, model_path, prompts)
+            else:
+                systems[system] = _process(g, model_path, system, prompts, budget)
+        except Exception as e:  # noqa: BLE001 - any failure of one system is reported, not fatal
+            failed[system] = f"{type(e).__name__}: {e}"
+            print(f"-- {system} FAILED: {failed[system]}", flush=True)
+        _compare_tokens(systems)
+        out.write("gpu", "gpu", report)
     _print(report)
-    out.write("gpu", "gpu", report)
-    plots.gpu(
-        report, out.path("gpu", "png"), f"{g.layers} layers x {g.experts} experts, {g.new_tokens} new tokens"
-    )
+    if systems:
+        plots.gpu(
+            report,
+            out.path("gpu", "png"),
+            f"{g.layers} layers x {g.experts} experts, {g.new_tokens} new tokens",
+        )
     return report
+
+
+def _compare_tokens(systems: dict[str, dict]) -> None:
+    reference = systems.get("single_process", {}).get("token_ids")
+    for s in systems.values():
+        s["tokens_equal_single_process"] = None if reference is None else s["token_ids"] == reference
 
 
 def _bus_peak(g: GpuSuite) -> float | None:
@@ -222,6 +237,8 @@ def _print(report: dict) -> None:
             f"{name:20} {fmt(statistics.mean(s['decode_tokens_per_s']), 13, '.2f')} "
             f"{fmt(statistics.mean(s['ttft_s']), 8, '.3f')} {peaks:>30}  {s['tokens_equal_single_process']}"
         )
+    for name, why in report["failed"].items():
+        print(f"{name:20} FAILED: {why}")
     odmoe = report["systems"].get("odmoe")
     if odmoe and odmoe.get("load_bytes_per_s"):
         print(
