@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", required=True)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--lru-experts", type=int, default=16)
+    parser.add_argument("--warmup-tokens", type=int, default=4, help="new tokens of the warm-up request")
     parser.add_argument("--bandwidth-gbps", type=float, default=0.0)
     parser.add_argument("--latency-ms", type=float, default=0.0)
     parser.add_argument("--dtype", default="auto", help="auto (as saved) | bfloat16 | float16 | float32")
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
         args.system, args.model, args.lru_experts, link, args.dtype, args.device, args.gpu_memory
     )
     cells = json.loads(open(args.cells).read())
-    timed_generate(model, cells[0]["prompts"][0], 4, args.device)  # warm-up, as the clusters get
+    timed_generate(model, cells[0]["prompts"][0], args.warmup_tokens, args.device)  # as the clusters get
     results = []
     for cell in cells:
         hits, misses = (lru.hits, lru.misses) if lru else (0, 0)

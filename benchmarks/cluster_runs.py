@@ -51,6 +51,7 @@ def run_cluster(
     prompts: list[list[int]],
     new_tokens: int,
     warmup: bool = True,
+    warmup_tokens: int = 4,
     per_prompt_tokens: list[int] | None = None,
     place=None,
 ) -> ClusterRun:
@@ -59,7 +60,7 @@ def run_cluster(
     lengths = per_prompt_tokens or [new_tokens] * len(prompts)
     with odmoe.LocalCluster(model_path, overrides=words, place=place) as cluster:
         if warmup:  # first-request costs (allocations, lazy imports) are not what we measure
-            cluster.client.generate(prompts[0], max_new_tokens=min(new_tokens, 4))
+            cluster.client.generate(prompts[0], max_new_tokens=min(new_tokens, warmup_tokens))
         for ids, tokens in zip(prompts, lengths, strict=True):
             before, client, start = cluster.cpu_seconds(), time.process_time(), time.perf_counter()
             result = cluster.client.generate(ids, max_new_tokens=tokens)

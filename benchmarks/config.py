@@ -34,7 +34,7 @@ SUITES = (
     "gpu",
     "quick",
 )
-GPU_SYSTEMS = ("odmoe", "single_process", "accelerate_offload", "lru_offloader")
+GPU_SYSTEMS = ("odmoe", "odmoe_cache", "single_process", "accelerate_offload", "lru_offloader")
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
 GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
 
@@ -511,7 +511,7 @@ def validate(cfg: BenchConfig) -> None:
     ):
         raise ValueError("gpu: new_tokens >= 2, a known shadow_precision and dtype bfloat16/float16/float32")
     groups = g.workers // max(g.group_size, 1)
-    if "odmoe" in g.systems and (g.workers % max(g.group_size, 1) or groups > g.layers):
+    if {"odmoe", "odmoe_cache"} & set(g.systems) and (g.workers % max(g.group_size, 1) or groups > g.layers):
         # each worker stores only its group's layers (worker.only_own_layers): a group needs a layer
         raise ValueError(
             f"gpu: workers={g.workers} in groups of {g.group_size} must make at most gpu.layers={g.layers} "

@@ -124,10 +124,12 @@ lease() {  # all of it in one call of a 15-minute lease (timeout_s 600): every g
   # system, so a system cut off by the step's limit leaves the others' figures)
   local workers=()
   "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${XDIST:-5}")
-  step gpu-tests "${TESTS_S:-200}" "${PYTEST[@]}" "${workers[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
+  local only=()  # TESTS_K: a -k expression, to rerun some tests on a second call
+  [ -n "${TESTS_K:-}" ] && only=(-k "$TESTS_K")
+  step gpu-tests "${TESTS_S:-200}" "${PYTEST[@]}" "${workers[@]}" "${only[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
   step gpu-bench "${BENCH_S:-320}" "$PY" -m odmoe.launch.bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
     gpu.model_dir="/tmp/odmoe-gpu-model-$LAYERS" gpu.timeout_s=240 \
-    'gpu.systems=[single_process,odmoe,lru_offloader,accelerate_offload]' ${BENCH_ARGS:-}
+    'gpu.systems=[single_process,odmoe,odmoe_cache,lru_offloader,accelerate_offload]' ${BENCH_ARGS:-}
 }
 
 say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"
