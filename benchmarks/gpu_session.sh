@@ -9,7 +9,7 @@
 #     bash benchmarks/gpu_session.sh "$OUT" part3           # install, gpu whole-cluster tests (<=420 s)
 #   also:   install (install and versions only; runs without a GPU too), all (part1..3 in a row, for a
 #           box with no 10-minute limit: ~15-20 min), lease (one call for a 15-minute lease, timeout_s
-#           600: every gpu test at once on the box's cores within TESTS_S=200 s, then suite gpu at
+#           600: every gpu test at once on the box's cores within TESTS_S=240 s, then suite gpu at
 #           LAYERS within BENCH_S=320 s; writes session, gpu-tests .txt/.xml, gpu-bench.txt, gpu.json/.png).
 # Install (offline, every part: the box may be a fresh one): .whl/*.whl into $SITE (default /tmp/site)
 # with PYTHONPATH=$SITE ahead of the image's packages, then odmoe itself editable into the box's Python
@@ -123,10 +123,10 @@ lease() {  # all of it in one call of a 15-minute lease (timeout_s 600): every g
   # systems in the order that matters most (the reference first; the suite writes its JSON after each
   # system, so a system cut off by the step's limit leaves the others' figures)
   local workers=()
-  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${XDIST:-5}")
+  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${XDIST:-8}")
   local only=()  # TESTS_K: a -k expression, to rerun some tests on a second call
   [ -n "${TESTS_K:-}" ] && only=(-k "$TESTS_K")
-  step gpu-tests "${TESTS_S:-200}" "${PYTEST[@]}" "${workers[@]}" "${only[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
+  step gpu-tests "${TESTS_S:-240}" "${PYTEST[@]}" "${workers[@]}" "${only[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
   step gpu-bench "${BENCH_S:-320}" "$PY" -m odmoe.launch.bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
     gpu.model_dir="/tmp/odmoe-gpu-model-$LAYERS" gpu.timeout_s=240 \
     'gpu.systems=[single_process,odmoe,odmoe_cache,lru_offloader,accelerate_offload]' ${BENCH_ARGS:-}

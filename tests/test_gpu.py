@@ -6,7 +6,7 @@
    per node in the stats;
 3. exactness: the worker's expert kernel equals transformers' experts module on the GPU, and a whole
    cluster on the GPU gives the tokens of `generate(do_sample=False)` on the same device and dtype,
-   for each family, through prefill and decode.
+   for each family (the core six and the focused ones), through prefill and decode.
 
     python -m pytest -m gpu tests/test_gpu.py
 """
@@ -23,7 +23,7 @@ from odmoe.models.expert_math import combine, expert_forward, split_by_expert
 from odmoe.models.main_model import build_main_model
 from odmoe.shadow.shadow_model import load_shadow_model, router_modules
 from odmoe.worker.expert_store import DeviceSlots, ExpertStore
-from tests.conftest import FAMILY_NAMES
+from tests.conftest import FAMILY_NAMES, FOCUSED_FAMILIES
 from tests.tiny_configs import TINY
 
 pytestmark = [
@@ -166,6 +166,18 @@ def test_cluster_on_cuda_equals_generate(family, model_dirs, reap_children):
         assert set(peaks) == {"main", "shadow", "worker0", "worker1", "worker2", "worker3"}
         assert all(b > 0 for b in peaks.values()), peaks
         assert got.stats["worker_load_s"] > 0 and got.stats["bytes_loaded"] > 0
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", FOCUSED_FAMILIES)
+def test_focused_family_cluster_on_cuda_equals_generate(family, model_dirs, reap_children):
+    """The families added after the core six (GLM-4.5, Phi-3.5-MoE, Qwen3-Next, Qwen3.5-MoE, gpt-oss,
+    Llama 4, ERNIE 4.5): their experts' kernels (gpt-oss's transposed layout, Llama 4's bmm) on CUDA."""
+    path = model_dirs[family]
+    with LocalCluster(path, workers=2, group_size=2, overrides=gpu_words()) as cluster:
+        for prompt in PROMPTS:
+            got = cluster.client.generate(prompt, max_new_tokens=NEW_TOKENS)
+            assert got.token_ids == reference_on(path, prompt, torch.bfloat16), f"{family} on {prompt!r}"
 
 
 @pytest.mark.integration
