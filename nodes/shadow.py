@@ -134,7 +134,6 @@ class _Choice:
 class ShadowNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.cfg, self.scfg, self.emulation = cfg, cfg.shadow, cfg.emulation
-        self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size)
         self.alignment = cfg.alignment
         self.first_wait = make_plan(cfg.alignment).next_after(0)  # main's plan says the same
         config, _ = served_config(AutoConfig.from_pretrained(model_path))  # a wrapper's text model
@@ -158,6 +157,8 @@ class ShadowNode:
         else:
             self.weight_bytes = 0
         self.moe_layers = sorted(self._router_layers(config))
+        # the topic of a layer's predictions is its group, as main and the workers place it
+        self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size).for_model(self.moe_layers)
         self.ctx = zmq.Context.instance()
         sec = cfg.security
         self.security = NodeSecurity.load(sec.enabled, sec.key_dir, sec.node_name("shadow", 0))

@@ -101,8 +101,8 @@ def compute_device(name: str) -> torch.device:
 class WorkerNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.index = cfg.worker.index
-        self.topology = cfg.topology
         checkpoint = Checkpoint(model_path)
+        self.topology = cfg.topology.for_model(checkpoint.moe_layers)
         self.mlp = expert_mlp(checkpoint.config, checkpoint.family.expert_layout)  # what an expert computes
         # The experts' dtype as from_pretrained would load them (not always model.dtype: load_dtypes).
         dtype = expert_dtype(checkpoint.config, resolve_dtype(cfg.model.dtype, checkpoint))

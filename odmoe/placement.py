@@ -2,7 +2,10 @@
 
 Workers are numbered 0..N-1 and split into G = N / group_size round-robin groups; worker w belongs
 to group w // group_size. MoE layer l belongs to group l mod G (paper §3.1), so while one group
-computes layer l the next groups are already loading layers l+1, l+2, ... Main, the shadow and the
+computes layer l the next groups are already loading layers l+1, l+2, ... Here l is the layer's rank
+among the model's MoE layers (`Topology.for_model`), not its index: a model with dense layers
+between (Llama 4 Maverick's MoE on every other layer) would otherwise leave half the groups without
+a layer when G is even. Main, the shadow and the
 workers all call these functions, so they agree on placement without exchanging it; the only thing
 main sends is the set of live workers (`Membership`), so that predictions are dealt the same way
 on both sides after a worker is lost.
@@ -22,8 +25,9 @@ price: a token whose experts share a home is computed by one worker of the group
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 WorkerId = int
 
@@ -38,6 +42,10 @@ class Topology:
     group_size: int
     replicas: int = 0  # 0: every worker stores every layer; R: each layer on R groups (own + R-1 next)
     homes: bool = False  # each expert to its home worker (the workers cache): see the module's doc
+    # The model's MoE layers, ascending: a layer's group is its rank among them modulo the groups, so
+    # models with dense layers between (Llama 4 Maverick: every other one) use every group. Empty: the
+    # layer index itself (a model whose every layer from 0 on is MoE gets the same either way).
+    moe_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -57,8 +65,16 @@ class Topology:
     def groups(self) -> int:
         return self.workers // self.group_size
 
+    def for_model(self, moe_layers: list[int] | tuple[int, ...]) -> Topology:
+        """This topology over a model's MoE layers (main, the shadow and the workers all use it)."""
+        return replace(self, moe_layers=tuple(sorted(moe_layers)))
+
+    def rank(self, layer: int) -> int:
+        """The layer's place among the model's MoE layers (its index where none are given)."""
+        return bisect_left(self.moe_layers, layer) if layer in self.moe_layers else layer
+
     def group_of_layer(self, layer: int) -> int:
-        return layer % self.groups
+        return self.rank(layer) % self.groups
 
     def group_of_worker(self, worker: WorkerId) -> int:
         return worker // self.group_size
@@ -124,11 +140,15 @@ class Topology:
         self, layer: int, experts: list[int], live: Collection[WorkerId] | None = None
     ) -> dict[int, WorkerId]:
         """The layer's experts, ascending, dealt round-robin over its serving group (one each when
-        k == g); with `homes`, each to its home."""
+        k == g), starting one member further at each of the group's successive MoE layers; with
+        `homes`, each to its home."""
         members = self.serving_group(layer, live)
         if self.homes:
             return {e: members[e % len(members)] for e in experts}
-        return {e: members[i % len(members)] for i, e in enumerate(sorted(experts))}
+        # with fewer experts than members (a top-1 model in groups of 2), always starting at the first
+        # member would leave the others without a decode expert, ever
+        turn = self.rank(layer) // self.groups
+        return {e: members[(i + turn) % len(members)] for i, e in enumerate(sorted(experts))}
 
     def home(self, layer: int, expert: int, live: Collection[WorkerId] | None = None) -> WorkerId | None:
         """The worker that keeps `expert` of `layer` in its cache (None: no live worker serves it)."""

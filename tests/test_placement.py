@@ -18,6 +18,27 @@ def test_decode_placement_one_expert_per_group_member():
     assert topo.decode_placement(layer=0, experts=[5, 1, 3]) == {1: 0, 3: 1, 5: 0}
 
 
+def test_decode_placement_turns_over_a_group_s_layers():
+    """A top-1 model: a group's successive MoE layers start at successive members, so none idles."""
+    topo = Topology(workers=4, group_size=2)
+    assert [topo.decode_placement(layer, [5]) for layer in range(6)] == [
+        {5: 0},
+        {5: 2},
+        {5: 1},
+        {5: 3},
+        {5: 0},
+        {5: 2},
+    ]
+    assert topo.decode_placement(layer=2, experts=[5, 1]) == {1: 1, 5: 0}  # still one each
+    maverick = Topology(workers=2, group_size=2).for_model([1, 3, 5, 7])  # by rank, not index
+    assert [maverick.decode_placement(layer, [5]) for layer in (1, 3, 5, 7)] == [
+        {5: 0},
+        {5: 1},
+        {5: 0},
+        {5: 1},
+    ]
+
+
 def test_prefill_spreads_over_all_workers():
     assert Topology(workers=3, group_size=1).prefill_placement([0, 1, 2, 3, 4]) == {
         0: 0,
@@ -112,3 +133,33 @@ def test_only_unanswered_calls_of_lost_workers_are_resent():
     }
     assert owed_calls(calls, lost={1}) == {3: 1}
     assert owed_calls(calls, lost={0, 2}) == {1: 0, 4: 2}
+
+
+def test_groups_take_a_model_s_moe_layers_by_rank():
+    """Llama 4 Maverick: MoE on every other layer. By index, 2 groups would get layers 1, 3, 5, 7 all
+    in group 1; by rank among the MoE layers they alternate."""
+    topo = Topology(workers=4, group_size=2).for_model([7, 1, 5, 3])
+    assert topo.moe_layers == (1, 3, 5, 7)
+    assert [topo.group_of_layer(layer) for layer in (1, 3, 5, 7)] == [0, 1, 0, 1]
+    assert topo.stored_layers(0, [1, 3, 5, 7]) == [1, 3, 5, 7]  # replicas=0: every worker stores all
+    own = Topology(workers=4, group_size=2, replicas=1).for_model([1, 3, 5, 7])
+    assert own.stored_layers(0, [1, 3, 5, 7]) == [1, 5] and own.stored_layers(2, [1, 3, 5, 7]) == [3, 7]
+    # a model whose every layer from 0 on is MoE: rank = index, the same groups as before
+    every = Topology(workers=4, group_size=2).for_model([0, 1, 2, 3])
+    assert [every.group_of_layer(layer) for layer in range(4)] == [0, 1, 0, 1]
+
+
+@pytest.mark.integration
+def test_interleaved_moe_layers_use_every_group(model_dirs, reap_children):
+    """llama4_text (MoE on layers 1 and 3) over 2 groups that store only their own layers: each group
+    gets one MoE layer (by index both were group 1's, and group 0's workers could not start)."""
+    from odmoe import LocalCluster
+    from tests.test_cluster_fidelity import PROMPTS, reference
+
+    path = model_dirs["llama4_text"]
+    words = ["worker.only_own_layers=true", "worker.replicas=1"]
+    with LocalCluster(path, workers=4, group_size=2, overrides=words) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=12)
+    want, _ = reference(path, PROMPTS[0], new_tokens=12)
+    assert got.token_ids == want
+    assert set(got.stats["per_worker"]) == {"worker0", "worker1", "worker2", "worker3"}

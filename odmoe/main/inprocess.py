@@ -112,7 +112,8 @@ def engine_in_process(
 
     checkpoint = Checkpoint(path)
     main = build_main_model(checkpoint, dtype)
-    members = InProcessWorkers(checkpoint, Topology(workers, group_size), dtype)
+    topology = Topology(workers, group_size).for_model(checkpoint.moe_layers)
+    members = InProcessWorkers(checkpoint, topology, dtype)
     experts = RemoteExperts(members, checkpoint.num_experts, main.kernel)
     engine = MainEngine(main, AutoTokenizer.from_pretrained(path), experts, batching=Batching(**batching))
     return engine, members
