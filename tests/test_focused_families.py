@@ -98,8 +98,8 @@ def test_a_cluster_serves_it_exactly(words, model_dirs, family, reap_children):
 def test_a_lost_worker_changes_no_token(model_dirs, family, reap_children):
     path = model_dirs[family]
     want, _ = reference(path, PROMPTS[0], new_tokens=24)
-    # the paper's placement: a group's successive MoE layers start at successive members, so a top-1
-    # model (Llama 4) asks both workers in decode and losing either costs work, never a token
+    # worker 0: the paper's placement deals a layer's experts from the group's first worker on, so a
+    # top-1 model (Llama 4) asks only it in decode
     words = ["preset=paper", "fault.node=worker0", "fault.iteration=6"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=24)

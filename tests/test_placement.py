@@ -18,27 +18,6 @@ def test_decode_placement_one_expert_per_group_member():
     assert topo.decode_placement(layer=0, experts=[5, 1, 3]) == {1: 0, 3: 1, 5: 0}
 
 
-def test_decode_placement_turns_over_a_group_s_layers():
-    """A top-1 model: a group's successive MoE layers start at successive members, so none idles."""
-    topo = Topology(workers=4, group_size=2)
-    assert [topo.decode_placement(layer, [5]) for layer in range(6)] == [
-        {5: 0},
-        {5: 2},
-        {5: 1},
-        {5: 3},
-        {5: 0},
-        {5: 2},
-    ]
-    assert topo.decode_placement(layer=2, experts=[5, 1]) == {1: 1, 5: 0}  # still one each
-    maverick = Topology(workers=2, group_size=2).for_model([1, 3, 5, 7])  # by rank, not index
-    assert [maverick.decode_placement(layer, [5]) for layer in (1, 3, 5, 7)] == [
-        {5: 0},
-        {5: 1},
-        {5: 0},
-        {5: 1},
-    ]
-
-
 def test_prefill_spreads_over_all_workers():
     assert Topology(workers=3, group_size=1).prefill_placement([0, 1, 2, 3, 4]) == {
         0: 0,
