@@ -71,7 +71,8 @@ class Topology:
 
     def rank(self, layer: int) -> int:
         """The layer's place among the model's MoE layers (its index where none are given)."""
-        return bisect_left(self.moe_layers, layer) if layer in self.moe_layers else layer
+        i = bisect_left(self.moe_layers, layer)  # on every decode layer's placement: no scan
+        return i if i < len(self.moe_layers) and self.moe_layers[i] == layer else layer
 
     def group_of_layer(self, layer: int) -> int:
         return self.rank(layer) % self.groups
