@@ -35,6 +35,24 @@ SUITES = (
     "quick",
 )
 GPU_SYSTEMS = ("odmoe", "odmoe_cache", "single_process", "accelerate_offload", "lru_offloader")
+# suite gpu's same-budget sweep (issue 30): a trailing count sets a budget in experts
+# (odmoe_cache_N / odmoe_lru_N: N cached per worker, prediction / LRU eviction; lru_offloader_N: N slots)
+GPU_SIZED_SYSTEMS = ("odmoe_cache", "odmoe_lru", "lru_offloader")
+
+
+def gpu_system(name: str) -> tuple[str, int | None]:
+    """A suite gpu system's name as (kind, budget in experts or None); ValueError for an unknown one."""
+    if name in GPU_SYSTEMS:
+        return name, None
+    kind, _, count = name.rpartition("_")
+    if kind in GPU_SIZED_SYSTEMS and count.isdigit():
+        return kind, int(count)
+    raise ValueError(
+        f"gpu.systems: {name!r} is not one of {', '.join(GPU_SYSTEMS)} nor "
+        f"{' / '.join(k + '_N' for k in GPU_SIZED_SYSTEMS)} (N experts)"
+    )
+
+
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
 GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
 
@@ -495,8 +513,9 @@ def validate(cfg: BenchConfig) -> None:
             "dataplane: rounds, repeats, prompts, layer_repeats, prompt_tokens >= 1, new_tokens >= 2"
         )
     g = cfg.gpu
-    if bad := sorted(set(g.systems) - set(GPU_SYSTEMS)):
-        raise ValueError(f"gpu.systems: {bad} not among {', '.join(GPU_SYSTEMS)}")
+    kinds = {gpu_system(name)[0] for name in g.systems}
+    if any(gpu_system(name) == ("lru_offloader", 0) for name in g.systems):
+        raise ValueError("gpu.systems: lru_offloader_0 has no room for an expert (N >= 1)")
     if (
         min(g.layers, g.hidden, g.intermediate, g.repeats, g.workers, g.slots, g.lru_experts, g.prompt_tokens)
         < 1
@@ -511,7 +530,8 @@ def validate(cfg: BenchConfig) -> None:
     ):
         raise ValueError("gpu: new_tokens >= 2, a known shadow_precision and dtype bfloat16/float16/float32")
     groups = g.workers // max(g.group_size, 1)
-    if {"odmoe", "odmoe_cache"} & set(g.systems) and (g.workers % max(g.group_size, 1) or groups > g.layers):
+    clustered = {"odmoe", "odmoe_cache", "odmoe_lru"} & kinds
+    if clustered and (g.workers % max(g.group_size, 1) or groups > g.layers):
         # each worker stores only its group's layers (worker.only_own_layers): a group needs a layer
         raise ValueError(
             f"gpu: workers={g.workers} in groups of {g.group_size} must make at most gpu.layers={g.layers} "

@@ -10,7 +10,9 @@
 #   also:   install (install and versions only; runs without a GPU too), all (part1..3 in a row, for a
 #           box with no 10-minute limit: ~15-20 min), lease (one call for a 15-minute lease, timeout_s
 #           600: every gpu test at once on the box's cores within TESTS_S=240 s, then suite gpu at
-#           LAYERS within BENCH_S=320 s; writes session, gpu-tests .txt/.xml, gpu-bench.txt, gpu.json/.png).
+#           LAYERS within BENCH_S=320 s; writes session, gpu-tests .txt/.xml, gpu-bench.txt, gpu.json/.png;
+#           SYSTEMS: suite gpu's systems, comma-separated, e.g. the same-budget sweep of issue 30:
+#           SYSTEMS=single_process,odmoe_cache_2,lru_offloader_8 BENCH_ARGS='gpu.workers=2 gpu.group_size=1').
 # Install (offline, every part: the box may be a fresh one): .whl/*.whl into $SITE (default /tmp/site)
 # with PYTHONPATH=$SITE ahead of the image's packages, then odmoe itself editable into the box's Python
 # (--no-index --no-build-isolation: the image's setuptools builds it). Every part writes
@@ -129,7 +131,7 @@ lease() {  # all of it in one call of a 15-minute lease (timeout_s 600): every g
   step gpu-tests "${TESTS_S:-240}" "${PYTEST[@]}" "${workers[@]}" "${only[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
   step gpu-bench "${BENCH_S:-320}" "$PY" -m odmoe.launch.bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
     gpu.model_dir="/tmp/odmoe-gpu-model-$LAYERS" gpu.timeout_s=240 \
-    'gpu.systems=[single_process,odmoe,odmoe_cache,lru_offloader,accelerate_offload]' ${BENCH_ARGS:-}
+    "gpu.systems=[${SYSTEMS:-single_process,odmoe,odmoe_cache,lru_offloader,accelerate_offload}]" ${BENCH_ARGS:-}
 }
 
 say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"

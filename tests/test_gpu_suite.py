@@ -49,6 +49,11 @@ def test_gpu_suite_config_is_checked():
     with pytest.raises(ValueError, match="at most gpu.layers=1 groups"):
         validate(BenchConfig(suite="gpu", gpu=GpuSuite(layers=1)))  # 4 workers in 2 groups
     validate(BenchConfig(suite="gpu", gpu=GpuSuite(layers=1, workers=2)))
+    sweep = ["odmoe_cache_2", "odmoe_lru_0", "lru_offloader_16"]
+    validate(BenchConfig(suite="gpu", gpu=GpuSuite(systems=sweep)))
+    for bad in ("odmoe_cache_x", "lru_offloader_0", "single_process_2"):
+        with pytest.raises(ValueError, match="gpu.systems"):
+            validate(BenchConfig(suite="gpu", gpu=GpuSuite(systems=[bad])))
 
 
 def test_gpu_suite_dry_run_on_cpu(tmp_path):
@@ -112,16 +117,20 @@ def test_gpu_suite_dry_run_with_the_cluster(tmp_path, reap_children):
     from odmoe.benchmarks.results import ResultsDir
     from odmoe.benchmarks.suites import gpu
 
-    g = GpuSuite(
-        **DRY, systems=["odmoe", "single_process"], model_dir=str(tmp_path / "m"), workers=2, new_tokens=4
-    )
+    # with the same-budget sweep's names: 2 workers x (2 slots + 1 cached) = the offloader's 6
+    systems = ["odmoe", "odmoe_cache_1", "odmoe_lru_1", "lru_offloader_6", "single_process"]
+    g = GpuSuite(**DRY, systems=systems, model_dir=str(tmp_path / "m"), workers=2, group_size=1, new_tokens=4)
     cfg = BenchConfig(
         suite="gpu", results_dir=str(tmp_path / "results"), gpu=GpuSuite(**{**g.__dict__, "repeats": 1})
     )
     path = gpu.prepare(cfg)
     report = gpu.run(cfg, path, ResultsDir(cfg, path))
-    assert report["systems"]["odmoe"]["tokens_equal_single_process"]
-    assert set(report["systems"]["odmoe"]["device_peak_bytes"]) >= {"main", "shadow", "worker0", "worker1"}
+    s = report["systems"]
+    assert all(s[name]["tokens_equal_single_process"] for name in systems)
+    assert set(s["odmoe"]["device_peak_bytes"]) >= {"main", "shadow", "worker0", "worker1"}
+    assert s["odmoe"]["cache_hit_rate"] == 0 and s["odmoe_cache_1"]["cache_hit_rate"] > 0
+    assert s["odmoe_cache_1"]["expert_budget"] == s["lru_offloader_6"]["expert_budget"] == 6
+    assert s["odmoe_cache_1"]["bytes_loaded_per_token"] < s["odmoe"]["bytes_loaded_per_token"]
 
 
 def test_devices_are_checked():

@@ -17,6 +17,12 @@ another, each in processes of its own so that every number of device memory is i
   are copied in at every forward;
 - `lru_offloader`: one process, an LRU cache of `gpu.lru_experts` expert slots, async loads as a worker's.
 
+Same-budget sweep (issue 30), a count N at the end of a name: `odmoe_cache_N` / `odmoe_lru_N` keep N
+experts per worker (`worker.cache` of N experts' bytes) on top of its `gpu.slots`, evicting by the
+shadow's predictions / by recency (`worker.cache_policy`); `lru_offloader_N` has N expert slots. The
+expert memory of odmoe with N is workers x (slots + N) experts: `lru_offloader_M` with that M is the
+same budget (the shadow, a node of its own in a real cluster, is counted apart).
+
 Per system: decode tokens/s, TTFT, CUDA's own peak memory counter per node process, the tokens (all
 must equal `single_process`'s). The bus: its measured peak (a pinned `copy_` of `gpu.copy_bytes`,
 timed by CUDA events) against what odmoe's loads achieved (bytes over their CUDA-event time per copy,
@@ -41,7 +47,7 @@ from transformers import AutoTokenizer
 
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import run_cluster
-from odmoe.benchmarks.config import BenchConfig, GpuSuite
+from odmoe.benchmarks.config import BenchConfig, GpuSuite, gpu_system
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.models.checkpoint import Checkpoint
@@ -90,11 +96,16 @@ def _model_gb(spec: ModelSpec) -> float:
     return (spec.layers * per_layer + 2 * spec.vocab * spec.hidden) * 2 / 1e9
 
 
-def cluster_words(g: GpuSuite, cache: bool = False) -> list[str]:
+def cluster_words(g: GpuSuite, cache: bool | str = False, policy: str = "prediction") -> list[str]:
     d = g.device
-    # cache=False: the issue's odmoe, each worker bounded by its slots; True: odmoe's default cache
+    # cache=False: the issue's odmoe, each worker bounded by its slots; True: odmoe's default cache;
+    # a string: that worker.cache (bytes, for the same-budget sweep)
+    if cache is True:
+        cache_words = []
+    else:
+        cache_words = [f"worker.cache={cache or 0}", f"worker.cache_policy={policy}"]
     return [
-        *([] if cache else ["worker.cache=0"]),
+        *cache_words,
         f"model.device={d}",
         f"shadow.device={d}",
         f"worker.device={d}",
@@ -135,11 +146,19 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         print(f"-- {system}", flush=True)
         # A GPU box is lent by the minute: one system that fails or runs out of time must not take the
         # others' figures with it, so each is recorded as it ends and the JSON rewritten each time.
+        kind, count = gpu_system(system)
         try:
-            if system in ("odmoe", "odmoe_cache"):
-                systems[system] = _odmoe(g, model_path, prompts, cache=system == "odmoe_cache")
+            if kind in ("odmoe", "odmoe_cache", "odmoe_lru"):
+                cache: bool | str = kind == "odmoe_cache"
+                if count is not None:
+                    cache = str(count * expert_bytes)
+                policy = "lru" if kind == "odmoe_lru" else "prediction"
+                systems[system] = _odmoe(g, model_path, prompts, cache, policy)
+                # device memory for experts, in experts (odmoe_cache's "auto" is measured, not set)
+                cached = 0 if kind == "odmoe" else count
+                systems[system]["expert_budget"] = None if cached is None else g.workers * (g.slots + cached)
             else:
-                systems[system] = _process(g, model_path, system, prompts, budget)
+                systems[system] = _process(g, model_path, kind, prompts, budget, count)
         except Exception as e:  # noqa: BLE001 - any failure of one system is reported, not fatal
             failed[system] = f"{type(e).__name__}: {e}"
             print(f"-- {system} FAILED: {failed[system]}", flush=True)
@@ -176,10 +195,11 @@ def _odmoe_weight_bytes(ckpt: Checkpoint, g: GpuSuite, expert_bytes: int) -> int
     return main + g.workers * g.slots * expert_bytes
 
 
-def _odmoe(g: GpuSuite, model_path: str, prompts: list[list[int]], cache: bool) -> dict:
+def _odmoe(g: GpuSuite, model_path: str, prompts: list[list[int]], cache: bool | str, policy: str) -> dict:
     # warmed up with a whole request: a 4-token warm-up left the first timed request at a tenth of
     # the second's speed on an H200 (one process: 31 against 358 tokens/s)
-    run = run_cluster(model_path, cluster_words(g, cache), prompts, g.new_tokens, warmup_tokens=g.new_tokens)
+    words = cluster_words(g, cache, policy)
+    run = run_cluster(model_path, words, prompts, g.new_tokens, warmup_tokens=g.new_tokens)
     stats = run.stats
     loaded = sum(w["bytes_loaded"] for s in stats for w in s["per_worker"].values())
     load_s = sum(w["load_s"] for s in stats for w in s["per_worker"].values())
@@ -199,6 +219,8 @@ def _odmoe(g: GpuSuite, model_path: str, prompts: list[list[int]], cache: bool) 
         "recall": [(s.get("recall") or {}).get("overall") if s.get("shadow") else None for s in stats],
         "stall_s": [s["stall_s"] for s in stats],
         "bytes_loaded": loaded,
+        "bytes_loaded_per_token": loaded / max(1, sum(s["new_tokens"] for s in stats)),
+        "cache_hit_rate": _hit_rate(stats),
         # per copy: bytes over the CUDA-event time of the copies (concurrent copies share the bus)
         "load_bytes_per_s": loaded / load_s if load_s > 0 else None,
         # over the requests: bytes every worker loaded over the requests' wall time
@@ -206,7 +228,15 @@ def _odmoe(g: GpuSuite, model_path: str, prompts: list[list[int]], cache: bool) 
     }
 
 
-def _process(g: GpuSuite, model_path: str, system: str, prompts: list[list[int]], budget: str) -> dict:
+def _hit_rate(stats: list[dict]) -> float | None:
+    """Expert computations served from a worker's cache, over all computed (as suite cache counts)."""
+    computed = sum(s["experts_loaded"] for s in stats)
+    return sum(s["cache"]["hits"] for s in stats) / computed if computed else None
+
+
+def _process(
+    g: GpuSuite, model_path: str, system: str, prompts: list[list[int]], budget: str, lru: int | None = None
+) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cells = Path(tmp) / "cells.json"
         cells.write_text(json.dumps([{"name": "gpu", "prompts": prompts, "new_tokens": g.new_tokens}]))
@@ -214,7 +244,7 @@ def _process(g: GpuSuite, model_path: str, system: str, prompts: list[list[int]]
         args = [
             *("--system", system, "--model", model_path, "--cells", str(cells), "--out", str(result)),
             *("--device", g.device, "--dtype", g.dtype, "--threads", "4"),
-            *("--lru-experts", str(g.lru_experts), "--gpu-memory", budget),
+            *("--lru-experts", str(lru or g.lru_experts), "--gpu-memory", budget),
             *("--warmup-tokens", str(g.new_tokens)),
         ]
         subprocess.run(
@@ -231,6 +261,7 @@ def _process(g: GpuSuite, model_path: str, system: str, prompts: list[list[int]]
         "peak_rss_bytes": {system: report["peak_rss_bytes"]},
         "offloaded_modules": report.get("offloaded_modules"),
         "lru_hit_rate": report["cells"][0].get("lru_hit_rate"),
+        "expert_budget": (lru or g.lru_experts) if system == "lru_offloader" else None,
     }
 
 
@@ -238,14 +269,18 @@ def _print(report: dict) -> None:
     bus = report["bus_peak_bytes_per_s"]
     print(f"bus peak (pinned copy_): {fmt(bus / 1e9 if bus else None, 6, '.1f')} GB/s")
     print(
-        f"{'system':20} {'decode tok/s':>13} {'TTFT s':>8} {'device GiB (peak, per node)':>30}"
-        "  tokens = single"
+        f"{'system':20} {'decode tok/s':>13} {'TTFT s':>8} {'experts':>8} {'hit':>6} {'MB/token':>9} "
+        f"{'device GiB (peak, per node)':>30}  tokens = single"
     )
     for name, s in report["systems"].items():
         peaks = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(s["device_peak_bytes"].items()))
+        hit = s.get("cache_hit_rate", s.get("lru_hit_rate"))
+        per_token = s.get("bytes_loaded_per_token")
         print(
             f"{name:20} {fmt(statistics.mean(s['decode_tokens_per_s']), 13, '.2f')} "
-            f"{fmt(statistics.mean(s['ttft_s']), 8, '.3f')} {peaks:>30}  {s['tokens_equal_single_process']}"
+            f"{fmt(statistics.mean(s['ttft_s']), 8, '.3f')} {fmt(s.get('expert_budget'), 8, 'd')} "
+            f"{fmt(hit, 6, '.2f')} {fmt(per_token / 1e6 if per_token is not None else None, 9, '.1f')} "
+            f"{peaks:>30}  {s['tokens_equal_single_process']}"
         )
     for name, why in report["failed"].items():
         print(f"{name:20} FAILED: {why}")
