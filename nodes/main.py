@@ -114,7 +114,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 log.warning("shadow %s is not reachable%s: requests run without it", shadow.address, why)
         members = Membership(
             cfg.cluster.worker_addresses,
-            cfg.topology.for_model(self.checkpoint.moe_layers),
+            cfg.topology.for_model(self.checkpoint.moe_layers, self.checkpoint.num_experts),
             self.checkpoint.moe_layers,
             heartbeat,
             cfg.failover.probe_interval_s,

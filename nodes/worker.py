@@ -102,7 +102,7 @@ class WorkerNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.index = cfg.worker.index
         checkpoint = Checkpoint(model_path)
-        self.topology = cfg.topology.for_model(checkpoint.moe_layers)
+        self.topology = cfg.topology.for_model(checkpoint.moe_layers, checkpoint.num_experts)
         self.mlp = expert_mlp(checkpoint.config, checkpoint.family.expert_layout)  # what an expert computes
         # The experts' dtype as from_pretrained would load them (not always model.dtype: load_dtypes).
         dtype = expert_dtype(checkpoint.config, resolve_dtype(cfg.model.dtype, checkpoint))
@@ -142,12 +142,12 @@ class WorkerNode:
         self.resident = cfg.emulation.resident
         self.on_host = device.type == "cpu"  # computes where the rows arrive
         self.live: list[int] | None = None  # None until main says: every worker
-        capacity = 0 if self.resident else self._cache_capacity(w.cache, device)
+        capacity, ready = (0, 0) if self.resident else self._cache_room(w.cache, device)
         self.cache = CacheBook(capacity, w.cache_policy, prior=self._cache_prior(w, model_path, capacity))
         self.slots = (
             ResidentExperts(self.store, device)
             if self.resident
-            else DeviceSlots(self.store, device, cfg.worker.slots, link, cache=capacity)
+            else DeviceSlots(self.store, device, cfg.worker.slots, link, cache=capacity, allocate=ready)
         )
         if capacity:
             log.info(
@@ -211,20 +211,24 @@ class WorkerNode:
             )
         return rates
 
-    def _cache_capacity(self, spec: str, device: torch.device) -> int:
-        """`worker.cache` in experts: those this worker is home for bound "all"
-        (odmoe.worker.expert_cache)."""
+    def _cache_room(self, spec: str, device: torch.device) -> tuple[int, int]:
+        """`worker.cache` in experts (its room: what it may keep of the experts it stores, which main
+        deals homes by: odmoe.placement), and the buffers to allocate now: as many as it is home for
+        with every worker's room alike. More are allocated as they fill, should its room make it home
+        for more (peers with less room, a lost peer's experts)."""
         elements = self.store.gate_up_shape.numel() + self.store.down_shape.numel()
         expert_bytes = elements * self.store.dtype.itemsize
-        home = sum(self.topology.home(layer, e) == self.index for layer, e in self.store.keys())
-        return cache_capacity(spec, expert_bytes, home, lambda: _free_device_bytes(device))
+        keys = self.store.keys()
+        room = cache_capacity(spec, expert_bytes, len(keys), lambda: _free_device_bytes(device))
+        home = sum(self.topology.home(layer, e) == self.index for layer, e in keys)
+        return room, min(room, home)
 
     def _cache_report(self) -> list[int]:
         """CacheBook.report with the experts this worker is home for now, and of them cached (counted
         again only when the live workers or the cache's contents changed)."""
         if not self.cache.enabled:
             return []
-        memo = (tuple(self.live or ()), self.cache.version)
+        memo = (tuple(self.live or ()), self.topology.rooms, self.cache.version)
         if self._home_memo[0] != memo:
             home = sum(self._serves(k) for k in self.store.keys())
             cached = sum(self._serves(k) for k in self.cache.cached)
@@ -320,6 +324,8 @@ class WorkerNode:
             return None
         if isinstance(message, LiveWorkers):
             self.live = sorted(w for w in message.live if 0 <= w < self.topology.workers)
+            if self.topology.homes and len(message.rooms) == self.topology.workers:
+                self.topology = self.topology.with_rooms(message.rooms)  # homes as main deals them
             self._subscribe(message.shadow_pub)
             return None
         if isinstance(message, Ping):
@@ -335,6 +341,7 @@ class WorkerNode:
                 self.slots.device_bytes,
                 self.where,
                 device_peak_bytes(self.slots.device),
+                self.cache.capacity,
             )
             return to_frames(pong)
         if isinstance(message, ComputeExpert):

@@ -132,7 +132,8 @@ class WorkerConfig:
     decompress_threads: int = 2  # thread pool that decompresses a compressed expert's chunks
     # Experts kept on the device after use (odmoe.worker.expert_cache): 0 (cacheless, the paper's), a size
     # ("6GiB"), all (every expert this worker is home for) or auto (free device memory less a margin,
-    # at most all). Any value keeps tokens identical; it changes which bytes are loaded again.
+    # at most all). Any value keeps tokens identical; it changes which bytes are loaded again. Workers
+    # of a group with different values (set per node) are home for experts in proportion to their room.
     # auto is the default (the fastest exact setting: suite=cache); preset=paper sets 0.
     cache: str = "auto"
     cache_policy: str = "prediction"  # which cached expert leaves: prediction (shadow-steered) | lru

@@ -21,6 +21,11 @@ to member e mod n of the layer's serving group (n live members), whether predict
 missed. A group's workers then cache disjoint experts (each keeps only those it is home for), so
 the group's cache is the sum of theirs, and a mispredicted expert can still be a cache hit. The
 price: a token whose experts share a home is computed by one worker of the group, not spread.
+Where the members' caches differ in size (`rooms`: each worker's `worker.cache` in experts, from its
+Pong, sent to every worker with the live set), homes follow the room: each member is home for about
+max(room, L) of the experts its group serves, L chosen so that the group's experts are all dealt
+(water-filling), so a worker with room to spare takes what a smaller peer cannot keep, and one with
+no room still takes an even share of the misses. Equal rooms (or none known) give e mod n as above.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 from bisect import bisect_left
 from collections.abc import Collection
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
 WorkerId = int
 
@@ -46,6 +52,10 @@ class Topology:
     # models with dense layers between (Llama 4 Maverick: every other one) use every group. Empty: the
     # layer index itself (a model whose every layer from 0 on is MoE gets the same either way).
     moe_layers: tuple[int, ...] = ()
+    experts: int = 0  # routed experts per MoE layer (for_model): weighted homes need the group's count
+    # Each worker's cache room in experts (index = worker), once main has every Pong; () or equal rooms:
+    # homes are e mod n. Only read with `homes`.
+    rooms: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -65,9 +75,16 @@ class Topology:
     def groups(self) -> int:
         return self.workers // self.group_size
 
-    def for_model(self, moe_layers: list[int] | tuple[int, ...]) -> Topology:
+    def for_model(self, moe_layers: list[int] | tuple[int, ...], experts: int = 0) -> Topology:
         """This topology over a model's MoE layers (main, the shadow and the workers all use it)."""
-        return replace(self, moe_layers=tuple(sorted(moe_layers)))
+        return replace(self, moe_layers=tuple(sorted(moe_layers)), experts=experts)
+
+    def with_rooms(self, rooms: list[int] | tuple[int, ...]) -> Topology:
+        """This topology with the workers' cache rooms (in experts, by worker index)."""
+        rooms = tuple(max(0, int(r)) for r in rooms)
+        if rooms and len(rooms) != self.workers:
+            raise ValueError(f"{len(rooms)} cache rooms for {self.workers} workers")
+        return replace(self, rooms=rooms)
 
     def rank(self, layer: int) -> int:
         """The layer's place among the model's MoE layers (its index where none are given)."""
@@ -144,6 +161,9 @@ class Topology:
         k == g); with `homes`, each to its home."""
         members = self.serving_group(layer, live)
         if self.homes:
+            if self._weighted(members):
+                homes = _weighted_homes(self, tuple(members), _live_key(live))
+                return {e: homes[layer, e] for e in experts}
             return {e: members[e % len(members)] for e in experts}
         # A top-1 model's decode expert thus always goes to the group's first member. Taking turns
         # over the members layer by layer was measured slower on the 2-core machine (llama4, 2
@@ -157,7 +177,15 @@ class Topology:
             members = self.serving_group(layer, live)
         except LayerUnavailable:
             return None
+        if self._weighted(members):
+            return _weighted_homes(self, tuple(members), _live_key(live))[layer, expert]
         return members[expert % len(members)]
+
+    def _weighted(self, members: list[WorkerId]) -> bool:
+        """Whether homes follow the members' rooms (known, unequal, and the model's shape given)."""
+        if not (self.rooms and self.experts and self.moe_layers and len(members) > 1):
+            return False
+        return len({self.rooms[w] for w in members}) > 1
 
     def prefill_placement(
         self,
@@ -237,3 +265,49 @@ class Topology:
         if spread:
             return self.prefill_placement(dict.fromkeys(lost, 1), "modulo", self.live_holders(layer, live))
         return self.decode_placement(layer, list(lost), live)
+
+
+def _live_key(live: Collection[WorkerId] | None) -> tuple[WorkerId, ...] | None:
+    return None if live is None else tuple(sorted(live))
+
+
+@lru_cache(maxsize=64)
+def _weighted_homes(
+    topology: Topology, members: tuple[WorkerId, ...], live: tuple[WorkerId, ...] | None
+) -> dict[tuple[int, int], WorkerId]:
+    """Every (layer, expert) that `members` serve under `live`, dealt to a home by room (the module's
+    doc): shares max(room, L) with L filling the group's count, then each expert in turn (layers in
+    rank order, experts ascending) to the member furthest behind its share, ties to the lowest id,
+    so a layer's experts interleave over the members as with e mod n."""
+    keys = [
+        (layer, e)
+        for layer in topology.moe_layers
+        if topology.serving_group(layer, live) == list(members)
+        for e in range(topology.experts)
+    ]
+    total = len(keys)
+    rooms = [min(topology.rooms[w], total) for w in members]
+    shares = _water_fill(rooms, total)
+    given = [0] * len(members)
+    homes = {}
+    for i, key in enumerate(keys, start=1):
+        j = max(range(len(members)), key=lambda m: (shares[m] * i / total - given[m], -m))
+        given[j] += 1
+        homes[key] = members[j]
+    return homes
+
+
+def _water_fill(rooms: list[int], total: int) -> list[float]:
+    """Shares summing to `total`, as even as the rooms allow while caching the most: where the rooms
+    hold fewer than `total`, max(room, L) (each keeps what it can, the rest spread evenly); where
+    they hold more, min(room, L) (nobody home for more than it keeps)."""
+    short = sum(rooms) < total
+
+    def dealt(level: float) -> float:
+        return sum(max(r, level) if short else min(r, level) for r in rooms)
+
+    low, high = 0.0, float(total)
+    for _ in range(60):  # dealt() rises with the level: bisect it onto the total
+        mid = (low + high) / 2
+        low, high = (mid, high) if dealt(mid) < total else (low, mid)
+    return [max(r, high) if short else min(r, high) for r in rooms]

@@ -170,7 +170,9 @@ def _answer(frames):
 
 
 def test_a_worker_keeps_what_it_computed_and_answers_the_same_from_its_cache(worker):
-    assert worker.cache.capacity == 16
+    # its room: every expert it stores (32); buffers now: the 16 it is home for, beside its slots
+    assert worker.cache.capacity == 32 and worker.slots.busy == 0
+    assert len(worker.slots._slots) == worker.slots.jit_slots + 16
     hidden = torch.randn(3, worker.store.gate_up_shape[1])
     first, (y1,) = _answer(worker.compute(ComputeExpert(Step("a", 1, 0), 2, "eager"), hidden))
     again, (y2,) = _answer(worker.compute(ComputeExpert(Step("b", 5, 0), 2, "eager"), hidden))
@@ -208,3 +210,20 @@ def test_a_full_cache_drops_the_expert_predicted_farthest_and_never_one_a_messag
         assert result.cached[0] > 0 and result.cached[1] == 0
     finally:
         node.sock.close(0)
+
+
+def test_cache_buffers_are_allocated_as_kept_experts_need_them(model_dirs):
+    """A room beyond the buffers allocated at start (homes by room may give a worker more experts
+    than an even deal): keeping one more expert adds a buffer, so the just-in-time slots stay free."""
+    from odmoe.models.checkpoint import Checkpoint
+    from odmoe.worker.expert_store import DeviceSlots, ExpertStore
+
+    ckpt = Checkpoint(model_dirs["mixtral"])
+    store = ExpertStore.from_checkpoint(ckpt, ckpt.moe_layers, torch.float32)
+    slots = DeviceSlots(store, torch.device("cpu"), slots=2, cache=3, allocate=1)
+    assert len(slots._slots) == 3
+    for key in list(store.keys())[:3]:
+        slots.keep(slots.load(key))
+        assert slots.free == 2  # the slots' two, whatever the cache holds
+    assert len(slots._slots) == 5 and len(slots.cached()) == 3 and not slots.free_for_cache
+    assert torch.equal(slots.cached()[2].down, store[list(store.keys())[2]].down)

@@ -142,3 +142,27 @@ def test_interleaved_moe_layers_use_every_group(model_dirs, reap_children):
     want, _ = reference(path, PROMPTS[0], new_tokens=12)
     assert got.token_ids == want
     assert set(got.stats["per_worker"]) == {"worker0", "worker1", "worker2", "worker3"}
+
+
+def test_homes_follow_the_cache_rooms():
+    """Homes by room (worker.cache): a member with room to spare takes what a smaller peer cannot
+    keep; the rest is spread evenly; equal rooms keep e mod n; a lost member's homes go to the rest."""
+    base = Topology(workers=4, group_size=2, homes=True).for_model([0, 1, 2, 3], experts=8)
+    group0 = [(layer, e) for layer in (0, 2) for e in range(8)]  # 16 experts served by workers 0 and 1
+
+    def count(topo, live=None):
+        homes = [topo.home(layer, e, live) for layer, e in group0]
+        return [homes.count(w) for w in (0, 1)]
+
+    assert count(base.with_rooms([12, 2, 8, 8])) == [12, 4]  # 2 kept by worker 1, 2 more dealt to it
+    assert count(base.with_rooms([16, 1, 0, 0])) == [15, 1]  # room for all: all but worker 1's one
+    assert count(base.with_rooms([3, 0, 0, 0])) == [8, 8]  # little room anywhere: even
+    even = base.with_rooms([5, 5, 1, 7])  # equal rooms in group 0: e mod n, as without rooms
+    assert all(even.home(layer, e) == base.home(layer, e) == e % 2 for layer, e in group0)
+    roomy = base.with_rooms([12, 2, 8, 8])
+    for layer in (0, 2):  # a layer's experts still interleave over both members
+        assert {roomy.home(layer, e) for e in range(8)} == {0, 1}
+        assert roomy.decode_placement(layer, list(range(8))) == {e: roomy.home(layer, e) for e in range(8)}
+    assert count(roomy, live=[0, 2, 3]) == [16, 0]
+    with pytest.raises(ValueError, match="3 cache rooms for 4 workers"):
+        base.with_rooms([1, 2, 3])

@@ -273,9 +273,18 @@ class Membership:
         """Tell every live worker who is live (and where predictions come from)."""
         if shadow_pub is not None:
             self.shadow_pub = shadow_pub
-        message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub))
+        rooms = self.rooms()
+        if self.topology.homes and rooms:
+            self.topology = self.topology.with_rooms(rooms)  # main places by the rooms it tells
+        message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub, rooms))
         for worker in list(self.links):
             self.send(worker, message)
+
+    def rooms(self) -> list[int]:
+        """Every worker's cache room from its last Pong ([] until every worker has answered once)."""
+        if len(self.pongs) < self.topology.workers:
+            return []
+        return [self.pongs[w].cache_room for w in range(self.topology.workers)]
 
     def close(self) -> None:
         for link in [*self.links.values(), *(p.link for p in self.probes.values())]:

@@ -64,7 +64,7 @@ from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
 from odmoe.main.shadow_link import ShadowLink
 from odmoe.models.expert_math import ExpertRows, combine, expert_input, split_by_expert
-from odmoe.placement import LayerUnavailable
+from odmoe.placement import LayerUnavailable, Topology
 from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
@@ -182,7 +182,7 @@ class RemoteExperts:
         tracer: Tracer | None = None,
         substituter: Substituter | None = None,
     ):
-        self.members, self.topology = members, members.topology
+        self.members = members
         self.num_experts, self.kernel = num_experts, kernel
         self.shadow = shadow
         self.prefill = prefill or PrefillConfig()
@@ -195,6 +195,11 @@ class RemoteExperts:
         # accounting and the timeline watch every exchange; fault injection is added by main's node
         self._timeline = Timeline(tracer or Tracer("main"))
         self.observe = Observers(TrafficAccounting(), self._timeline)
+
+    @property
+    def topology(self) -> Topology:
+        """Membership's: it learns the workers' cache rooms (weighted homes) once they have answered."""
+        return self.members.topology
 
     @property
     def tracer(self) -> Tracer:

@@ -259,6 +259,7 @@ class Pong:
     device_bytes: int = 0  # what its experts take on the compute device (slots, or all when resident)
     where: str = ""  # where it runs, as its launcher names it (cluster.where); shown in main's Info
     device_peak_bytes: int = 0  # CUDA's max_memory_allocated in this worker process (0 off CUDA)
+    cache_room: int = 0  # experts its worker.cache may keep (homes follow it: odmoe.placement)
     kind: str = "pong"
 
 
@@ -271,6 +272,7 @@ class LiveWorkers:
 
     live: list[int]
     shadow_pub: str = ""
+    rooms: list[int] = field(default_factory=list)  # every worker's cache room, by index ([]: none known)
     kind: str = "membership"
 
 

@@ -1,11 +1,12 @@
 """A worker's expert cache: how many experts stay on its device after use, and which one leaves.
 
 Contract (pure: numbers and positions in, decisions out; the worker owns the buffers):
-- `cache_capacity(spec, ...)`: `worker.cache` as a number of experts: "0" (cacheless, the paper's),
-  a size ("6GiB", "512MiB", bytes), "all" (every expert this worker is home for: with every worker
-  caching its own, the cluster holds each expert once), or "auto" (free device memory less a margin,
-  at most "all"). The just-in-time slots (`worker.slots`) come on top, so the cache never blocks a
-  load: a cached expert not in use is dropped at once when a buffer is needed.
+- `cache_capacity(spec, ...)`: `worker.cache` as a number of experts, the worker's room: "0"
+  (cacheless, the paper's), a size ("6GiB", "512MiB", bytes), "all" (every expert this worker
+  stores; it keeps only those it is home for, so with every worker caching its own the cluster holds
+  each expert once), or "auto" (free device memory less a margin, at most "all"). Main deals homes by
+  the workers' rooms (odmoe.placement). The just-in-time slots (`worker.slots`) come on top, so the
+  cache never blocks a load: a cached expert not in use is dropped at once when a buffer is needed.
 - `CacheBook`: which experts are cached, how often each expert was used per visit of its layer, and
   `victim(...)`: the expert to drop when one more is to be kept than there is room for, the
   newcomer included (it may be the one left out).
@@ -43,7 +44,8 @@ PRIOR_VISITS = 16
 def cache_capacity(
     spec: str | int, expert_bytes: int, home_experts: int, free_bytes: Callable[[], int]
 ) -> int:
-    """`worker.cache` in experts (see the module's contract)."""
+    """`worker.cache` in experts (see the module's contract); `home_experts` bounds it (a worker
+    passes every expert it stores: what it may become home for)."""
     text = str(spec).strip().lower()
     if text in ("", "0", "none", "off"):
         return 0
@@ -189,7 +191,7 @@ class CacheBook:
         then (layer, evictions) pairs."""
         per_layer = [n for layer, count in sorted(self.evictions.items()) for n in (layer, count)]
         return [
-            self.capacity,
+            min(self.capacity, home) if home else self.capacity,  # what it can keep of its homes
             len(self.cached),
             self.hits,
             self.misses,

@@ -280,24 +280,30 @@ class DeviceSlots:
     `fill` has copied when it returns and those two calls do nothing."""
 
     def __init__(
-        self, store: ExpertStore, device: torch.device, slots: int = 2, link: Link = Link(), cache: int = 0
+        self,
+        store: ExpertStore,
+        device: torch.device,
+        slots: int = 2,
+        link: Link = Link(),
+        cache: int = 0,
+        allocate: int | None = None,
     ):
         if slots < 1:
             raise ValueError(f"worker.slots must be at least 1, got {slots}")
         self.store, self.device, self.link = store, device, link
-        self.cache_capacity = cache
-        self._slots = [
-            Slot(
-                i,
-                torch.empty(store.gate_up_shape, dtype=store.dtype, device=device),
-                torch.empty(store.down_shape, dtype=store.dtype, device=device),
-            )
-            for i in range(slots + cache)
-        ]
+        self.cache_capacity, self.jit_slots = cache, slots
+        # the cache's buffers allocated now (default: all); the rest as kept experts need them (`keep`)
+        ready = cache if allocate is None else min(allocate, cache)
+        self._slots = [self._buffer(i) for i in range(slots + ready)]
         self.counters = LoadCounters()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="odmoe-loader")
         self.copier = CopyStream(device) if device.type == "cuda" else None
         self._unsettled: list[Transfer] = []  # CUDA: copies of evicted slots, counted when done
+
+    def _buffer(self, index: int) -> Slot:
+        store, device = self.store, self.device
+        gate_up = torch.empty(store.gate_up_shape, dtype=store.dtype, device=device)
+        return Slot(index, gate_up, torch.empty(store.down_shape, dtype=store.dtype, device=device))
 
     def reserve(self, key: ExpertKey, tag: Tag | None = None) -> Slot:
         if key not in self.store:
@@ -401,6 +407,8 @@ class DeviceSlots:
         slot.wait_filled()
         self.settle(slot)
         slot.tag, slot.cached = None, True
+        if len(self._slots) - len(self.cached()) < self.jit_slots:  # the cache grew past its buffers
+            self._slots.append(self._buffer(len(self._slots)))
 
     def find(self, key: ExpertKey, tag: Tag) -> Slot | None:
         """The slot loaded for `tag` holding `key`, else the cached copy of `key`, else None."""
