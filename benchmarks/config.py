@@ -205,6 +205,7 @@ class ServingSuite:
 
 
 CACHE_SYSTEMS = ("odmoe", "odmoe_lru", "lru_offloader", "resident_workers")
+CACHE_ABLATIONS = ("odmoe_even_homes",)  # with cache.skew: the same uneven rooms, homes dealt evenly
 
 
 @dataclass
@@ -216,6 +217,9 @@ class CacheSuite:
     prompt_tokens: int = 32
     new_tokens: int = 48
     overrides: list[str] = field(default_factory=list)  # more odmoe-launch words for the odmoe clusters
+    # Uneven rooms in a group: even-numbered workers get (1 + skew) x the per-worker budget, odd ones
+    # (1 - skew) x (0: every worker alike); odmoe_even_homes then shows what homes by room add
+    skew: float = 0.0
 
 
 @dataclass
@@ -488,8 +492,10 @@ def validate(cfg: BenchConfig) -> None:
     if any(r <= 0 for r in sv.rates) or sv.open_requests < 1:
         raise ValueError("serving.rates must be > 0 and serving.open_requests >= 1")
     ca = cfg.cache
-    if bad := sorted(set(ca.systems) - set(CACHE_SYSTEMS)):
-        raise ValueError(f"cache.systems: {bad} not among {', '.join(CACHE_SYSTEMS)}")
+    if bad := sorted(set(ca.systems) - set(CACHE_SYSTEMS) - set(CACHE_ABLATIONS)):
+        raise ValueError(f"cache.systems: {bad} not among {', '.join(CACHE_SYSTEMS + CACHE_ABLATIONS)}")
+    if not 0 <= ca.skew < 1:
+        raise ValueError(f"cache.skew must lie in [0, 1), got {ca.skew}")
     if not ca.budgets or any(not 0 <= b <= 1 for b in ca.budgets) or min(ca.prompts, ca.new_tokens) < 1:
         raise ValueError("cache.budgets must lie in [0, 1]; cache.prompts and new_tokens >= 1")
     ev = cfg.eval

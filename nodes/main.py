@@ -119,6 +119,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             heartbeat,
             cfg.failover.probe_interval_s,
             self.security.curve,
+            homes_by_room=cfg.cluster.homes == "room",
         )
         self.experts = RemoteExperts(
             members,

@@ -71,6 +71,10 @@ class ClusterConfig:
     # shadow anywhere. Without it the kernel wakes a layer's workers next to each other on one core
     # and the second computes only after the first (dataplane suite: ~100 µs a decode layer on 2 cores).
     spread_workers: bool = False
+    # With worker caches, which worker of a group keeps which expert (its home, odmoe.placement):
+    # room (each worker home for experts in proportion to its worker.cache, told in its Pong) | even
+    # (expert e on member e mod n whatever the rooms: the ablation)
+    homes: str = "room"
 
 
 @dataclass

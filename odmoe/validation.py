@@ -27,6 +27,8 @@ def validate(cfg: OdmoeConfig) -> None:
     check_cache_spec(cfg.worker.cache)
     if cfg.worker.cache_policy not in CACHE_POLICIES:
         raise ValueError(f"worker.cache_policy={cfg.worker.cache_policy!r} is not one of {CACHE_POLICIES}")
+    if cfg.cluster.homes not in ("room", "even"):
+        raise ValueError(f"cluster.homes={cfg.cluster.homes!r} is not one of room, even")
     cfg.topology  # noqa: B018 - raises on a workers/group_size mismatch or too many replicas
     if cfg.fault.node and cfg.fault.action not in FAULT_ACTIONS:
         raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")

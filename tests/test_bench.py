@@ -50,6 +50,11 @@ def test_bad_bench_config_is_refused():
         compose_bench(["suite=recall", "recall.precisions=[fp8]"])
     with pytest.raises(ValueError, match="prefill.configurations"):
         compose_bench(["suite=prefill", "prefill.configurations=['4:striped']"])
+    with pytest.raises(ValueError, match="cache.skew"):
+        compose_bench(["suite=cache", "cache.skew=1.0"])
+    with pytest.raises(ValueError, match="cache.systems"):
+        compose_bench(["suite=cache", "cache.systems=[odmoe_random_homes]"])
+    compose_bench(["suite=cache", "cache.skew=0.5", "cache.systems=[odmoe,odmoe_even_homes]"])
 
 
 def test_prefill_configurations_name_mini_batch_placement_and_per_mini_batch():

@@ -77,10 +77,12 @@ def test_a_small_cache_keeps_tokens_and_serves_hits(policy, model_dirs, reap_chi
         assert 'odmoe:expert_cache_capacity{worker="worker0"} 2.0' in page
 
 
-def test_homes_follow_the_workers_cache_rooms(model_dirs, reap_children):
+@pytest.mark.parametrize("homes", ["room", pytest.param("even", marks=pytest.mark.extended)])
+def test_homes_follow_the_workers_cache_rooms(homes, model_dirs, reap_children):
     """Two workers of one group, one with room for every expert, one with room for a single one: the
     roomy worker becomes home for all but one (homes by room, odmoe.placement), so the group caches
-    nearly the whole model; dealt evenly it could keep at most half of it plus one."""
+    nearly the whole model; dealt evenly (`cluster.homes=even`, the ablation) it keeps at most half of
+    it plus one."""
     from odmoe.launch.local_cluster import NodePlacement
     from odmoe.models.checkpoint import Checkpoint
 
@@ -92,13 +94,17 @@ def test_homes_follow_the_workers_cache_rooms(model_dirs, reap_children):
     def place(name: str) -> NodePlacement:
         return NodePlacement(words=[f"worker.cache={rooms[name]}"] if name in rooms else [])
 
-    with LocalCluster(path, workers=2, group_size=2, place=place) as cluster:
-        stats = _check(cluster, path)
+    with LocalCluster(path, workers=2, group_size=2, overrides=[f"cluster.homes={homes}"], place=place) as c:
+        stats = _check(c, path)
         workers = stats[-1]["cache"]["workers"]
-        assert [workers[w]["home"] for w in sorted(workers)] == [total - 1, 1]
-        assert [workers[w]["capacity"] for w in sorted(workers)] == [total - 1, 1]
+        home = [workers[w]["home"] for w in sorted(workers)]
         cached = sum(w["home_cached"] for w in workers.values())
-        assert cached > total // 2 + 1, workers
+        if homes == "room":
+            assert home == [total - 1, 1]
+            assert [workers[w]["capacity"] for w in sorted(workers)] == [total - 1, 1]
+            assert cached > total // 2 + 1, workers
+        else:
+            assert home == [total // 2, total // 2] and cached <= total // 2 + 1
 
 
 @pytest.mark.extended  # a cluster per family: CI runs it

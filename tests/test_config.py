@@ -34,6 +34,7 @@ def test_lan_example_composes(tmp_path):
         (["max_new_tokens=0"], "at least 1"),
         (["shadow.nice=20"], "shadow.nice"),
         (["shadow.nice=-1"], "shadow.nice"),
+        (["cluster.homes=random"], "cluster.homes"),
     ],
 )
 def test_bad_configs_fail_with_a_readable_message(words, msg):

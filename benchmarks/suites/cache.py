@@ -8,6 +8,9 @@ Per budget:
 - `lru_offloader`: one process whose LRU cache holds as many experts as the cluster's caches and
   just-in-time slots together (the same total device memory), misses over the same emulated link;
 and once, `resident_workers` (every expert kept on the workers, nothing loaded: the ceiling).
+With `cache.skew` s > 0 the workers' rooms differ (even-numbered workers (1 + s) x the per-worker
+budget, odd ones (1 - s) x: boxes of unequal memory in one group), and `odmoe_even_homes` is odmoe
+with the same rooms but homes dealt evenly (`cluster.homes=even`): what homes by room add.
 Each system serves the same prompts after a warm-up request (caches start cold and warm over the
 requests, as a server's do). Reported: decode tokens/s, the share of experts computed from a cache
 (hit rate), bytes loaded per generated token, and whether every system's tokens equal transformers'.
@@ -82,18 +85,39 @@ def _expert_size(model_path: str) -> tuple[int, int]:
     return (one.gate_up.numel() + one.down.numel()) * dtype.itemsize, len(ckpt.moe_layers) * ckpt.num_experts
 
 
+def _rooms(cfg, per_worker: int) -> list[int]:
+    """Each worker's cache bytes: the per-worker budget, skewed by `cache.skew` (even / odd workers)."""
+    s = cfg.cache.skew
+    return [int(per_worker * (1 + s if w % 2 == 0 else 1 - s)) for w in range(cfg.cluster.workers)]
+
+
 def _measure(cfg, model_path, system, per_worker, expert_bytes, prompts, new_tokens) -> dict:
+    rooms = _rooms(cfg, per_worker)
     if system == "lru_offloader":
         # the cluster's device memory for experts: its caches and its just-in-time slots
         slots = cfg.cluster.workers * 2
-        lru_experts = slots + cfg.cluster.workers * (per_worker // expert_bytes)
+        lru_experts = slots + sum(r // expert_bytes for r in rooms)
         return _offloader(cfg, model_path, prompts, new_tokens, lru_experts)
     extra = {
         "odmoe": [f"worker.cache={per_worker}", "worker.cache_policy=prediction"],
+        "odmoe_even_homes": [
+            f"worker.cache={per_worker}",
+            "worker.cache_policy=prediction",
+            "cluster.homes=even",
+        ],
         "odmoe_lru": [f"worker.cache={per_worker}", "worker.cache_policy=lru"],
         "resident_workers": ["emulation.resident=true", "shadow.enabled=false"],
     }[system]
-    run = run_cluster(model_path, cluster_words(cfg, *extra, *cfg.cache.overrides), prompts, new_tokens)
+    place = None
+    if cfg.cache.skew and system != "resident_workers":
+        from odmoe.launch.local_cluster import NodePlacement
+
+        def place(name: str) -> NodePlacement:  # the worker's own room, after the cluster's words
+            w = int(name[len("worker") :]) if name.startswith("worker") else None
+            return NodePlacement(words=[] if w is None else [f"worker.cache={rooms[w]}"])
+
+    words = cluster_words(cfg, *extra, *cfg.cache.overrides)
+    run = run_cluster(model_path, words, prompts, new_tokens, place=place)
     s = run.stats
     new = sum(x["new_tokens"] for x in s)
     decode_experts = sum(x["decode"]["experts"] for x in s)
@@ -106,7 +130,7 @@ def _measure(cfg, model_path, system, per_worker, expert_bytes, prompts, new_tok
         "decode_experts": decode_experts,
         "stall_ms_per_token": statistics.mean(x["stall_s"] * 1e3 / max(x["new_tokens"] - 1, 1) for x in s),
         "timely_recall": _pooled(s, "timely_recall"),
-        "capacity_experts": per_worker // expert_bytes,
+        "capacity_experts": sum(r // expert_bytes for r in rooms) // len(rooms),
         "token_ids": run.token_ids,
     }
 

@@ -66,11 +66,13 @@ class Membership:
         heartbeat: Heartbeat | None = None,
         probe_interval_s: float = 1.0,
         curve: Curve | None = None,
+        homes_by_room: bool = True,
     ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
         self.topology, self.layers, self.heartbeat = topology, layers, heartbeat or Heartbeat()
         self.probe_interval_s, self.curve = probe_interval_s, curve
+        self.homes_by_room = homes_by_room  # cluster.homes: deal homes by the workers' cache rooms
         self.ctx = zmq.Context.instance()
         self.addresses = list(addresses)
         self.links: dict[int, WatchedSocket] = {i: self._connect(i, a) for i, a in enumerate(addresses)}
@@ -273,7 +275,7 @@ class Membership:
         """Tell every live worker who is live (and where predictions come from)."""
         if shadow_pub is not None:
             self.shadow_pub = shadow_pub
-        rooms = self.rooms()
+        rooms = self.rooms() if self.homes_by_room else []
         if self.topology.homes and rooms:
             self.topology = self.topology.with_rooms(rooms)  # main places by the rooms it tells
         message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub, rooms))
