@@ -156,11 +156,11 @@ def _open(cluster, prompts, rate: float, suite) -> list[dict]:
 
 
 def _measure(cluster, name: str, drive) -> dict:
-    before = _counters(cluster)
+    before, cpu_before = _counters(cluster), {**cluster.cpu_seconds(), "client": time.process_time()}
     start = time.perf_counter()
     rows = drive()
     wall = time.perf_counter() - start
-    after = _counters(cluster)
+    after, cpu_after = _counters(cluster), {**cluster.cpu_seconds(), "client": time.process_time()}
     refused = sum(r.pop("refused", 0) for r in rows if "refused" in r)
     rows = [r for r in rows if "tokens" in r]
     delta = {k: after[k] - before[k] for k in before}
@@ -172,6 +172,13 @@ def _measure(cluster, name: str, drive) -> dict:
         "refused": refused,
         "bytes_per_token": delta["bytes_loaded"] / generated if generated else None,
         "batch_size_mean": delta["batch_sum"] / delta["batch_count"] if delta["batch_count"] else None,
+        # where the time goes: each node's CPU (user + system, all threads) per generated token, and
+        # this process's (the clients: the same cores)
+        "cpu_ms_per_token": {
+            node: (cpu_after[node] - used) * 1e3 / generated
+            for node, used in cpu_before.items()
+            if node in cpu_after and generated
+        },
         "requests": [
             {
                 "key": list(r["key"]),
@@ -240,6 +247,14 @@ def _print(report: dict, described: str) -> None:
             f"{fmt(x['batch_size_mean'], 10, '.2f')}{x['differ']:>10}"
             + (f"  ({x['refused']} refused)" if x["refused"] else "")
         )
+    cores = len(os.sched_getaffinity(0))
+    print(f"CPU ms per generated token, by node (what {cores} cores cap tokens/s at: {cores} s / the total):")
+    for x in report["loads"]:
+        cpu = x.get("cpu_ms_per_token") or {}
+        total = sum(cpu.values())
+        nodes = ", ".join(f"{node} {ms:.1f}" for node, ms in sorted(cpu.items()))
+        cap = f"{cores * 1e3 / total:.0f} tok/s" if total else "-"
+        print(f"{x['name']:<14}{nodes}; total {total:.1f} (cap {cap})")
 
 
 def _guidellm(cluster, model_path: str, suite, out: ResultsDir) -> dict:
