@@ -24,8 +24,9 @@ price: a token whose experts share a home is computed by one worker of the group
 Where the members' caches differ in size (`rooms`: each worker's `worker.cache` in experts, from its
 Pong, sent to every worker with the live set), homes follow the room: each member is home for about
 max(room, L) of the experts its group serves, L chosen so that the group's experts are all dealt
-(water-filling), so a worker with room to spare takes what a smaller peer cannot keep, and one with
-no room still takes an even share of the misses. Equal rooms (or none known) give e mod n as above.
+(water-filling; min(room, L) where the rooms hold more than the group serves), so a worker with room
+to spare takes what a smaller peer cannot keep, and one with no room still takes an even share of
+the misses. Equal rooms (or none known) give e mod n as above.
 """
 
 from __future__ import annotations
