@@ -219,6 +219,11 @@ class ServerConfig:
     # Continuous batching: up to this many requests decode together, one token each per iteration,
     # every request's tokens exactly those it gets alone (odmoe.main.engine). 1: one request at a time.
     max_running: int = 8
+    # How main computes a tick's decode iterations (odmoe.main.batched_decode): "batched" (one pass
+    # through the layers for every decoding request: attention per request, every other op row-exact;
+    # families Mixtral, Qwen2-MoE, Qwen3-MoE, lossless miss policy; others fall back) or
+    # "per_request" (transformers' forward pass per request). Both give each request its own bits.
+    decode: str = "batched"
     # K/V cache main may hold for running requests, e.g. "4GiB" ("" or 0: no bound): a request whose
     # prompt + max_new_tokens would not fit waits; one that could never fit is refused (400).
     kv_cache_memory: str = ""

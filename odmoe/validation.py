@@ -38,6 +38,8 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
     if cfg.server.max_running < 1:
         raise ValueError(f"server.max_running must be >= 1, got {cfg.server.max_running}")
+    if cfg.server.decode not in ("batched", "per_request"):
+        raise ValueError(f"server.decode must be batched or per_request, got {cfg.server.decode!r}")
     if cfg.prefill.chunk_tokens < 0:
         raise ValueError(f"prefill.chunk_tokens must be >= 0 (0: off), got {cfg.prefill.chunk_tokens}")
     if not 0 <= cfg.server.http_port < 65536:

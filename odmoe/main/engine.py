@@ -41,6 +41,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule
+from odmoe.main.batched_decode import BatchedDecode
 from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
 from odmoe.main.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
@@ -87,6 +88,7 @@ class Batching:
     max_running: int = 8
     kv_cache_bytes: int = 0
     chunk_tokens: int = 0
+    batched_decode: bool = True  # server.decode=batched: one pass for all decoding requests, where supported
 
 
 class MainEngine:
@@ -119,6 +121,10 @@ class MainEngine:
         self.stream, self.tick = "", 0
         self.kv_bytes_per_position = 0  # measured on the first prefill; 0 = not yet
         self._queue: RequestQueue | None = None
+        # decoding requests in one pass through the layers (each row its own bits), where the family
+        # and the miss policy allow; else one forward pass per request
+        together = batching.batched_decode and experts.substituter is None and BatchedDecode.supports(main)
+        self.batched = BatchedDecode(main) if together else None
 
     # -- requests ------------------------------------------------------------------------------
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
@@ -326,9 +332,14 @@ class MainEngine:
             self.tick += 1
             return
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
+        together = self._decoding_together()
+        if together:
+            self._decode_together(together)
         decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer
         prefill: list[str] = []  # parked before a prefill layer
         for key, (_, run) in runs.items():
+            if any(run is r for _, r in together):
+                continue
             if key in self.tasks:  # a prefill parked across ticks
                 prefill.append(key)
                 run.prefill_layers = 0
@@ -360,6 +371,31 @@ class MainEngine:
                 run.prefill_layers += 1
                 self._route(self._resume(run, None), runs, decode, prefill)
         self.tick += 1
+
+    def _decoding_together(self) -> list[tuple[Ticket, RequestRun]]:
+        """The decoding requests one batched pass computes this tick (two or more), else none."""
+        if self.batched is None:
+            return []
+        decoding = [(t, r) for t, r in self.running if r.decoding and r.request_id not in self.tasks]
+        return decoding if len(decoding) >= 2 else []
+
+    def _decode_together(self, entries: list[tuple[Ticket, RequestRun]]) -> None:
+        """Their decode iterations in one pass (odmoe.main.batched_decode): each request's logits
+        are those of its own forward pass; each layer's experts go out in one exchange."""
+        assert self.batched is not None
+        contexts = []
+        for _, run in entries:
+            run.ctx.begin(run.iteration)
+            contexts.append(run.ctx)
+        inputs = [run.decode_input() for _, run in entries]
+        try:
+            logits = self.batched.step(inputs, lambda on: self.experts.decode_batch(contexts if on else None))
+        except Exception as exc:  # every request of the pass needed each layer's exchange
+            for entry in entries:
+                self._fail(entry, exc)
+            return
+        for (ticket, run), row in zip(entries, logits, strict=True):
+            self._accept(ticket, run, row)
 
     def _alone(self, ticket: Ticket, run: RequestRun) -> None:
         """The only running request's iteration, called directly (the same calls, no task switches):

@@ -189,6 +189,7 @@ class RemoteExperts:
         self.timeout_s = reply_timeout_s
         self.current = RunContext("")  # the request whose forward pass is running (the engine sets it)
         self.stream, self.tick = "", 0  # the decode batch's name and iteration (the engine sets them)
+        self.batch: list[RunContext] | None = None  # batched decode: the requests, one row each
         self.cache_reports: dict[int, list[int]] = {}  # worker -> its cache's latest report (worker.cache)
         self.substituter = substituter  # None: every miss is reloaded (lossless)
         self.dropped = DropLog(log, "main")
@@ -256,6 +257,8 @@ class RemoteExperts:
     def __call__(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
+        if self.batch is not None:  # one row per decoding request (odmoe.main.batched_decode)
+            return self._decode_batch(layer, hidden, top_k_index, top_k_weights)
         ctx = self.current
         self.observe.layer_called(ctx, layer)
         if ctx.iteration <= 0:  # a prefill (0), or a prompt's scoring pass (-1)
@@ -263,6 +266,28 @@ class RemoteExperts:
                 park(PrefillLayer(layer))  # the engine resumes it when its prefill may go on this tick
                 self.current = ctx
             return self._prefill_layer(ctx, layer, hidden, top_k_index, top_k_weights)
+        rows = self._decode_rows(ctx, layer, hidden, top_k_index, top_k_weights)
+        if in_task():
+            return park(rows)  # the engine exchanges every running request's rows of this layer at once
+        return self.exchange_decode(layer, [rows])[0]
+
+    def decode_batch(self, contexts: list[RunContext] | None) -> None:
+        """From now on (until None) a call's rows are one per request of `contexts`, in order."""
+        self.batch = contexts
+
+    def _decode_batch(self, layer: int, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+        """Every decoding request's row of this layer in one exchange, each row split off as the
+        request's own call would send it (outside any torch function mode: nothing of the data path
+        is batched)."""
+        with torch._C.DisableTorchFunction():
+            rows = []
+            for b, ctx in enumerate(self.batch or ()):
+                self.observe.layer_called(ctx, layer)
+                one = slice(b, b + 1)
+                rows.append(self._decode_rows(ctx, layer, hidden[one], top_k_index[one], top_k_weights[one]))
+            return torch.cat(self.exchange_decode(layer, rows))
+
+    def _decode_rows(self, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights) -> DecodeRows:
         rows = DecodeRows(
             ctx,
             layer,
@@ -276,9 +301,7 @@ class RemoteExperts:
         if self.substituter is not None:  # its router's scores are this request's now (the tap's latest)
             self.substituter.budget = ctx.budget
             rows.stand_in = self._stand_ins(ctx, layer, top_k_index, top_k_weights)
-        if in_task():
-            return park(rows)  # the engine exchanges every running request's rows of this layer at once
-        return self.exchange_decode(layer, [rows])[0]
+        return rows
 
     def _stand_ins(self, ctx: RunContext, layer: int, top_k_index, top_k_weights) -> dict[int, int]:
         """Lossy policy only: missing expert -> the resident one computed in its place, decided on

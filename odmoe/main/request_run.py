@@ -26,6 +26,7 @@ import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
 from odmoe.main.alignment import AlignmentPlan
+from odmoe.main.batched_decode import DecodeInput
 from odmoe.main.remote_experts import RunContext
 from odmoe.main.sampling import SamplingParams, TokenChooser
 from odmoe.main.stop_strings import StopStrings
@@ -157,6 +158,11 @@ class RequestRun:
             logits_to_keep=1,
         )
         return out.logits[:, -1, :].float().cpu()
+
+    def decode_input(self) -> DecodeInput:
+        """What a batched decode pass needs of it (odmoe.main.batched_decode): the same token, cache
+        and attention-mask length `forward()` gives transformers."""
+        return DecodeInput(self.step_input, self.cache, self.prompt_len + len(self.new_ids))
 
     def _score_prompt(self) -> PromptEvent:
         """The prompt tokens' log-probabilities: one forward pass over the prompt but its last token,

@@ -1,0 +1,251 @@
+"""One decode iteration of several requests in one pass through main's layers, each request's rows
+bit for bit what its own batch-of-one forward pass computes.
+
+Contract: `BatchedDecode.supports(main)` says whether main's family has the decoder layer this
+module replays (norm, attention, residual add, norm, MoE or MLP block, residual add: Mixtral,
+Qwen2-MoE, Qwen3-MoE); `BatchedDecode(main).step(inputs, experts, contexts)` runs one decode
+iteration for every `DecodeInput` (a request's input token and its own K/V cache) and returns each
+request's last-position logits [1, V] (float32, on the host), each cache updated as that request's
+own `model(input_ids, attention_mask, cache, logits_to_keep=1)` call would update it. The engine uses
+it when two or more requests decode in one tick (`server.decode=batched`, the default where the
+family is supported); a request alone, a prefill and every other family take transformers' own
+forward pass per request as before.
+
+Why the bits are the request's own (DESIGN: lossless batching):
+- attention is transformers' own module, called per request on its [1, 1, H] rows, its own causal
+  mask (built as the model's forward builds it) and its own cache: nothing of another request
+  enters it;
+- embedding, RMS norms, residual adds, rotary cos/sin and the routers' softmax / top-k are computed
+  row by row by torch (each row of a batch as that row alone; `tests/test_batched_decode.py` checks
+  it on this build);
+- every `linear` (routers, shared experts, dense MLPs, lm_head) goes through `RowExactLinear`: one
+  `bmm` of one-row matrices against the weight, which the GEMM computes as it computes the
+  batch-of-one `linear`. The first time a shape (rows, weight, dtype, device) is met, the batched
+  result is compared with the per-row `linear`s; if any bit differs, that shape is computed row by
+  row from then on, so a BLAS that picks another kernel costs speed, never bits;
+- the routed experts' rows go to the workers split per request (`RemoteExperts.decode_batch`),
+  exactly the rows, choices and combine each request's own call makes.
+What it saves is main's per-request Python and small-op overhead outside attention: one call of
+each norm, router, shared expert and the lm_head for all requests instead of one per request.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+from transformers import DynamicCache
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from odmoe.models.main_model import MainModel
+
+log = logging.getLogger("odmoe.main")
+__all__ = ["BatchedDecode", "DecodeInput", "RowExactLinear"]
+
+# model_type -> how its model forward picks each layer's causal mask
+FAMILIES = {"mixtral": "sliding_window", "qwen3_moe": "sliding_window", "qwen2_moe": "layer_types"}
+ATTENTION = ("sdpa", "eager")  # implementations whose per-request call is transformers' own math
+
+
+@dataclass
+class DecodeInput:
+    """One decoding request: its input token [1, 1], its K/V cache, and the positions its attention
+    mask covers (prompt + tokens so far, this one included)."""
+
+    token: torch.Tensor
+    cache: DynamicCache
+    positions: int
+
+
+def _bmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` of each index of x's first dim as a one-row matrix: [B, ..., in] -> [B, ..., out]."""
+    rows = x.shape[0]
+    xs = x.reshape(rows, -1, x.shape[-1])
+    wt = weight.t().unsqueeze(0).expand(rows, weight.shape[1], weight.shape[0])
+    if bias is None:
+        y = torch.bmm(xs, wt)
+    else:
+        y = torch.baddbmm(bias.expand(rows, xs.shape[1], weight.shape[0]), xs, wt)
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+class RowExactLinear(TorchFunctionMode):
+    """While active, `F.linear` (and so every `nn.Linear`) computes each index of its input's first
+    dimension (one request's rows) as the batch-of-one call would: by `bmm` where a first
+    comparison showed it equal, else one `linear` per request."""
+
+    def __init__(self):
+        super().__init__()
+        self.verdicts: dict[tuple, bool] = {}  # (shapes, dtypes, bias, device) -> bmm is bit-exact
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.linear:
+            return func(*args, **kwargs)
+        x, weight = args[0], args[1]
+        bias = args[2] if len(args) > 2 else kwargs.get("bias")
+        rows = x.shape[0] if x.dim() > 1 else 1
+        if rows == 1:
+            return func(*args, **kwargs)
+        key = (tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype, bias is not None, x.device.type)
+        exact = self.verdicts.get(key)
+        if exact is False:
+            return torch.cat([func(x[b : b + 1], weight, bias) for b in range(rows)])
+        y = _bmm_linear(x, weight, bias)
+        if exact is None:
+            alone = torch.cat([func(x[b : b + 1], weight, bias) for b in range(rows)])
+            exact = self.verdicts[key] = torch.equal(y, alone)
+            if not exact:
+                log.info("linear %s x %s (%s): bmm differs from one row at a time; per row", *key[:3])
+                return alone
+        return y
+
+
+class BatchedDecode:
+    def __init__(self, main: MainModel):
+        self.main, self.model = main, main.model
+        self.body = main.model.model
+        self.config = main.model.config
+        self.linear = RowExactLinear()
+        rope = getattr(self.config, "rope_parameters", None) or {}
+        # default RoPE is elementwise in the position; other types may rescale on the longest one
+        self.rope_rowwise = rope.get("rope_type", "default") == "default"
+        name = self.config._attn_implementation
+        attn = self.body.layers[0].self_attn
+        # what each attention module calls: the registered implementation, or its module's eager one
+        self.own_attention = (
+            sys.modules[type(attn).__module__].eager_attention_forward
+            if name == "eager"
+            else ALL_ATTENTION_FUNCTIONS[name]
+        )
+
+    @staticmethod
+    def supports(main: MainModel) -> bool:
+        config = main.model.config
+        body = getattr(main.model, "model", None)
+        layers = getattr(body, "layers", None)
+        return (
+            config.model_type in FAMILIES
+            and main.kernel != "bmm"
+            and getattr(config, "_attn_implementation", None) in ATTENTION
+            and layers is not None
+            and all(
+                hasattr(layer, name)
+                for layer in layers
+                for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+            )
+        )
+
+    def _masks(self, embeds: torch.Tensor, run: DecodeInput, position_ids: torch.Tensor) -> dict:
+        """The request's own causal masks, built as its model forward builds them."""
+        kwargs = {
+            "config": self.config,
+            "inputs_embeds": embeds,
+            "attention_mask": torch.ones(1, run.positions, dtype=torch.long, device=embeds.device),
+            "cache": run.cache,
+            "position_ids": position_ids,
+        }
+        if FAMILIES[self.config.model_type] == "layer_types":
+            return {
+                "full_attention": create_causal_mask(**kwargs),
+                "sliding_attention": create_sliding_window_causal_mask(**kwargs),
+            }
+        if self.config.sliding_window is None:
+            return {"full_attention": create_causal_mask(**kwargs)}
+        return {"full_attention": create_sliding_window_causal_mask(**kwargs)}
+
+    def _mask_type(self, i: int) -> str:
+        if FAMILIES[self.config.model_type] == "layer_types":
+            return self.config.layer_types[i]
+        return "full_attention"
+
+    def step(self, inputs: list[DecodeInput], experts_batch: Callable[[bool], None]) -> list[torch.Tensor]:
+        """Each request's logits [1, V] for its next token. `experts_batch(True)` before the layers
+        and `(False)` after tell the experts call that its rows are one per request, in order."""
+        body, device, rows = self.body, self.main.device, len(inputs)
+        ids = torch.cat([run.token for run in inputs]).to(device)  # [B, 1]
+        hidden = body.embed_tokens(ids)  # [B, 1, H]
+        seen = [run.cache.get_seq_length() for run in inputs]
+        position_ids = torch.tensor([[p] for p in seen], device=device)  # [B, 1]
+        masks = [self._masks(hidden[b : b + 1], run, position_ids[b : b + 1]) for b, run in enumerate(inputs)]
+        if self.rope_rowwise:
+            rotary = body.rotary_emb(hidden, position_ids)
+        else:
+            alone = [body.rotary_emb(hidden[b : b + 1], position_ids[b : b + 1]) for b in range(rows)]
+            rotary = tuple(torch.cat(part) for part in zip(*alone, strict=True))
+        cache = _BatchCache([run.cache for run in inputs])
+        experts_batch(True)
+        try:
+            with self._attention_per_request(), self.linear:
+                for i, layer in enumerate(body.layers[: self.config.num_hidden_layers]):
+                    kind = self._mask_type(i)
+                    hidden = layer(
+                        hidden,
+                        attention_mask=_PerRequest(m[kind] for m in masks),
+                        position_ids=position_ids,
+                        cache=cache,
+                        use_cache=True,
+                        position_embeddings=rotary,
+                    )
+                hidden = body.norm(hidden)
+                logits = self.model.lm_head(hidden[:, -1:, :])
+        finally:
+            experts_batch(False)
+        return [logits[b : b + 1, -1, :].float().cpu() for b in range(rows)]
+
+    @contextlib.contextmanager
+    def _attention_per_request(self):
+        """transformers' attention function for this model, called per request (its query row, its
+        own keys, values and mask) while the decoder layers run on every request's rows."""
+        name = self.config._attn_implementation
+        attention = self.own_attention
+        had = name in ALL_ATTENTION_FUNCTIONS._local_mapping
+        previous = ALL_ATTENTION_FUNCTIONS._local_mapping.get(name)
+
+        def per_request(module, query, key, value, attention_mask, **kwargs):
+            if not isinstance(key, _PerRequest):  # not our batch (cannot happen inside step)
+                return attention(module, query, key, value, attention_mask, **kwargs)
+            positions = kwargs.pop("position_ids", None)
+            out = []
+            for b in range(len(key)):
+                if positions is not None:
+                    kwargs["position_ids"] = positions[b : b + 1]
+                one = query[b : b + 1]
+                out.append(attention(module, one, key[b], value[b], attention_mask[b], **kwargs)[0])
+            return torch.cat(out), None
+
+        ALL_ATTENTION_FUNCTIONS[name] = per_request
+        try:
+            yield
+        finally:
+            if had:
+                ALL_ATTENTION_FUNCTIONS[name] = previous
+            else:
+                del ALL_ATTENTION_FUNCTIONS[name]
+
+
+class _PerRequest(list):
+    """One entry per request of the batch (its keys, values or causal mask)."""
+
+
+class _BatchCache:
+    """Stands where the K/V cache stands in a decoder layer: each request's new key and value rows
+    go to its own cache, and each request's own keys and values come back (as `_PerRequest`)."""
+
+    def __init__(self, caches: list[DynamicCache]):
+        self.caches = caches
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = _PerRequest(), _PerRequest()
+        for b, cache in enumerate(self.caches):
+            k, v = cache.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx, *args, **kwargs)
+            keys.append(k)
+            values.append(v)
+        return keys, values

@@ -1,0 +1,149 @@
+"""Batched decode (odmoe/main/batched_decode.py): one pass through main's layers for every decoding
+request, each request's logits bit for bit those of its own batch-of-one forward pass.
+
+The pure part (RowExactLinear) against per-row `linear`; the whole pass through the in-process
+engine (real RemoteExperts, codec and expert math) against the same requests alone, bit for bit in
+the final logits, for each family it serves; the families it does not serve fall back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from odmoe.main.batched_decode import FAMILIES, RowExactLinear
+from odmoe.main.engine import DoneEvent, GenerateRequest, TokenEvent
+from odmoe.main.inprocess import engine_in_process
+from odmoe.main.request_queue import END, RequestQueue
+from odmoe.main.sampling import SamplingParams
+
+
+def _per_row(x, weight, bias):
+    return torch.cat([F.linear(x[b : b + 1], weight, bias) for b in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("rows", [2, 3, 8])
+@pytest.mark.parametrize("shape", [(1, 64), (64,)])  # decoder rows [B, 1, H] and router rows [B, H]
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_exact_linear_equals_each_row_alone(rows, shape, bias, dtype):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, *shape, dtype=dtype)
+    weight = torch.randn(96, 64, dtype=dtype)
+    b = torch.randn(96, dtype=dtype) if bias else None
+    mode = RowExactLinear()
+    with mode:
+        y = F.linear(x, weight, b)
+        again = torch.nn.functional.linear(x, weight, bias=b)
+    assert torch.equal(y, _per_row(x, weight, b))
+    assert torch.equal(again, y)
+    assert len(mode.verdicts) == 1  # one comparison per shape, then its verdict is reused
+
+
+def test_row_exact_linear_goes_row_by_row_where_bmm_differs():
+    """A shape whose bmm was found to differ is computed one request at a time (what a BLAS that
+    picks another kernel for a batch would need): still each row's own bits."""
+    x, weight = torch.randn(4, 1, 32), torch.randn(16, 32)
+    mode = RowExactLinear()
+    mode.verdicts[(tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype, False, "cpu")] = False
+    with mode:
+        y = F.linear(x, weight)
+    assert torch.equal(y, _per_row(x, weight, None))
+
+
+def test_other_ops_and_one_row_pass_through():
+    x, weight = torch.randn(1, 1, 32), torch.randn(16, 32)
+    mode = RowExactLinear()
+    with mode:
+        assert torch.equal(F.linear(x, weight), torch.nn.functional.linear(x, weight))
+        assert torch.equal(torch.softmax(x, -1), x.softmax(-1))
+    assert mode.verdicts == {}  # one row: transformers' own call, nothing compared
+
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "x = [",
+    "import os\n\nclass Config:\n    ",
+    "for i in range(10):\n    print(",
+]
+SEEDED = SamplingParams(do_sample=True, temperature=0.8, seed=7)
+
+
+def _requests(tokens: int = 9) -> list[GenerateRequest]:
+    """Greedy and seeded (alternating), prompts and lengths differing: requests join the pass as
+    their prefills end and leave it as they finish."""
+    return [
+        GenerateRequest(
+            p,
+            max_new_tokens=tokens - i,
+            request_id=f"r{i}",
+            sampling=SEEDED if i % 2 else SamplingParams(),
+            return_logits=True,
+        )
+        for i, p in enumerate(PROMPTS)
+    ]
+
+
+def _alone(engine, request: GenerateRequest) -> tuple[list[int], torch.Tensor]:
+    tokens, final = [], None
+    for event in engine.generate(request):
+        if isinstance(event, TokenEvent):
+            tokens.append(event.token_id)
+        elif isinstance(event, DoneEvent):
+            final = event.final_logits
+    return tokens, final
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_decode_gives_each_request_its_alone_bits(model_dirs, family, dtype):
+    path = model_dirs[family]
+    engine, _ = engine_in_process(path, dtype, max_running=4)
+    assert engine.batched is not None
+    passes = []
+    step = engine.batched.step
+    engine.batched.step = lambda inputs, hook: passes.append(len(inputs)) or step(inputs, hook)
+    got = serve_with_logits(engine, _requests())
+    assert max(passes) == 4 and min(passes) >= 2  # every request was in a batched pass
+    for request in _requests():
+        tokens, final = _alone(engine, request)  # one request alone: transformers' own forward
+        assert got[request.request_id][0] == tokens
+        assert torch.equal(got[request.request_id][1], final)
+
+
+def serve_with_logits(engine, requests) -> dict[str, tuple[list[int], torch.Tensor]]:
+    """Every request submitted at once: its tokens and final logits (return_logits)."""
+    queue = RequestQueue(64, 1e9)
+    tickets = {r.request_id: queue.submit(r) for r in requests}
+
+    def stopped() -> bool:
+        return all(t.events.queue and t.events.queue[-1] is END for t in tickets.values())
+
+    engine.serve(queue, stopped)
+    out = {}
+    for rid, ticket in tickets.items():
+        events = list(ticket.events.queue)
+        done = events[-2]
+        assert isinstance(done, DoneEvent), events
+        out[rid] = ([e.token_id for e in events if isinstance(e, TokenEvent)], done.final_logits)
+    return out
+
+
+def test_batched_and_per_request_decode_agree_on_every_bit(model_dirs):
+    """`server.decode=per_request` (transformers' forward per request) and the default batched pass
+    give the same tokens and final logits for the same requests decoding together."""
+    path = model_dirs["mixtral"]
+    batched, _ = engine_in_process(path, max_running=4)
+    apart, _ = engine_in_process(path, max_running=4, batched_decode=False)
+    assert batched.batched is not None and apart.batched is None
+    a, b = serve_with_logits(batched, _requests(12)), serve_with_logits(apart, _requests(12))
+    assert a.keys() == b.keys()
+    for rid in a:
+        assert a[rid][0] == b[rid][0]
+        assert torch.equal(a[rid][1], b[rid][1])
+
+
+@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+def test_families_it_does_not_replay_decode_per_request(model_dirs, family):
+    engine, _ = engine_in_process(model_dirs[family], max_running=4)
+    assert engine.batched is None
