@@ -147,3 +147,15 @@ def test_batched_and_per_request_decode_agree_on_every_bit(model_dirs):
 def test_families_it_does_not_replay_decode_per_request(model_dirs, family):
     engine, _ = engine_in_process(model_dirs[family], max_running=4)
     assert engine.batched is None
+
+
+def test_server_decode_is_validated():
+    from odmoe.config import OdmoeConfig
+    from odmoe.validation import validate
+
+    cfg = OdmoeConfig()
+    assert cfg.server.decode == "batched"
+    validate(cfg)
+    cfg.server.decode = "fast"
+    with pytest.raises(ValueError, match="server.decode must be batched or per_request"):
+        validate(cfg)
