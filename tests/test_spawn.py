@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import psutil
 import pytest
@@ -25,6 +26,11 @@ def test_a_node_dies_with_the_process_that_started_it():
     child = psutil.Process(int(parent.stdout.readline()))
     try:
         assert child.is_running()
+        # setpriv arms the death signal, then execs the node: kill the parent only once it has
+        # (before that, under load, the parent's death could come first and nothing would be armed)
+        deadline = time.monotonic() + 10
+        while "setpriv" in " ".join(child.cmdline()) and time.monotonic() < deadline:
+            time.sleep(0.01)
         parent.kill()
         parent.wait()
         child.wait(timeout=10)  # raises TimeoutExpired if it outlived its parent

@@ -17,7 +17,10 @@ Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* a
      per worker, every request's rows computed apart) and each gets back its own output. A request's
      prefill exchanges its own layers, `prefill_quota` MoE layers per tick (`prefill.chunk_tokens`),
      so running streams wait for at most that much of a long prompt: the prompt is still one forward
-     pass, cut between layers rather than between tokens, so its bits are one-shot prefill's;
+     pass, cut between layers rather than between tokens, so its bits are one-shot prefill's.
+     With batched decode (`server.decode=batched`, `odmoe.main.batched_decode`), two or more decoding
+     requests skip the tasks: after the prefills, one pass through the layers computes all their
+     rows, each as its own forward pass would, with the same one exchange per layer;
   3) choose: each request picks its token (`RequestRun.accept`), streams it, and tells the shadow;
      one that finished, was cancelled or ran past its deadline leaves now.
 The tick counter names the decode exchanges `(stream, tick, layer)`: the stream is named after the
@@ -333,8 +336,6 @@ class MainEngine:
             return
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
         together = self._decoding_together()
-        if together:
-            self._decode_together(together)
         decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer
         prefill: list[str] = []  # parked before a prefill layer
         for key, (_, run) in runs.items():
@@ -363,13 +364,20 @@ class MainEngine:
                 for key, out in zip(group, outputs, strict=True):
                     self._route(self._resume(runs[key][1], out), runs, decode, prefill)
                 continue
-            for key in list(prefill):
-                prefill.remove(key)
-                run = runs[key][1]
-                if run.prefill_layers >= run.prefill_quota:
-                    continue  # its quota for this tick is spent: it goes on next tick
-                run.prefill_layers += 1
-                self._route(self._resume(run, None), runs, decode, prefill)
+            # One prefill at a time, to the end of its quota: of k prompts arriving together the
+            # first streams its token after one prefill, not all after k
+            key = prefill.pop(0)
+            run = runs[key][1]
+            if run.prefill_layers >= run.prefill_quota:
+                continue  # its quota for this tick is spent: it goes on next tick
+            run.prefill_layers += 1
+            self._route(self._resume(run, None), runs, decode, prefill)
+            if prefill and prefill[-1] == key:  # parked before its next layer: it goes on first
+                prefill.insert(0, prefill.pop())
+        # The batched decode pass after the prefills: a new request's first token then leaves as soon
+        # as its prefill is done (the decoding requests' tokens leave at the tick's end either way)
+        if together:
+            self._decode_together(together)
         self.tick += 1
 
     def _decoding_together(self) -> list[tuple[Ticket, RequestRun]]:
