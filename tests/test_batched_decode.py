@@ -159,3 +159,23 @@ def test_server_decode_is_validated():
     cfg.server.decode = "fast"
     with pytest.raises(ValueError, match="server.decode must be batched or per_request"):
         validate(cfg)
+
+
+def test_a_sliding_window_mask_is_each_requests_own(model_dirs, tmp_path):
+    """Mixtral with a sliding window shorter than the prompts: each request's mask is built as its
+    own forward pass builds it (the window cuts its oldest positions), bit for bit."""
+    import json
+    import shutil
+
+    path = tmp_path / "mixtral-sliding"
+    shutil.copytree(model_dirs["mixtral"], path)
+    config = json.loads((path / "config.json").read_text())
+    config["sliding_window"] = 5
+    (path / "config.json").write_text(json.dumps(config))
+    engine, _ = engine_in_process(str(path), max_running=4)
+    assert engine.batched is not None and engine.main.model.config.sliding_window == 5
+    got = serve_with_logits(engine, _requests())
+    for request in _requests():
+        tokens, final = _alone(engine, request)
+        assert got[request.request_id][0] == tokens
+        assert torch.equal(got[request.request_id][1], final)
