@@ -179,3 +179,17 @@ def test_a_sliding_window_mask_is_each_requests_own(model_dirs, tmp_path):
         tokens, final = _alone(engine, request)
         assert got[request.request_id][0] == tokens
         assert torch.equal(got[request.request_id][1], final)
+
+
+def test_a_release_naming_the_cache_otherwise_decodes_per_request(model_dirs, monkeypatch):
+    """The pass hands transformers' layers the K/V cache as `cache`; a release calling it something
+    else would take the batch's cache as an unknown keyword and attend without it."""
+    from odmoe.main import batched_decode
+
+    engine, _ = engine_in_process(model_dirs["mixtral"], max_running=4)
+    assert batched_decode.BatchedDecode.supports(engine.main)
+
+    def old_mask(config, inputs_embeds, attention_mask, past_key_values, position_ids): ...
+
+    monkeypatch.setattr(batched_decode, "create_causal_mask", old_mask)
+    assert not batched_decode.BatchedDecode.supports(engine.main)

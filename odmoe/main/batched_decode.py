@@ -32,6 +32,7 @@ each norm, router, shared expert and the lm_head for all requests instead of one
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import sys
 from collections.abc import Callable
@@ -141,6 +142,7 @@ class BatchedDecode:
                 for layer in layers
                 for name in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
             )
+            and _takes_cache(type(layers[0]).forward, type(layers[0].self_attn).forward, create_causal_mask)
         )
 
     def _masks(self, embeds: torch.Tensor, run: DecodeInput, position_ids: torch.Tensor) -> dict:
@@ -229,6 +231,12 @@ class BatchedDecode:
                 ALL_ATTENTION_FUNCTIONS[name] = previous
             else:
                 del ALL_ATTENTION_FUNCTIONS[name]
+
+
+def _takes_cache(*functions) -> bool:
+    """Whether these transformers functions take the K/V cache as `cache` (as the calls here pass it):
+    a release naming it otherwise would silently get none, so such a release decodes per request."""
+    return all("cache" in inspect.signature(f).parameters for f in functions)
 
 
 class _PerRequest(list):
