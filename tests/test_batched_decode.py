@@ -143,7 +143,7 @@ def test_batched_and_per_request_decode_agree_on_every_bit(model_dirs):
         assert torch.equal(a[rid][1], b[rid][1])
 
 
-@pytest.mark.parametrize("family", ["olmoe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "gpt_oss", "llama4_text"])
 def test_families_it_does_not_replay_decode_per_request(model_dirs, family):
     engine, _ = engine_in_process(model_dirs[family], max_running=4)
     assert engine.batched is None
@@ -193,3 +193,29 @@ def test_a_release_naming_the_cache_otherwise_decodes_per_request(model_dirs, mo
 
     monkeypatch.setattr(batched_decode, "create_causal_mask", old_mask)
     assert not batched_decode.BatchedDecode.supports(engine.main)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        # top-4 of 12 (the router's top-k sum over k > 2; a short row of expert scores), head_dim 12
+        dict(family="qwen3_moe", hidden=48, heads=4, kv_heads=2, experts=12, top_k=4),
+        dict(family="mixtral", hidden=48, heads=4, kv_heads=2, experts=12, top_k=4),
+        dict(family="qwen2_moe", hidden=48, heads=4, kv_heads=2, experts=12, top_k=4),
+        dict(family="glm4_moe", hidden=64, heads=4, kv_heads=2, experts=16, top_k=4, intermediate=32),
+    ],
+    ids=lambda spec: f"{spec['family']}-top{spec['top_k']}of{spec['experts']}",
+)
+def test_rows_in_loop_tails_and_top_k_sums_stay_each_requests_own(spec, tmp_path):
+    """Shapes where a request's row alone is a SIMD loop's tail and among others its body, and
+    router sums over more than two values: each request's final logits still equal its alone run."""
+    from odmoe.tools.model_factory import ModelSpec, make_model
+
+    path = make_model(ModelSpec(vocab=1024, max_positions=256, **spec), tmp_path / spec["family"])
+    engine, _ = engine_in_process(str(path), max_running=4)
+    assert engine.batched is not None
+    got = serve_with_logits(engine, _requests())
+    for request in _requests():
+        tokens, final = _alone(engine, request)
+        assert got[request.request_id][0] == tokens
+        assert torch.equal(got[request.request_id][1], final)

@@ -3,30 +3,37 @@ bit for bit what its own batch-of-one forward pass computes.
 
 Contract: `BatchedDecode.supports(main)` says whether main's family has the decoder layer this
 module replays (norm, attention, residual add, norm, MoE or MLP block, residual add: Mixtral,
-Qwen2-MoE, Qwen3-MoE); `BatchedDecode(main).step(inputs, experts, contexts)` runs one decode
-iteration for every `DecodeInput` (a request's input token and its own K/V cache) and returns each
-request's last-position logits [1, V] (float32, on the host), each cache updated as that request's
-own `model(input_ids, attention_mask, cache, logits_to_keep=1)` call would update it. The engine uses
-it when two or more requests decode in one tick (`server.decode=batched`, the default where the
-family is supported); a request alone, a prefill and every other family take transformers' own
-forward pass per request as before.
+Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE); `BatchedDecode(main).step(inputs, experts_batch)` runs one
+decode iteration for every `DecodeInput` (a request's input token and its own K/V cache) and returns
+each request's last-position logits [1, V] (float32, on the host), each cache updated as that
+request's own `model(input_ids, attention_mask, cache, logits_to_keep=1)` call would update it. The
+engine uses it when two or more requests decode in one tick (`server.decode=batched`, the default
+where the family is supported); a request alone, a prefill and every other family take
+transformers' own forward pass per request as before.
 
-Why the bits are the request's own (DESIGN: lossless batching):
-- attention is transformers' own module, called per request on its [1, 1, H] rows, its own causal
-  mask (built as the model's forward builds it) and its own cache: nothing of another request
-  enters it;
-- embedding, RMS norms, residual adds, rotary cos/sin and the routers' softmax / top-k are computed
-  row by row by torch (each row of a batch as that row alone; `tests/test_batched_decode.py` checks
-  it on this build);
-- every `linear` (routers, shared experts, dense MLPs, lm_head) goes through `RowExactLinear`: one
-  `bmm` of one-row matrices against the weight, which the GEMM computes as it computes the
-  batch-of-one `linear`. The first time a shape (rows, weight, dtype, device) is met, the batched
-  result is compared with the per-row `linear`s; if any bit differs, that shape is computed row by
-  row from then on, so a BLAS that picks another kernel costs speed, never bits;
+Why the bits are the request's own (DESIGN: lossless batching). transformers' own decoder layers run
+once on all the requests' rows [B, 1, H] under `RowExactLinear`, a torch function mode that makes
+every op whose result for a row could depend on the rows around it compute each request's rows as
+that request alone would:
+- attention: transformers' attention function called per request (its query row, its own K/V
+  cache through `_BatchCache`, its own causal mask built as its model forward builds it);
+- `linear` (projections, routers, shared experts, lm_head): one `bmm` of one-row matrices against
+  the weight, which the GEMM computes as the batch-of-one `linear`. The first time a shape (rows,
+  weight, dtype, device) is met the result is compared with the per-row `linear`s; if any bit
+  differs, that shape is computed row by row from then on, so a BLAS that picks another kernel
+  costs speed, never bits;
+- reductions (sum, mean, softmax, top-k, norms, ...): per request, as they run alone (how torch
+  splits a reduction depends on the whole tensor's shape);
+- transcendental elementwise functions (exp, sigmoid, silu, cos, sin, ...): per request. torch
+  computes them by SIMD approximations in its vector loop's body and by libm in its tail, and a row
+  that is all tail alone (16 values) is all body among 4 rows (GLM-4-MoE's router sigmoid differed);
+- the rest is exact whatever the batch: arithmetic (+ - * /, sqrt) is correctly rounded on both
+  paths, views, gathers and concatenations move bits;
 - the routed experts' rows go to the workers split per request (`RemoteExperts.decode_batch`),
   exactly the rows, choices and combine each request's own call makes.
-What it saves is main's per-request Python and small-op overhead outside attention: one call of
-each norm, router, shared expert and the lm_head for all requests instead of one per request.
+`tests/test_batched_decode.py` compares every request's final logits with its alone run, bit for
+bit, per family, dtype and shapes that put rows in loop tails. What it saves is main's per-request
+Python and small-op overhead: one call of each projection, norm, router and the lm_head for all.
 """
 
 from __future__ import annotations
@@ -51,7 +58,13 @@ log = logging.getLogger("odmoe.main")
 __all__ = ["BatchedDecode", "DecodeInput", "RowExactLinear"]
 
 # model_type -> how its model forward picks each layer's causal mask
-FAMILIES = {"mixtral": "sliding_window", "qwen3_moe": "sliding_window", "qwen2_moe": "layer_types"}
+FAMILIES = {
+    "mixtral": "sliding_window",
+    "qwen3_moe": "sliding_window",
+    "qwen2_moe": "layer_types",
+    "olmoe": "causal",
+    "glm4_moe": "causal",
+}  # not DeepSeek: its attention expands the cached latent K/V between the cache and the attention call
 ATTENTION = ("sdpa", "eager")  # implementations whose per-request call is transformers' own math
 
 
@@ -63,6 +76,23 @@ class DecodeInput:
     token: torch.Tensor
     cache: DynamicCache
     positions: int
+
+
+def _reduced_dims(func, args, kwargs, ndim: int) -> set[int] | None:
+    """The dims a reduction call reduces over (None: all of them, or unknown)."""
+    dim = kwargs.get("dim", args[1] if len(args) > 1 and func not in (F.layer_norm, F.group_norm) else None)
+    if func in (F.rms_norm, F.layer_norm):
+        shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
+        return set(range(ndim - len(shape), ndim)) if shape is not None else None
+    if func is F.group_norm:
+        return None
+    if func is F.normalize and dim is None:
+        dim = 1
+    if isinstance(dim, int):
+        return {dim % ndim}
+    if isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
+        return {d % ndim for d in dim}
+    return None
 
 
 def _bmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -77,17 +107,55 @@ def _bmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
+# Reductions: how torch splits a reduction over SIMD lanes and threads depends on the whole tensor's
+# shape, so a [B, n] tensor's rows may be summed in another order than a [1, n] one's. Not seen on
+# this CPU (sums, means and softmaxes over 3-60 values of 2-8 rows all agreed), but nothing promises
+# it for every shape and instruction set: each request's rows are reduced alone, as alone.
+_REDUCTIONS = {
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor)
+    for name in (
+        "sum", "mean", "prod", "softmax", "log_softmax", "logsumexp", "topk", "max", "min", "amax",
+        "amin", "argmax", "argmin", "cumsum", "cumprod", "norm", "var", "std", "sort", "argsort",
+    )
+    if hasattr(owner, name)
+} | {F.softmax, F.log_softmax, F.normalize, F.rms_norm, F.layer_norm, F.group_norm}  # fmt: skip
+# Elementwise functions torch computes with other code in its vector loop's body than in its tail
+# (exp, sigmoid, cos, ... by SIMD approximations there, by libm here): a row of 16 values is all
+# tail alone and all body among 4 rows, and its bits can differ (GLM-4-MoE's router sigmoid over 16
+# experts did). Each request's rows go through them alone, as alone. Arithmetic (+ - * /, sqrt,
+# rsqrt) is correctly rounded on both paths and stays batched.
+_UNARY = {
+    getattr(owner, name)
+    for owner in (torch, torch.Tensor, torch.special)
+    for name in (
+        "exp", "exp2", "expm1", "log", "log2", "log10", "log1p", "sigmoid", "tanh", "sin", "cos",
+        "tan", "erf", "erfc", "expit", "logit", "atan", "asin", "acos", "sinh", "cosh",
+    )
+    if hasattr(owner, name)
+} | {
+    F.silu, F.gelu, F.sigmoid, F.tanh, F.softplus, F.elu, F.selu, F.mish, F.logsigmoid, F.hardswish,
+    F.glu,
+}  # fmt: skip
+
+
 class RowExactLinear(TorchFunctionMode):
-    """While active, `F.linear` (and so every `nn.Linear`) computes each index of its input's first
-    dimension (one request's rows) as the batch-of-one call would: by `bmm` where a first
-    comparison showed it equal, else one `linear` per request."""
+    """While active, with `rows` requests' rows along every tensor's first dimension: `F.linear`
+    (and so every `nn.Linear`) computes each request's rows as the batch-of-one call would, by `bmm`
+    where a first comparison showed it equal, else one `linear` per request; and every reduction
+    (sum, mean, softmax, top-k, norms...) runs on each request's rows alone."""
 
     def __init__(self):
         super().__init__()
         self.verdicts: dict[tuple, bool] = {}  # (shapes, dtypes, bias, device) -> bmm is bit-exact
+        self.rows = 0  # requests in the pass (0: no splitting of reductions)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _REDUCTIONS:
+            return self._per_row(func, args, kwargs)
+        if func in _UNARY:
+            return self._per_row(func, args, kwargs, unary=True)
         if func is not F.linear:
             return func(*args, **kwargs)
         x, weight = args[0], args[1]
@@ -107,6 +175,27 @@ class RowExactLinear(TorchFunctionMode):
                 log.info("linear %s x %s (%s): bmm differs from one row at a time; per row", *key[:3])
                 return alone
         return y
+
+    def _per_row(self, func, args, kwargs, unary: bool = False):
+        """A reduction over other dims than the first, or an elementwise function of one tensor, on
+        each request's rows alone."""
+        x = args[0] if args else None
+        rows = self.rows
+        if not (isinstance(x, torch.Tensor) and rows > 1 and x.dim() >= 2 and x.shape[0] == rows):
+            return func(*args, **kwargs)
+        if unary:
+            if any(isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())):
+                return func(*args, **kwargs)  # not a function of one tensor
+        else:
+            dims = _reduced_dims(func, args, kwargs, x.dim())
+            if dims is None or 0 in dims:
+                return func(*args, **kwargs)  # reduces across requests: not something a pass computes
+        alone = [func(x[b : b + 1], *args[1:], **kwargs) for b in range(rows)]
+        first = alone[0]
+        if isinstance(first, torch.Tensor):
+            return torch.cat(alone)
+        parts = [torch.cat(column) for column in zip(*alone, strict=True)]  # (values, indices)
+        return type(first)(parts) if not hasattr(first, "_fields") else type(first)(*parts)
 
 
 class BatchedDecode:
@@ -154,12 +243,13 @@ class BatchedDecode:
             "cache": run.cache,
             "position_ids": position_ids,
         }
-        if FAMILIES[self.config.model_type] == "layer_types":
+        how = FAMILIES[self.config.model_type]
+        if how == "layer_types":
             return {
                 "full_attention": create_causal_mask(**kwargs),
                 "sliding_attention": create_sliding_window_causal_mask(**kwargs),
             }
-        if self.config.sliding_window is None:
+        if how == "causal" or self.config.sliding_window is None:
             return {"full_attention": create_causal_mask(**kwargs)}
         return {"full_attention": create_sliding_window_causal_mask(**kwargs)}
 
@@ -177,15 +267,16 @@ class BatchedDecode:
         seen = [run.cache.get_seq_length() for run in inputs]
         position_ids = torch.tensor([[p] for p in seen], device=device)  # [B, 1]
         masks = [self._masks(hidden[b : b + 1], run, position_ids[b : b + 1]) for b, run in enumerate(inputs)]
-        if self.rope_rowwise:
-            rotary = body.rotary_emb(hidden, position_ids)
-        else:
-            alone = [body.rotary_emb(hidden[b : b + 1], position_ids[b : b + 1]) for b in range(rows)]
-            rotary = tuple(torch.cat(part) for part in zip(*alone, strict=True))
         cache = _BatchCache([run.cache for run in inputs])
         experts_batch(True)
+        self.linear.rows = rows
         try:
             with self._attention_per_request(), self.linear:
+                if self.rope_rowwise:  # cos / sin of each request's position alone (the mode)
+                    rotary = body.rotary_emb(hidden, position_ids)
+                else:
+                    alone = [body.rotary_emb(hidden[b : b + 1], position_ids[b : b + 1]) for b in range(rows)]
+                    rotary = tuple(torch.cat(part) for part in zip(*alone, strict=True))  # (cos, sin)
                 for i, layer in enumerate(body.layers[: self.config.num_hidden_layers]):
                     kind = self._mask_type(i)
                     hidden = layer(
@@ -200,6 +291,7 @@ class BatchedDecode:
                 logits = self.model.lm_head(hidden[:, -1:, :])
         finally:
             experts_batch(False)
+            self.linear.rows = 0
         return [logits[b : b + 1, -1, :].float().cpu() for b in range(rows)]
 
     @contextlib.contextmanager
