@@ -221,7 +221,7 @@ class ServerConfig:
     max_running: int = 8
     # How main computes a tick's decode iterations (odmoe.main.batched_decode): "batched" (one pass
     # through the layers for every decoding request: attention per request, every other op row-exact;
-    # families Mixtral, Qwen2-MoE, Qwen3-MoE, lossless miss policy; others fall back) or
+    # families Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE, lossless miss policy; others fall back) or
     # "per_request" (transformers' forward pass per request). Both give each request its own bits.
     decode: str = "batched"
     # K/V cache main may hold for running requests, e.g. "4GiB" ("" or 0: no bound): a request whose
