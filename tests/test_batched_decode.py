@@ -219,3 +219,46 @@ def test_rows_in_loop_tails_and_top_k_sums_stay_each_requests_own(spec, tmp_path
         tokens, final = _alone(engine, request)
         assert got[request.request_id][0] == tokens
         assert torch.equal(got[request.request_id][1], final)
+
+
+def test_reductions_run_per_request_only_over_a_requests_own_dims():
+    """The mode reduces each request's rows alone when the call reduces over other dims than the
+    first (wherever `dim` sits in its signature); a reduction over the first dim or everything is
+    left whole (it would mix requests, so a pass never computes one)."""
+    x = torch.randn(3, 4, 5)
+    mode = RowExactLinear()
+    mode.rows = 3
+    calls = []
+    per_row = mode._per_row
+
+    def counting(func, args, kwargs, unary=False):
+        out = per_row(func, args, kwargs, unary)
+        calls.append(func)
+        return out
+
+    mode._per_row = counting
+    with mode:
+        cases = {
+            "sum last": x.sum(-1),
+            "topk k=2 default dim": torch.topk(x, 2).values,
+            "topk positional dim 1": torch.topk(x, 2, 1).indices,
+            "norm p=2 over dim 0": torch.norm(x, 2, 0),
+            "softmax dim 2": torch.softmax(x, 2),
+            "normalize default dim 1": F.normalize(x),
+            "sum all": x.sum(),
+            "sigmoid": x.sigmoid(),
+        }
+    want = {
+        "sum last": x.sum(-1),
+        "topk k=2 default dim": torch.topk(x, 2).values,
+        "topk positional dim 1": torch.topk(x, 2, 1).indices,
+        "norm p=2 over dim 0": torch.norm(x, 2, 0),
+        "softmax dim 2": torch.softmax(x, 2),
+        "normalize default dim 1": F.normalize(x),
+        "sum all": x.sum(),
+        "sigmoid": x.sigmoid(),
+    }
+    for name, got in cases.items():
+        assert torch.allclose(got, want[name]), name
+        assert got.shape == want[name].shape, name
+    assert len(calls) == len(cases)

@@ -78,16 +78,26 @@ class DecodeInput:
     positions: int
 
 
+# where `dim` sits among the positional arguments, and its default, where not (1, None: none)
+_DIM_AT: dict = {F.normalize: (2, 1)}
+for _name in ("topk", "norm"):
+    _DIM_AT.update({getattr(torch, _name): (2, -1 if _name == "topk" else None)})
+    _DIM_AT.update({getattr(torch.Tensor, _name): (2, -1 if _name == "topk" else None)})
+for _name in ("sort", "argsort"):
+    _DIM_AT.update({getattr(torch, _name): (1, -1), getattr(torch.Tensor, _name): (1, -1)})
+
+
 def _reduced_dims(func, args, kwargs, ndim: int) -> set[int] | None:
     """The dims a reduction call reduces over (None: all of them, or unknown)."""
-    dim = kwargs.get("dim", args[1] if len(args) > 1 and func not in (F.layer_norm, F.group_norm) else None)
     if func in (F.rms_norm, F.layer_norm):
         shape = kwargs.get("normalized_shape", args[1] if len(args) > 1 else None)
         return set(range(ndim - len(shape), ndim)) if shape is not None else None
     if func is F.group_norm:
         return None
-    if func is F.normalize and dim is None:
-        dim = 1
+    at, default = _DIM_AT.get(func, (1, None))
+    dim = kwargs.get("dim", args[at] if len(args) > at else default)
+    if isinstance(dim, bool):
+        return None
     if isinstance(dim, int):
         return {dim % ndim}
     if isinstance(dim, (tuple, list)) and all(isinstance(d, int) for d in dim):
