@@ -237,28 +237,20 @@ def test_reductions_run_per_request_only_over_a_requests_own_dims():
         return out
 
     mode._per_row = counting
-    with mode:
-        cases = {
-            "sum last": x.sum(-1),
-            "topk k=2 default dim": torch.topk(x, 2).values,
-            "topk positional dim 1": torch.topk(x, 2, 1).indices,
-            "norm p=2 over dim 0": torch.norm(x, 2, 0),
-            "softmax dim 2": torch.softmax(x, 2),
-            "normalize default dim 1": F.normalize(x),
-            "sum all": x.sum(),
-            "sigmoid": x.sigmoid(),
-        }
-    want = {
-        "sum last": x.sum(-1),
-        "topk k=2 default dim": torch.topk(x, 2).values,
-        "topk positional dim 1": torch.topk(x, 2, 1).indices,
-        "norm p=2 over dim 0": torch.norm(x, 2, 0),
-        "softmax dim 2": torch.softmax(x, 2),
-        "normalize default dim 1": F.normalize(x),
-        "sum all": x.sum(),
-        "sigmoid": x.sigmoid(),
+    cases = {
+        "sum last": lambda: x.sum(-1),
+        "topk k=2 default dim": lambda: torch.topk(x, 2).values,
+        "topk positional dim 1": lambda: torch.topk(x, 2, 1).indices,
+        "topk positional dim 0": lambda: torch.topk(x, 2, 0).values,
+        "norm p=2 over dim 0": lambda: torch.norm(x, 2, 0),
+        "softmax dim 2": lambda: torch.softmax(x, 2),
+        "normalize default dim 1": lambda: F.normalize(x),
+        "sum all": lambda: x.sum(),
+        "sigmoid": lambda: x.sigmoid(),
     }
-    for name, got in cases.items():
-        assert torch.allclose(got, want[name]), name
-        assert got.shape == want[name].shape, name
+    for name, call in cases.items():
+        with mode:
+            got = call()
+        want = call()
+        assert got.shape == want.shape and torch.allclose(got, want), name
     assert len(calls) == len(cases)
