@@ -1,7 +1,7 @@
 """Batched decode (odmoe/main/batched_decode.py): one pass through main's layers for every decoding
 request, each request's logits bit for bit those of its own batch-of-one forward pass.
 
-The pure part (RowExactLinear) against per-row `linear`; the whole pass through the in-process
+The pure part (RowExact) against per-row `linear`; the whole pass through the in-process
 engine (real RemoteExperts, codec and expert math) against the same requests alone, bit for bit in
 the final logits, for each family it serves; the families it does not serve fall back."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from odmoe.main.batched_decode import FAMILIES, RowExactLinear
+from odmoe.main.batched_decode import FAMILIES, RowExact
 from odmoe.main.engine import DoneEvent, GenerateRequest, TokenEvent
 from odmoe.main.inprocess import engine_in_process
 from odmoe.main.request_queue import END, RequestQueue
@@ -31,7 +31,7 @@ def test_row_exact_linear_equals_each_row_alone(rows, shape, bias, dtype):
     x = torch.randn(rows, *shape, dtype=dtype)
     weight = torch.randn(96, 64, dtype=dtype)
     b = torch.randn(96, dtype=dtype) if bias else None
-    mode = RowExactLinear()
+    mode = RowExact()
     with mode:
         y = F.linear(x, weight, b)
         again = torch.nn.functional.linear(x, weight, bias=b)
@@ -44,7 +44,7 @@ def test_row_exact_linear_goes_row_by_row_where_bmm_differs():
     """A shape whose bmm was found to differ is computed one request at a time (what a BLAS that
     picks another kernel for a batch would need): still each row's own bits."""
     x, weight = torch.randn(4, 1, 32), torch.randn(16, 32)
-    mode = RowExactLinear()
+    mode = RowExact()
     mode.verdicts[(tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype, False, "cpu")] = False
     with mode:
         y = F.linear(x, weight)
@@ -53,7 +53,7 @@ def test_row_exact_linear_goes_row_by_row_where_bmm_differs():
 
 def test_other_ops_and_one_row_pass_through():
     x, weight = torch.randn(1, 1, 32), torch.randn(16, 32)
-    mode = RowExactLinear()
+    mode = RowExact()
     with mode:
         assert torch.equal(F.linear(x, weight), torch.nn.functional.linear(x, weight))
         assert torch.equal(torch.softmax(x, -1), x.softmax(-1))
@@ -226,7 +226,7 @@ def test_reductions_run_per_request_only_over_a_requests_own_dims():
     first (wherever `dim` sits in its signature); a reduction over the first dim or everything is
     left whole (it would mix requests, so a pass never computes one)."""
     x = torch.randn(3, 4, 5)
-    mode = RowExactLinear()
+    mode = RowExact()
     mode.rows = 3
     calls = []
     per_row = mode._per_row

@@ -12,7 +12,7 @@ where the family is supported); a request alone, a prefill and every other famil
 transformers' own forward pass per request as before.
 
 Why the bits are the request's own (DESIGN: lossless batching). transformers' own decoder layers run
-once on all the requests' rows [B, 1, H] under `RowExactLinear`, a torch function mode that makes
+once on all the requests' rows [B, 1, H] under `RowExact`, a torch function mode that makes
 every op whose result for a row could depend on the rows around it compute each request's rows as
 that request alone would:
 - attention: transformers' attention function called per request (its query row, its own K/V
@@ -55,7 +55,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from odmoe.models.main_model import MainModel
 
 log = logging.getLogger("odmoe.main")
-__all__ = ["BatchedDecode", "DecodeInput", "RowExactLinear"]
+__all__ = ["BatchedDecode", "DecodeInput", "RowExact"]
 
 # model_type -> how its model forward picks each layer's causal mask
 FAMILIES = {
@@ -149,7 +149,7 @@ _UNARY = {
 }  # fmt: skip
 
 
-class RowExactLinear(TorchFunctionMode):
+class RowExact(TorchFunctionMode):
     """While active, with `rows` requests' rows along every tensor's first dimension: `F.linear`
     (and so every `nn.Linear`) computes each request's rows as the batch-of-one call would, by `bmm`
     where a first comparison showed it equal, else one `linear` per request; and every reduction
@@ -213,7 +213,7 @@ class BatchedDecode:
         self.main, self.model = main, main.model
         self.body = main.model.model
         self.config = main.model.config
-        self.linear = RowExactLinear()
+        self.row_exact = RowExact()
         rope = getattr(self.config, "rope_parameters", None) or {}
         # default RoPE is elementwise in the position; other types may rescale on the longest one
         self.rope_rowwise = rope.get("rope_type", "default") == "default"
@@ -279,9 +279,9 @@ class BatchedDecode:
         masks = [self._masks(hidden[b : b + 1], run, position_ids[b : b + 1]) for b, run in enumerate(inputs)]
         cache = _BatchCache([run.cache for run in inputs])
         experts_batch(True)
-        self.linear.rows = rows
+        self.row_exact.rows = rows
         try:
-            with self._attention_per_request(), self.linear:
+            with self._attention_per_request(), self.row_exact:
                 if self.rope_rowwise:  # cos / sin of each request's position alone (the mode)
                     rotary = body.rotary_emb(hidden, position_ids)
                 else:
@@ -301,7 +301,7 @@ class BatchedDecode:
                 logits = self.model.lm_head(hidden[:, -1:, :])
         finally:
             experts_batch(False)
-            self.linear.rows = 0
+            self.row_exact.rows = 0
         return [logits[b : b + 1, -1, :].float().cpu() for b in range(rows)]
 
     @contextlib.contextmanager

@@ -336,10 +336,11 @@ class MainEngine:
             return
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
         together = self._decoding_together()
+        in_pass = {run.request_id for _, run in together}
         decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer
         prefill: list[str] = []  # parked before a prefill layer
         for key, (_, run) in runs.items():
-            if any(run is r for _, r in together):
+            if key in in_pass:  # the batched decode pass computes it, after the prefills
                 continue
             if key in self.tasks:  # a prefill parked across ticks
                 prefill.append(key)
