@@ -7,7 +7,10 @@
 #     bash benchmarks/gpu_session.sh "$OUT" part2 [LAYERS]  # install, odmoe-bench suite=gpu (<=500 s;
 #                                                           #   LAYERS default 4, 2 for a safe first run)
 #     bash benchmarks/gpu_session.sh "$OUT" part3           # install, gpu whole-cluster tests (<=420 s)
-#   also:   install (install and versions only; runs without a GPU too), all (part1..3 in a row, for a
+#   also:   batched (issue 28, one call, timeout_s 420: the batched-decode gpu tests, then main's time
+#           per token with main on the GPU, batched vs per request, on a wide random model made there:
+#           gpu-batched-tests.txt/.xml, main-decode-cuda.txt),
+#           install (install and versions only; runs without a GPU too), all (part1..3 in a row, for a
 #           box with no 10-minute limit: ~15-20 min), lease (one call for a 15-minute lease, timeout_s
 #           600: every gpu test at once on the box's cores within TESTS_S=240 s, then suite gpu at
 #           LAYERS within BENCH_S=320 s; writes session, gpu-tests .txt/.xml, gpu-bench.txt, gpu.json/.png;
@@ -134,6 +137,22 @@ lease() {  # all of it in one call of a 15-minute lease (timeout_s 600): every g
     "gpu.systems=[${SYSTEMS:-single_process,odmoe,odmoe_cache,lru_offloader,accelerate_offload}]" ${BENCH_ARGS:-}
 }
 
+batched() {  # issue 28 on the GPU: its tests (in-process engines on CUDA, concurrent GPU clusters),
+  # then benchmarks/main_decode.py with main on CUDA over a model of real attention width (hidden
+  # 4096, 32 heads, 8 KV heads; experts 128 wide: the in-process workers compute them on the CPU
+  # in bf16, and 1024 wide took ~80 ms of wall time per token there, more than the call had)
+  local workers=()
+  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${XDIST:-8}")
+  step gpu-batched-tests "${TESTS_S:-180}" "${PYTEST[@]}" "${workers[@]}" -rP -m gpu \
+    -k "batched or concurrent" --junitxml="$OUT/gpu-batched-tests.xml"
+  local model=/tmp/odmoe-wide-attention-128
+  step make-wide "${MAKE_S:-60}" "$PY" -c "from odmoe.tools.model_factory import ModelSpec, make_wide_model
+make_wide_model(ModelSpec(layers=4, hidden=4096, intermediate=128, heads=32, kv_heads=8, vocab=4096,
+                          max_positions=1024, dtype='bfloat16'), '$model')"
+  step main-decode-cuda "${BENCH_S:-200}" "$PY" -m odmoe.benchmarks.main_decode --model "$model" \
+    --device cuda --dtype bfloat16 --users "${USERS:-1,2,4,8,16}" --rounds 2 --tokens 24
+}
+
 say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 install
@@ -143,6 +162,7 @@ case "$PART" in
   part2) part2 ;;
   part3) part3 ;;
   lease) lease ;;
+  batched) batched ;;
   all) part1; part2; part3 ;;
   *) say "unknown part '$PART': part1|part2|part3|lease|install|all"; exit 2 ;;
 esac

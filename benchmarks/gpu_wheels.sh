@@ -27,7 +27,7 @@ BUDGET=$((64 * 1024 * 1024))
 
 # One version of each (two of one name stop the offline install). Each: why the box needs it.
 WHEELS=(
-  transformers==5.23.0           # box: 5.17.0; pyproject pins >=5.23 (the version every test ran on)
+  transformers==5.24.0           # box: 5.17.0; constraints-cpu.txt pins it (batched decode: `cache=`)
   pyzmq==27.3.0                  # missing: the data plane
   grpcio==1.85.1                 # box's version unknown; odmoe_pb2_grpc.py needs >=1.85.1
   grpcio-health-checking==1.85.1 # missing; needs grpcio>=1.85.1, protobuf>=7.35.1

@@ -6,7 +6,10 @@
    per node in the stats;
 3. exactness: the worker's expert kernel equals transformers' experts module on the GPU, and a whole
    cluster on the GPU gives the tokens of `generate(do_sample=False)` on the same device and dtype,
-   for each family (the core six and the focused ones), through prefill and decode.
+   for each family (the core six and the focused ones), through prefill and decode;
+4. many requests at once (issue 28): batched decode with main on the GPU gives each request its alone
+   bits (cuBLAS's batched GEMM against the one-row linear is checked per shape there too), and
+   concurrent clients of a GPU cluster each get `generate`'s tokens.
 
     python -m pytest -m gpu tests/test_gpu.py
 """
@@ -17,13 +20,16 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from odmoe import LocalCluster
+from odmoe import Client, LocalCluster
+from odmoe.main.batched_decode import FAMILIES as BATCHED_FAMILIES
+from odmoe.main.inprocess import engine_in_process
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.expert_math import combine, expert_forward, split_by_expert
 from odmoe.models.main_model import build_main_model
 from odmoe.shadow.shadow_model import load_shadow_model, router_modules
 from odmoe.worker.expert_store import DeviceSlots, ExpertStore
 from tests.conftest import FAMILY_NAMES, FOCUSED_FAMILIES
+from tests.test_batched_decode import _alone, _requests, serve_with_logits
 from tests.tiny_configs import TINY
 
 pytestmark = [
@@ -189,3 +195,50 @@ def test_cluster_on_cuda_with_quantized_shadows(dtype, shadow, model_dirs, reap_
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
         assert got.token_ids == reference_on(path, PROMPTS[0], getattr(torch, dtype))
         assert got.stats["recall"]["overall"] is not None
+
+
+# -- 4. many requests at once ----------------------------------------------------------------------
+@pytest.mark.parametrize("family", sorted(BATCHED_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_batched_decode_on_cuda_gives_each_request_its_alone_bits(model_dirs, family, dtype):
+    engine, _ = engine_in_process(model_dirs[family], dtype, device=CUDA, max_running=4)
+    assert engine.batched is not None
+    passes: list[int] = []
+    step = engine.batched.step
+    engine.batched.step = lambda inputs, hook: passes.append(len(inputs)) or step(inputs, hook)
+    got = serve_with_logits(engine, _requests())
+    assert max(passes) == 4
+    for request in _requests():
+        tokens, final = _alone(engine, request)
+        assert got[request.request_id][0] == tokens, f"{family} {request.request_id}"
+        assert torch.equal(got[request.request_id][1], final), f"{family} {request.request_id}"
+    verdicts = engine.batched.row_exact.verdicts
+    print(f"{family} {dtype}: bmm exact on {sum(verdicts.values())} of {len(verdicts)} shapes")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_concurrent_clients_on_cuda_each_get_generate_tokens(family, model_dirs, reap_children):
+    import threading
+
+    path = model_dirs[family]
+    prompts = [*PROMPTS, "x = [", "for i in range(10):\n    print("]
+    wanted = {p: reference_on(path, p, torch.bfloat16) for p in prompts}
+    results: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+    with LocalCluster(path, workers=2, group_size=2, overrides=gpu_words()) as cluster:
+
+        def ask(prompt: str) -> None:
+            try:
+                with Client(cluster.address, credentials=cluster.credentials) as client:
+                    results[prompt] = client.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids
+            except BaseException as exc:  # collected and asserted below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+    assert not errors
+    assert results == wanted

@@ -105,13 +105,19 @@ class InProcessWorkers:
 
 
 def engine_in_process(
-    path: str, dtype: torch.dtype = torch.float32, workers: int = 2, group_size: int = 2, **batching
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    workers: int = 2,
+    group_size: int = 2,
+    device: str = "cpu",
+    **batching,
 ) -> tuple[MainEngine, InProcessWorkers]:
-    """Main's engine over in-process workers: no shadow, no sockets, the real decode loop."""
+    """Main's engine over in-process workers: no shadow, no sockets, the real decode loop. `device`
+    is main's (the workers compute on the CPU: the answers reach main as bytes, as over a socket)."""
     from transformers import AutoTokenizer
 
     checkpoint = Checkpoint(path)
-    main = build_main_model(checkpoint, dtype)
+    main = build_main_model(checkpoint, dtype, device)
     topology = Topology(workers, group_size).for_model(checkpoint.moe_layers)
     members = InProcessWorkers(checkpoint, topology, dtype)
     experts = RemoteExperts(members, checkpoint.num_experts, main.kernel)
