@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from odmoe.benchmarks.predictors import FrequencyPredictor, next_layer_gate
 from odmoe.main.alignment import AlignmentSchedule
+from odmoe.models.cache_argument import with_cache
 from odmoe.models.kv_rows import newest_rows, overwrite_newest_rows
 from odmoe.shadow.router_tap import RouterTap
 from odmoe.shadow.shadow_model import load_shadow_model, router_modules
@@ -63,9 +64,9 @@ def reference_trajectory(
                 for layer in moe_layers:
                     traj.frequency[(iteration, layer)] = frequency.predict(layer)
             mask = torch.ones(1, len(prompt_ids) + iteration, dtype=torch.long)
-            logits = model(
-                input_ids=step, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1
-            ).logits
+            cached = with_cache(model, cache)
+            out = model(input_ids=step, attention_mask=mask, **cached, use_cache=True, logits_to_keep=1)
+            logits = out.logits
             for layer, index in routers.chosen.items():
                 for row in index.tolist():
                     frequency.observe(layer, row)
@@ -113,7 +114,7 @@ def replay_shadow(
         cache = DynamicCache(config=shadow.config)
         ids = torch.tensor([traj.prompt_ids], device=device)
         own = int(
-            shadow(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            shadow(input_ids=ids, **with_cache(shadow, cache), use_cache=True, logits_to_keep=1)
             .logits[0, -1]
             .argmax()
         )
@@ -125,7 +126,7 @@ def replay_shadow(
                 overwrite_newest_rows(cache, *traj.kv_rows[iteration])
             logits = shadow(
                 input_ids=torch.tensor([[token]], device=device),
-                past_key_values=cache,
+                **with_cache(shadow, cache),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits

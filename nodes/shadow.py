@@ -47,6 +47,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 from odmoe.config import OdmoeConfig
 from odmoe.main.alignment import make_plan
 from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
+from odmoe.models.cache_argument import with_cache
 from odmoe.models.families import family_of, served_config
 from odmoe.models.main_model import experts_modules
 from odmoe.nodes.ready import announce_ready
@@ -331,7 +332,8 @@ class ShadowNode:
             prefilled = DynamicCache(config=self.model.config)
             ids = torch.tensor([begin.prompt_ids], device=self.scfg.device)
             self._running = None
-            out = self.model(input_ids=ids, past_key_values=prefilled, use_cache=True, logits_to_keep=1)
+            cached = with_cache(self.model, prefilled)
+            out = self.model(input_ids=ids, **cached, use_cache=True, logits_to_keep=1)
             own = int(out.logits[0, -1].argmax())
             if batchable(prefilled):
                 self.batch.add(begin.request, prefilled)
@@ -569,7 +571,7 @@ class ShadowNode:
         choices): the token it fed and its own next one."""
         logits = self.model(
             input_ids=torch.tensor([[token]], device=self.scfg.device),
-            past_key_values=run.cache.cache,
+            **with_cache(self.model, run.cache.cache),
             use_cache=True,
             logits_to_keep=1,
         ).logits
@@ -609,7 +611,7 @@ class ShadowNode:
         try:  # like a prefill: the router hooks see no running request and publish nothing
             self.model(
                 input_ids=torch.tensor([tokens], device=self.scfg.device),
-                past_key_values=cache,
+                **with_cache(self.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             )

@@ -30,6 +30,7 @@ from odmoe.main.batched_decode import DecodeInput
 from odmoe.main.remote_experts import RunContext
 from odmoe.main.sampling import SamplingParams, TokenChooser
 from odmoe.main.stop_strings import StopStrings
+from odmoe.models.cache_argument import with_cache
 from odmoe.models.main_model import MainModel
 from odmoe.tools.trace import now_us
 
@@ -153,7 +154,7 @@ class RequestRun:
         out = self.main.model(
             input_ids=self.step_input.to(device),
             attention_mask=mask,
-            past_key_values=self.cache,
+            **with_cache(self.main.model, self.cache),
             use_cache=True,
             logits_to_keep=1,
         )

@@ -33,6 +33,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from odmoe.models.cache_argument import with_cache
 from odmoe.models.kv_rows import croppable, overwrite_rows, row_layers
 
 
@@ -183,7 +184,7 @@ class ShadowBatch:
                 input_ids=ids.to(device),
                 attention_mask=mask.to(device),
                 position_ids=positions.to(device),
-                past_key_values=cache,
+                **with_cache(self.model, cache),
                 use_cache=True,
                 logits_to_keep=1,
             ).logits[:, -1]
