@@ -147,6 +147,7 @@ class WorkerConfig:
 
 
 SHADOW_MODES = ("emulate", "random")
+PREFILL_PLACEMENTS = ("auto", "modulo", "balanced", "homes")
 
 
 @dataclass
@@ -156,7 +157,11 @@ class PrefillConfig:
     # iterations, a share of its MoE layers each, so running streams wait for at most that share
     # (0: a whole prompt in one iteration). Cut between layers, not tokens: bit-exact either way.
     chunk_tokens: int = 0
-    placement: str = "modulo"  # modulo (expert e on worker e mod N) | balanced (by token count)
+    # Which worker computes each expert of a prompt: modulo (expert e on the layer's holder e mod N,
+    # every worker storing the layer) | balanced (by token count) | homes (each expert on its home in
+    # the layer's group, where worker.cache keeps it: a hit instead of a load; without caches,
+    # modulo) | auto (homes with worker caches, else modulo)
+    placement: str = "auto"
     # Compute each mini-batch as it arrives. Faster, but NOT bit-exact (a matmul's rows depend on
     # how many rows it sees), so off by default: odmoe's output must equal the reference's.
     compute_per_mini_batch: bool = False

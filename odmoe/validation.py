@@ -8,7 +8,7 @@ policies, precisions, alignment plans), so the schema (`odmoe.config`) need not 
 
 from __future__ import annotations
 
-from odmoe.config import FAULT_ACTIONS, ROLES, SHADOW_MODES, OdmoeConfig, resolve_aliases
+from odmoe.config import FAULT_ACTIONS, PREFILL_PLACEMENTS, ROLES, SHADOW_MODES, OdmoeConfig, resolve_aliases
 from odmoe.main.alignment import make_plan
 from odmoe.shadow.speculation import Speculation
 
@@ -91,8 +91,10 @@ def validate(cfg: OdmoeConfig) -> None:
     Speculation(1, cfg.alignment.max_ahead)  # raises on max_ahead < 1
     if cfg.prefill.mini_batch < 0:
         raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")
-    if cfg.prefill.placement not in ("modulo", "balanced"):
-        raise ValueError(f"prefill.placement={cfg.prefill.placement!r} is not one of modulo, balanced")
+    if cfg.prefill.placement not in PREFILL_PLACEMENTS:
+        raise ValueError(
+            f"prefill.placement={cfg.prefill.placement!r} is not one of {', '.join(PREFILL_PLACEMENTS)}"
+        )
     _validate_security(cfg)
     if cfg.role.name == "local":
         if not cfg.prompt:

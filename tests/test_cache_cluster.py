@@ -107,6 +107,27 @@ def test_homes_follow_the_workers_cache_rooms(homes, model_dirs, reap_children):
             assert home == [total // 2, total // 2] and cached <= total // 2 + 1
 
 
+@pytest.mark.parametrize("placement", ["auto", pytest.param("modulo", marks=pytest.mark.extended)])
+def test_a_prompt_s_experts_are_computed_where_they_are_kept(placement, model_dirs, reap_children):
+    """Four workers in two groups, each caching all it is home for. With prefill by homes (`auto`,
+    the default with caches) a prompt's experts go to the workers that keep them, so a prompt asked
+    again loads nothing; spread `e mod N` over all four workers storing the layer (`modulo`), about
+    half of them land in the other group, which keeps none of them, and load again every time."""
+    path = model_dirs["mixtral"]
+    words = ["worker.cache=all", f"prefill.placement={placement}"]
+    with LocalCluster(path, workers=4, group_size=2, overrides=words) as cluster:
+        first, again = (
+            _check(cluster, path)[0],
+            cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS),
+        )
+    assert again.token_ids == reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)[0]
+    assert first["bytes_loaded"] > 0
+    if placement == "auto":
+        assert again.stats["bytes_loaded"] == 0, again.stats["cache"]
+    else:
+        assert again.stats["bytes_loaded"] > 0
+
+
 @pytest.mark.extended  # a cluster per family: CI runs it
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 def test_every_family_with_room_for_every_expert(family, model_dirs, reap_children):

@@ -346,15 +346,18 @@ class RemoteExperts:
         return []
 
     def _prefill_place(self, step: Step, tokens: int, groups) -> dict[int, int]:
-        """Prefill: spread over every live worker storing the layer (a one-token prompt: its group)."""
-        live, layer = self.members.live, step.layer
+        """Prefill: spread over every live worker storing the layer, or with worker caches each
+        expert to its home (`prefill.placement`); a one-token prompt: as decode places it."""
+        live, layer, topology = self.members.live, step.layer, self.topology
+        rule = self.prefill.placement
+        if rule == "auto":
+            rule = "homes" if topology.homes else "modulo"
         try:
-            if tokens > 1:
+            if tokens > 1 and not (rule == "homes" and topology.homes):
                 counts = {rows.expert: len(rows.token_idx) for rows in groups}
-                return self.topology.prefill_placement(
-                    counts, self.prefill.placement, self.topology.live_holders(layer, live)
-                )
-            return self.topology.decode_placement(layer, [rows.expert for rows in groups], live)
+                rule = "modulo" if rule == "homes" else rule  # no caches, no homes: spread
+                return topology.prefill_placement(counts, rule, topology.live_holders(layer, live))
+            return topology.decode_placement(layer, [rows.expert for rows in groups], live)
         except LayerUnavailable as exc:
             raise WorkerUnavailable(str(exc)) from None
 
