@@ -50,7 +50,7 @@ WHEELS=(
   cffi==2.0.0                    # cryptography (>=2.0.0)
   pycparser==3.0                 # cffi
   greenlet==3.5.6                # missing: main and the shadow step batched requests (lockstep.py)
-  regex==2026.5.9                # box's unknown; transformers 5.23 needs >=2025.10.22
+  regex==2026.5.9                # box's unknown; transformers 5.24 needs >=2025.10.22
 )
 # Published as a source archive only (pure Python): built into a wheel here.
 SDISTS=(
