@@ -127,3 +127,30 @@ def reap_children():
         except ProcessLookupError:
             pass
     assert not alive, f"orphan node processes left running: {[p.pid for p in alive]}"
+
+
+def generate_together(cluster, prompts: list[str], max_new_tokens: int) -> dict[str, list[int]]:
+    """Each prompt from a client of its own, all at once (threads): prompt -> its tokens. The first
+    error any client met is raised after all have ended."""
+    import threading
+
+    import odmoe
+
+    got: dict[str, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def ask(prompt: str) -> None:
+        try:
+            with odmoe.Client(cluster.address, credentials=cluster.credentials) as client:
+                got[prompt] = client.generate(prompt, max_new_tokens=max_new_tokens).token_ids
+        except BaseException as exc:  # raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    if errors:
+        raise errors[0]
+    return got

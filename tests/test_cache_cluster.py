@@ -5,15 +5,13 @@ actually serves (hits, bytes saved)."""
 from __future__ import annotations
 
 import re
-import threading
 
 import httpx
 import pytest
 import torch
 
-import odmoe
 from odmoe import LocalCluster
-from tests.conftest import FAMILY_NAMES
+from tests.conftest import FAMILY_NAMES, generate_together
 from tests.test_cluster_fidelity import PROMPTS, reference
 
 pytestmark = pytest.mark.integration
@@ -55,21 +53,7 @@ def test_a_small_cache_keeps_tokens_and_serves_hits(policy, model_dirs, reap_chi
         assert all(sum(w["evictions_per_layer"].values()) == w["evictions"] for w in workers.values())
         assert all(sum(s["cache"]["hits_per_layer"].values()) == s["cache"]["hits"] for s in stats)
         wanted = {p: reference(path, p, new_tokens=12)[0] for p in PROMPTS}
-        got, errors = {}, []
-
-        def ask(prompt: str) -> None:
-            try:
-                with odmoe.Client(cluster.address, credentials=cluster.credentials) as client:
-                    got[prompt] = client.generate(prompt, max_new_tokens=12).token_ids
-            except BaseException as exc:  # asserted below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors and got == wanted
+        assert generate_together(cluster, PROMPTS, 12) == wanted
         # the cache's figures reach Prometheus, per worker
         page = httpx.get(cluster.http_url + "/metrics", **cluster.http_auth).text
         hits = re.findall(r'^odmoe:expert_cache_hits_total\{worker="worker\d"\} (\S+)$', page, re.M)

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import LocalCluster
-from tests.conftest import FAMILY_NAMES, cluster_families
+from tests.conftest import FAMILY_NAMES, cluster_families, generate_together
 
 PROMPTS = ["def fibonacci(n):", "import os\n\nclass Config:\n    ", "    return sorted(items, key="]
 NEW_TOKENS = 32
@@ -135,24 +134,8 @@ def test_bf16_cluster_with_bf16_shadow_every_family(family, model_dirs, reap_chi
 def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap_children):
     path = model_dirs["qwen2_moe"]
     wanted = {p: reference(path, p, new_tokens=16)[0] for p in PROMPTS}
-    results: dict[str, list[int]] = {}
-    errors: list[BaseException] = []
     with LocalCluster(path, workers=2, group_size=2) as cluster:
-
-        def ask(prompt: str) -> None:
-            try:
-                with __import__("odmoe").Client(cluster.address, credentials=cluster.credentials) as client:
-                    results[prompt] = client.generate(prompt, max_new_tokens=16).token_ids
-            except BaseException as exc:  # collected and asserted below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=ask, args=(p,)) for p in PROMPTS * 2]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-    assert not errors
-    assert results == wanted
+        assert generate_together(cluster, PROMPTS * 2, 16) == wanted
 
 
 def test_stream_yields_pieces_that_add_up_to_generate(model_dirs, reap_children):

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from odmoe import Client, LocalCluster
+from odmoe import LocalCluster
 from odmoe.main.batched_decode import FAMILIES as BATCHED_FAMILIES
 from odmoe.main.inprocess import engine_in_process
 from odmoe.models.checkpoint import Checkpoint
@@ -28,7 +28,7 @@ from odmoe.models.expert_math import combine, expert_forward, split_by_expert
 from odmoe.models.main_model import build_main_model
 from odmoe.shadow.shadow_model import load_shadow_model, router_modules
 from odmoe.worker.expert_store import DeviceSlots, ExpertStore
-from tests.conftest import FAMILY_NAMES, FOCUSED_FAMILIES
+from tests.conftest import FAMILY_NAMES, FOCUSED_FAMILIES, generate_together
 from tests.test_batched_decode import _alone, _requests, serve_with_logits
 from tests.tiny_configs import TINY
 
@@ -219,26 +219,8 @@ def test_batched_decode_on_cuda_gives_each_request_its_alone_bits(model_dirs, fa
 @pytest.mark.integration
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_concurrent_clients_on_cuda_each_get_generate_tokens(family, model_dirs, reap_children):
-    import threading
-
     path = model_dirs[family]
     prompts = [*PROMPTS, "x = [", "for i in range(10):\n    print("]
     wanted = {p: reference_on(path, p, torch.bfloat16) for p in prompts}
-    results: dict[str, list[int]] = {}
-    errors: list[BaseException] = []
     with LocalCluster(path, workers=2, group_size=2, overrides=gpu_words()) as cluster:
-
-        def ask(prompt: str) -> None:
-            try:
-                with Client(cluster.address, credentials=cluster.credentials) as client:
-                    results[prompt] = client.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids
-            except BaseException as exc:  # collected and asserted below
-                errors.append(exc)
-
-        threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=300)
-    assert not errors
-    assert results == wanted
+        assert generate_together(cluster, prompts, NEW_TOKENS) == wanted
