@@ -129,28 +129,37 @@ def reap_children():
     assert not alive, f"orphan node processes left running: {[p.pid for p in alive]}"
 
 
-def generate_together(cluster, prompts: list[str], max_new_tokens: int) -> dict[str, list[int]]:
-    """Each prompt from a client of its own, all at once (threads): prompt -> its tokens. The first
-    error any client met is raised after all have ended."""
+def run_together(calls: list) -> list:
+    """Each zero-argument call on a thread of its own, all at once: their results in order. The
+    first error any call raised is raised after all have ended."""
     import threading
 
-    import odmoe
-
-    got: dict[str, list[int]] = {}
+    results: list = [None] * len(calls)
     errors: list[BaseException] = []
 
-    def ask(prompt: str) -> None:
+    def one(i: int) -> None:
         try:
-            with odmoe.Client(cluster.address, credentials=cluster.credentials) as client:
-                got[prompt] = client.generate(prompt, max_new_tokens=max_new_tokens).token_ids
-        except BaseException as exc:  # raised below, in the test's thread
+            results[i] = calls[i]()
+        except BaseException as exc:  # raised below, in the caller's thread
             errors.append(exc)
 
-    threads = [threading.Thread(target=ask, args=(p,)) for p in prompts]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(calls))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=300)
     if errors:
         raise errors[0]
-    return got
+    return results
+
+
+def generate_together(cluster, prompts: list[str], max_new_tokens: int) -> dict[str, list[int]]:
+    """Each prompt from a client of its own, all at once: prompt -> its tokens."""
+    import odmoe
+
+    def ask(prompt: str) -> list[int]:
+        with odmoe.Client(cluster.address, credentials=cluster.credentials) as client:
+            return client.generate(prompt, max_new_tokens=max_new_tokens).token_ids
+
+    tokens = run_together([lambda p=p: ask(p) for p in prompts])
+    return dict(zip(prompts, tokens, strict=True))

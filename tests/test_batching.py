@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from odmoe import Client, LocalCluster
-from tests.conftest import FAMILY_NAMES
+from tests.conftest import FAMILY_NAMES, run_together
 
 pytestmark = pytest.mark.integration
 
@@ -75,24 +75,12 @@ def _ask(cluster: LocalCluster, prompt: str, new_tokens: int, params: int):
 
 def run_schedule(cluster: LocalCluster, schedule) -> dict[int, object]:
     """Each (delay s, prompt index, new tokens, params index) on its own client thread, at once."""
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
 
-    def one(i: int, delay: float, prompt: int, new_tokens: int, params: int) -> None:
+    def one(delay: float, prompt: int, new_tokens: int, params: int):
         time.sleep(delay)
-        try:
-            results[i] = _ask(cluster, PROMPTS[prompt], new_tokens, params)
-        except BaseException as exc:  # collected and raised below
-            errors.append(exc)
+        return _ask(cluster, PROMPTS[prompt], new_tokens, params)
 
-    threads = [threading.Thread(target=one, args=(i, *item)) for i, item in enumerate(schedule)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    if errors:
-        raise errors[0]
-    return results
+    return dict(enumerate(run_together([lambda item=item: one(*item) for item in schedule])))
 
 
 def check(cluster: LocalCluster, path: str, schedule) -> list[dict]:

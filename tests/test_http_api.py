@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from odmoe import LocalCluster
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.transport.security import ClientCredentials
+from tests.conftest import run_together
 
 pytestmark = pytest.mark.integration
 PROMPT = "def fibonacci(n):"
@@ -132,29 +133,20 @@ def test_seeded_sampling_over_http_equals_transformers(api, name, hf, params):
 def test_concurrent_seeded_requests_keep_their_own_draws(cluster, api, name, hf):
     """Two requests at once (one runs, one waits): each equals its own single-process reference."""
     asks = {3: {"temperature": 0.8}, 4: {"temperature": 1.1, "top_k": 10}}
-    got, errors = {}, []
 
     def ask(seed):
-        try:
-            extra = {"top_k": asks[seed]["top_k"]} if "top_k" in asks[seed] else None
-            r = api.completions.create(
-                model=name,
-                prompt=PROMPT,
-                max_tokens=24,
-                seed=seed,
-                temperature=asks[seed]["temperature"],
-                extra_body=extra,
-            )
-            got[seed] = r.choices[0].text
-        except Exception as exc:  # asserted below
-            errors.append(exc)
+        extra = {"top_k": asks[seed]["top_k"]} if "top_k" in asks[seed] else None
+        r = api.completions.create(
+            model=name,
+            prompt=PROMPT,
+            max_tokens=24,
+            seed=seed,
+            temperature=asks[seed]["temperature"],
+            extra_body=extra,
+        )
+        return r.choices[0].text
 
-    threads = [threading.Thread(target=ask, args=(s,)) for s in asks]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert not errors
+    got = dict(zip(asks, run_together([lambda s=s: ask(s) for s in asks]), strict=True))
     for seed, params in asks.items():
         assert got[seed] == text_of(hf, sampled(hf, PROMPT, 24, seed=seed, **params))
 
