@@ -350,12 +350,11 @@ class RemoteExperts:
         expert to its home (`prefill.placement`); a one-token prompt: as decode places it."""
         live, layer, topology = self.members.live, step.layer, self.topology
         rule = self.prefill.placement
-        if rule == "auto":
+        if rule in ("auto", "homes"):  # no caches, no homes: spread
             rule = "homes" if topology.homes else "modulo"
         try:
-            if tokens > 1 and not (rule == "homes" and topology.homes):
+            if tokens > 1 and rule != "homes":
                 counts = {rows.expert: len(rows.token_idx) for rows in groups}
-                rule = "modulo" if rule == "homes" else rule  # no caches, no homes: spread
                 return topology.prefill_placement(counts, rule, topology.live_holders(layer, live))
             return topology.decode_placement(layer, [rows.expert for rows in groups], live)
         except LayerUnavailable as exc:
