@@ -51,6 +51,35 @@ def test_row_exact_linear_goes_row_by_row_where_bmm_differs():
     assert torch.equal(y, _per_row(x, weight, None))
 
 
+def test_a_first_input_that_happens_to_agree_proves_no_shape_exact():
+    """A router-gate shape ([2, 48] x [1, 48]: alone, a dot product) whose first input gave bmm the
+    one-row bits (zeros always do), yet other inputs do not: the verdict is taken on random inputs
+    of the shape too, so every later call is still each row's own."""
+    x, weight = torch.randn(2, 48), torch.randn(1, 48)
+    mode = RowExact()
+    mode.rows = 2
+    with mode:
+        F.linear(torch.zeros_like(x), weight)  # the first call: both ways give zeros
+        for seed in range(20):
+            x = torch.randn(2, 48, generator=torch.Generator().manual_seed(seed))
+            assert torch.equal(F.linear(x, weight), _per_row(x, weight, None)), seed
+
+
+def test_two_request_passes_stay_each_requests_own(tmp_path):
+    """Two requests decoding together (a pass of 2 rows), on the shapes where a 2-row gate's first
+    call agreed by chance: each request's final logits still equal its alone run."""
+    from odmoe.tools.model_factory import ModelSpec, make_model
+
+    spec = dict(family="qwen2_moe", hidden=48, heads=4, kv_heads=2, experts=12, top_k=4)
+    path = make_model(ModelSpec(vocab=1024, max_positions=256, **spec), tmp_path / "qwen2_moe")
+    engine, _ = engine_in_process(str(path), max_running=2)
+    got = serve_with_logits(engine, _requests())
+    for request in _requests():
+        tokens, final = _alone(engine, request)
+        assert got[request.request_id][0] == tokens
+        assert torch.equal(got[request.request_id][1], final), request.request_id
+
+
 def test_other_ops_and_one_row_pass_through():
     x, weight = torch.randn(1, 1, 32), torch.randn(16, 32)
     mode = RowExact()
