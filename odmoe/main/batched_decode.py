@@ -115,10 +115,14 @@ def _bmm_agrees_on_samples(
     generator = torch.Generator(device=x.device).manual_seed(0)
     for _ in range(samples):
         sample = torch.randn(x.shape, generator=generator, device=x.device).to(x.dtype)
-        alone = torch.cat([F.linear(sample[b : b + 1], weight, bias) for b in range(x.shape[0])])
-        if not torch.equal(_bmm_linear(sample, weight, bias), alone):
+        if not torch.equal(_bmm_linear(sample, weight, bias), _linear_per_row(sample, weight, bias)):
             return False
     return True
+
+
+def _linear_per_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`linear` of each index of x's first dim alone, as its request's own call computes it."""
+    return torch.cat([F.linear(x[b : b + 1], weight, bias) for b in range(x.shape[0])])
 
 
 def _bmm_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -192,10 +196,10 @@ class RowExact(TorchFunctionMode):
         key = (tuple(x.shape), tuple(weight.shape), x.dtype, weight.dtype, bias is not None, x.device.type)
         exact = self.verdicts.get(key)
         if exact is False:
-            return torch.cat([func(x[b : b + 1], weight, bias) for b in range(rows)])
+            return _linear_per_row(x, weight, bias)
         y = _bmm_linear(x, weight, bias)
         if exact is None:
-            alone = torch.cat([func(x[b : b + 1], weight, bias) for b in range(rows)])
+            alone = _linear_per_row(x, weight, bias)
             exact = self.verdicts[key] = torch.equal(y, alone) and _bmm_agrees_on_samples(x, weight, bias)
             if not exact:
                 log.info("linear %s x %s (%s): bmm differs from one row at a time; per row", *key[:3])
