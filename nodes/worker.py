@@ -55,7 +55,7 @@ from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.memory import parse_bytes, peak_rss_bytes
 from odmoe.tools.trace import Tracer, now_us
 from odmoe.transport.announce import announce
-from odmoe.transport.codec import ALIGN, CodecError
+from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
 from odmoe.transport.messages import (
     ComputeExpert,
@@ -76,6 +76,7 @@ from odmoe.worker.device_slots import device_peak_bytes
 from odmoe.worker.expert_cache import CacheBook, cache_capacity, expected_distance
 from odmoe.worker.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
 from odmoe.worker.preload_schedule import PreloadSchedule
+from odmoe.worker.stacked_segments import StackedSegments
 
 log = logging.getLogger("odmoe.worker")
 MAX_OPEN_BATCHES = 64  # prefill batches still missing parts; beyond this the oldest is dropped
@@ -193,6 +194,7 @@ class WorkerNode:
         self.batches: OrderedDict[tuple, dict[int, torch.Tensor]] = OrderedDict()
         self.hidden_size = self.mlp.hidden_size(self.store.gate_up_shape)
         self.tracer = Tracer(f"worker{self.index}", cfg.trace_dir)
+        self.stacked = StackedSegments()  # a decode exchange's requests of one expert in one call
         self.fault = FaultTrigger(cfg.fault, f"worker{self.index}")
         self.dropped = DropLog(log, f"worker {self.index}")
         self.received = time.perf_counter()  # when the message being handled arrived
@@ -620,7 +622,8 @@ class WorkerNode:
     def _compute_segments(
         self, request: ComputeExperts, i: int, slot: Slot, rows: torch.Tensor, preloaded: bool, waited: float
     ) -> tuple[torch.Tensor, float, float]:
-        """Expert `request.experts[i]` on each request's segment of `rows` apart: output, compute s,
+        """Expert `request.experts[i]` on each request's segment of `rows` as its own call computes it
+        (StackedSegments: in one call where that is proven bit-exact, else apart): output, compute s,
         and how long the compute waited on the device for the load (CUDA)."""
         step = request.step
         start, start_us = time.perf_counter(), now_us()
@@ -628,16 +631,9 @@ class WorkerNode:
             probe = self.slots.await_on_device(slot)
             grouped = tuple(request.grouped_shape) or None
             segments = request.segments[i]
-            parts = (
-                torch.split(self._on_device(rows), segments)
-                if len(segments) > 1
-                else (self._on_device(rows),)
+            y = self.stacked.forward(
+                self._on_device(rows), segments, slot.gate_up, slot.down, self.mlp, request.kernel, grouped
             )
-            parts = [x if x.data_ptr() % ALIGN == 0 else x.clone() for x in parts]  # see codec.ALIGN
-            ys = [
-                expert_forward(x, slot.gate_up, slot.down, self.mlp, request.kernel, grouped) for x in parts
-            ]
-            y = ys[0] if len(ys) == 1 else torch.cat(ys)
             y = y if self.on_host else y.cpu()
         device_wait_s = self.slots.device_wait_s(slot, probe)
         self.slots.settle(slot)

@@ -14,7 +14,8 @@ Two exchanges:
   `DecodeRows` and the engine hands every running request's rows of that layer to
   `exchange_decode` at once, named `(stream, tick, layer)`: each expert any of them needs is placed
   once (where the shadow's prediction, the union over the requests, preloaded it), every worker gets
-  one ComputeExperts with all its experts' rows, request by request in segments it computes apart,
+  one ComputeExperts with all its experts' rows, request by request in segments it computes as
+  each request's own call would (odmoe.worker.stacked_segments),
   and each request's output is combined from its own rows exactly as when it runs alone. A call
   outside a lockstep task (one request alone) makes the same exchange with one request.
 
