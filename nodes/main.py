@@ -145,6 +145,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             max_running=cfg.server.max_running,
             kv_cache_bytes=parse_bytes(cfg.server.kv_cache_memory),
             chunk_tokens=cfg.prefill.chunk_tokens,
+            stagger=cfg.prefill.stagger,
             batched_decode=cfg.server.decode == "batched",
         )
         self.engine = MainEngine(

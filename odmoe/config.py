@@ -157,6 +157,10 @@ class PrefillConfig:
     # iterations, a share of its MoE layers each, so running streams wait for at most that share
     # (0: a whole prompt in one iteration). Cut between layers, not tokens: bit-exact either way.
     chunk_tokens: int = 0
+    # Prompts that arrive together prefill one after another, each in a tick of its own beside the
+    # decode pass (false: all in the tick they arrive): running streams then wait for one prompt per
+    # iteration, and requests that arrived together do not keep finishing together. Bits unchanged.
+    stagger: bool = True
     # Which worker computes each expert of a prompt: modulo (expert e on the layer's holder e mod N,
     # every worker storing the layer) | balanced (by token count) | homes (each expert on its home in
     # the layer's group, where worker.cache keeps it: a hit instead of a load; without caches,

@@ -46,8 +46,8 @@ def reference(path: str, prompt: str, new_tokens: int, sampling: int) -> tuple[i
 
 
 @functools.cache
-def _engine(path: str, chunk_tokens: int):
-    engine, _ = engine_in_process(path, max_running=4, chunk_tokens=chunk_tokens)
+def _engine(path: str, chunk_tokens: int, stagger: bool = True):
+    engine, _ = engine_in_process(path, max_running=4, chunk_tokens=chunk_tokens, stagger=stagger)
     return engine
 
 
@@ -100,8 +100,9 @@ def check_batched_equal_alone(path: str, prompts: list[str], dtype=torch.float32
         max_size=6,  # beyond max_running=4: some wait for a place
     ),
     chunk_tokens=st.sampled_from([0, 3]),
+    stagger=st.booleans(),
 )
-def test_any_schedule_gives_every_request_its_alone_tokens(model_dirs, schedule, chunk_tokens):
+def test_any_schedule_gives_every_request_its_alone_tokens(model_dirs, schedule, chunk_tokens, stagger):
     path = model_dirs["qwen2_moe"]
     arrivals: dict[int, list[GenerateRequest]] = {}
     wanted = {}
@@ -112,7 +113,37 @@ def test_any_schedule_gives_every_request_its_alone_tokens(model_dirs, schedule,
         )
         arrivals.setdefault(turn, []).append(request)
         wanted[rid] = list(reference(path, PROMPTS[prompt], n, sampling))
-    assert serve(_engine(path, chunk_tokens), arrivals) == wanted
+    assert serve(_engine(path, chunk_tokens, stagger), arrivals) == wanted
+
+
+class _Ticks:
+    """An engine observer that keeps (running, decoding) of every tick."""
+
+    def __init__(self):
+        self.seen: list[tuple[int, int]] = []
+
+    def tick(self, running: int, decoding: int) -> None:
+        self.seen.append((running, decoding))
+
+    def token(self, ticket) -> None: ...
+    def finished(self, ticket, stats: dict) -> None: ...
+    def ended(self, ticket, how: str) -> None: ...
+
+
+@pytest.mark.parametrize("stagger", [True, False])
+def test_prompts_arriving_together_prefill_a_tick_each(model_dirs, stagger):
+    """Staggered (the default), 3 prompts arriving at once start decoding in 3 successive ticks (one
+    prompt's prefill per tick, the streams running wait for one), and so finish in 3 different ticks;
+    not staggered, all 3 prefill in the first tick. Tokens are each request's alone either way."""
+    path = model_dirs["mixtral"]
+    engine, _ = engine_in_process(path, max_running=4, stagger=stagger)
+    engine.observer = ticks = _Ticks()
+    requests = [GenerateRequest(p, max_new_tokens=6, request_id=f"r{i}") for i, p in enumerate(PROMPTS[:3])]
+    got = serve(engine, {0: requests})
+    assert got == {f"r{i}": list(reference(path, p, 6, 0)) for i, p in enumerate(PROMPTS[:3])}
+    decoding = [d for _, d in ticks.seen]
+    assert decoding[:4] == ([0, 1, 2, 3] if stagger else [0, 3, 3, 3])
+    assert decoding[-3:] == ([3, 2, 1] if stagger else [3, 3, 3])
 
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "deepseek_v3"])
@@ -126,11 +157,12 @@ def test_requests_batched_from_the_start_equal_alone(model_dirs, family):
 
 def test_one_message_per_worker_and_decode_layer_whatever_the_batch(model_dirs):
     """4 requests decoding together send as many decode messages as 1 does: one per worker and layer
-    (top-2 on a group of 2: both workers, every layer)."""
+    (top-2 on a group of 2: both workers, every layer). Prefilled in one tick (`stagger=False`), the
+    four decode in the same ticks from their first token on."""
     path = model_dirs["mixtral"]
     counts = []
     for batch in (1, 4):
-        engine, workers = engine_in_process(path, max_running=4, workers=2, group_size=2)
+        engine, workers = engine_in_process(path, max_running=4, workers=2, group_size=2, stagger=False)
         requests = [GenerateRequest(PROMPTS[0], max_new_tokens=9, request_id=f"r{i}") for i in range(batch)]
         serve(engine, {0: requests})
         counts.append(workers.decode_messages)

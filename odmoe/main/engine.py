@@ -14,10 +14,14 @@ Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* a
      thread, in its own shapes and cache, exactly as it would alone. At each MoE layer a decoding
      request parks with its token's rows; once all have, their rows of that layer go out in one
      exchange (`RemoteExperts.exchange_decode`: each expert loaded once for all of them, one message
-     per worker, every request's rows computed apart) and each gets back its own output. A request's
+     per worker, every request's rows computed as its own) and each gets back its own output. A request's
      prefill exchanges its own layers, `prefill_quota` MoE layers per tick (`prefill.chunk_tokens`),
      so running streams wait for at most that much of a long prompt: the prompt is still one forward
      pass, cut between layers rather than between tokens, so its bits are one-shot prefill's.
+     Prompts arriving together prefill one per tick (`prefill.stagger`, `prefill_tick`), so the
+     streams running wait for one prompt an iteration and requests that came together part.
+     The tick a prompt prefills in is fixed when it is admitted, so the shadow is told its first
+     decode tick then.
      With batched decode (`server.decode=batched`, `odmoe.main.batched_decode`), two or more decoding
      requests skip the tasks: after the prefills, one pass through the layers computes all their
      rows, each as its own forward pass would, with the same one exchange per layer;
@@ -86,11 +90,13 @@ class ShuttingDown(WorkerUnavailable):
 class Batching:
     """How many requests run together (`server.max_running`), the K/V cache they may hold
     (`server.kv_cache_bytes`, 0: no bound), and how much of a prompt one tick prefills
-    (`prefill.chunk_tokens`, 0: a whole prompt at once)."""
+    (`prefill.chunk_tokens`, 0: a whole prompt at once), and whether prompts that arrive together
+    prefill one after another, a tick each (`prefill.stagger`)."""
 
     max_running: int = 8
     kv_cache_bytes: int = 0
     chunk_tokens: int = 0
+    stagger: bool = True
     batched_decode: bool = True  # server.decode=batched: one pass for all decoding requests, where supported
 
 
@@ -122,6 +128,7 @@ class MainEngine:
         self.finishing: list[tuple[Ticket, RequestRun, float, float]] = []  # Done held for the recall
         self.tasks = Lockstep()
         self.stream, self.tick = "", 0
+        self.prefill_free_tick = 0  # the first tick no admitted prompt's prefill holds (stagger)
         self.kv_bytes_per_position = 0  # measured on the first prefill; 0 = not yet
         self._queue: RequestQueue | None = None
         # decoding requests in one pass through the layers (each row its own bits), where the family
@@ -256,9 +263,14 @@ class MainEngine:
             requests.done(ticket)
             return
         if not self.running and not self.finishing:  # a new busy period: its stream is named after it
-            self.stream, self.tick = request.request_id, 0
+            self.stream, self.tick, self.prefill_free_tick = request.request_id, 0, 0
         quota = self._prefill_quota(len(ids))
         passes = 2 if request.prompt_logprobs else 1  # the prompt's scoring pass, then its prefill
+        prefill_ticks = math.ceil(passes * self.moe_layers / quota)
+        # Staggered, a prompt arriving with others prefills in the first tick no other prompt's
+        # prefill holds: the streams running wait for one prompt per iteration, not k, and requests
+        # that arrived together do not finish (and come back) together again
+        prefill_tick = max(self.tick, self.prefill_free_tick) if self.batching.stagger else self.tick
         run = RequestRun(
             request,
             ids,
@@ -268,7 +280,7 @@ class MainEngine:
             self.experts.context(request.request_id),
             self.make_plan(),
             self._sink(ticket),
-            first_tick=self.tick + math.ceil(passes * self.moe_layers / quota),
+            first_tick=prefill_tick + prefill_ticks,
             prefill_quota=quota,
         )
         if run.already_over():
@@ -280,6 +292,8 @@ class MainEngine:
         run.leader = self._prefill_leader(run, ids)
         if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
             run.first_tick = run.leader.first_tick
+        else:
+            run.prefill_tick, self.prefill_free_tick = prefill_tick, run.first_tick
         # A prompt only scored has nothing to predict; while the workers' caches hold every expert
         # they serve, predictions would load nothing (and the shadow's compute would slow main's)
         if self.shadow is not None and request.max_new_tokens > 0 and not self.experts.caches_complete():
@@ -348,6 +362,8 @@ class MainEngine:
                 continue
             if run.leader is not None and run.iteration == 0:
                 continue  # its prefill is its leader's: it takes the result when the leader has it
+            if run.iteration == 0 and run.prefill_tick > self.tick:
+                continue  # staggered: its prefill starts in a later tick
             run.ctx.begin(run.iteration)
             self._route(self._start_task(run), runs, decode, prefill)
         while decode or prefill:

@@ -119,6 +119,7 @@ class RequestRun:
         self.finish_reason = "length"
         self.logits: torch.Tensor | None = None
         self.first_tick = first_tick  # main's tick of its decode iteration 1 (names its predictions)
+        self.prefill_tick = 0  # main's tick its prefill starts in (engine: staggered prefills)
         self.prefill_quota = prefill_quota  # MoE layers its prefill may exchange per tick (0: all)
         self.prefill_layers = 0  # MoE layers its prefill exchanged in the current tick
         self.batch_sizes: list[int] = []  # per decode iteration: requests decoding together, itself too
