@@ -158,8 +158,10 @@ class PrefillConfig:
     # (0: a whole prompt in one iteration). Cut between layers, not tokens: bit-exact either way.
     chunk_tokens: int = 0
     # Prompts that arrive together prefill one after another, each in a tick of its own beside the
-    # decode pass (false: all in the tick they arrive): running streams then wait for one prompt per
-    # iteration, and requests that arrived together do not keep finishing together. Bits unchanged.
+    # decode pass, and one that arrives during a pass whose tick has no prefill yet prefills at its
+    # next layer boundary rather than at the next tick (false: at the next tick boundary, all the
+    # prompts that arrived). Running streams then wait for one prompt per iteration, and requests
+    # that arrived together do not keep finishing together. Bits unchanged either way.
     stagger: bool = True
     # Which worker computes each expert of a prompt: modulo (expert e on the layer's holder e mod N,
     # every worker storing the layer) | balanced (by token count) | homes (each expert on its home in

@@ -51,21 +51,48 @@ def _engine(path: str, chunk_tokens: int, stagger: bool = True):
     return engine
 
 
-def serve(engine, arrivals: dict[int, list[GenerateRequest]]) -> dict[str, list[int]]:
-    """Run the engine until every request is over; `arrivals`: loop turn -> requests submitted then."""
-    queue = RequestQueue(64, 1e9)
-    tickets, turn = {}, [0]
+def serve(
+    engine,
+    arrivals: dict[int, list[GenerateRequest]],
+    queue: RequestQueue | None = None,
+    tickets=None,
+    during: list[tuple[int, GenerateRequest]] = (),
+) -> dict[str, list[int]]:
+    """Run the engine until every request is over; `arrivals`: loop turn -> requests submitted then
+    (`queue`, `tickets`: where a test submits more, and keeps their tickets, as it likes);
+    `during`: (turn, request) submitted at the first decode exchange of two or more requests from
+    that loop turn on, i.e. during a pass (at the boundary of turn + 3 at the latest)."""
+    queue = queue or RequestQueue(64, 1e9)
+    tickets, turn = ({} if tickets is None else tickets), [0]
+    pending = sorted(during, key=lambda d: d[0])
+
+    def submit_pending(latest: int) -> None:
+        for item in [d for d in pending if d[0] <= latest]:
+            pending.remove(item)
+            tickets[item[1].request_id] = queue.submit(item[1])
 
     def between() -> None:
         for request in arrivals.get(turn[0], []):
             tickets[request.request_id] = queue.submit(request)
+        submit_pending(turn[0] - 3)
         turn[0] += 1
+
+    exchange = engine.experts.exchange_decode
+
+    def exchange_decode(layer, batch):
+        if len(batch) > 1:
+            submit_pending(turn[0])
+        return exchange(layer, batch)
 
     def stopped() -> bool:
         done = all(t.events.queue and t.events.queue[-1] is END for t in tickets.values())
-        return turn[0] > max(arrivals) and done
+        return turn[0] > max(arrivals, default=0) and not pending and done
 
-    engine.serve(queue, stopped, between)
+    engine.experts.exchange_decode = exchange_decode
+    try:
+        engine.serve(queue, stopped, between)
+    finally:
+        engine.experts.exchange_decode = exchange
     out = {}
     for rid, ticket in tickets.items():
         events = list(ticket.events.queue)
@@ -95,6 +122,7 @@ def check_batched_equal_alone(path: str, prompts: list[str], dtype=torch.float32
             st.integers(0, len(PROMPTS) - 1),
             st.integers(1, 12),  # lengths differ: requests leave mid-stream
             st.integers(0, len(SAMPLINGS) - 1),
+            st.booleans(),  # arrives during a decode pass rather than at a loop turn
         ),
         min_size=1,
         max_size=6,  # beyond max_running=4: some wait for a place
@@ -105,15 +133,19 @@ def check_batched_equal_alone(path: str, prompts: list[str], dtype=torch.float32
 def test_any_schedule_gives_every_request_its_alone_tokens(model_dirs, schedule, chunk_tokens, stagger):
     path = model_dirs["qwen2_moe"]
     arrivals: dict[int, list[GenerateRequest]] = {}
+    during: list[tuple[int, GenerateRequest]] = []
     wanted = {}
-    for i, (turn, prompt, n, sampling) in enumerate(schedule):
+    for i, (turn, prompt, n, sampling, mid_pass) in enumerate(schedule):
         rid = f"r{i}"
         request = GenerateRequest(
             PROMPTS[prompt], max_new_tokens=n, sampling=SAMPLINGS[sampling], request_id=rid
         )
-        arrivals.setdefault(turn, []).append(request)
+        if mid_pass:
+            during.append((turn, request))
+        else:
+            arrivals.setdefault(turn, []).append(request)
         wanted[rid] = list(reference(path, PROMPTS[prompt], n, sampling))
-    assert serve(_engine(path, chunk_tokens, stagger), arrivals) == wanted
+    assert serve(_engine(path, chunk_tokens, stagger), arrivals, during=during) == wanted
 
 
 class _Ticks:
@@ -209,3 +241,19 @@ def test_main_spans_reach_the_trace_file_when_a_request_is_done(model_dirs, tmp_
     spans = [json.loads(line) for line in (tmp_path / "main.jsonl").read_text().splitlines()]
     decode = {e["args"]["iteration"] for e in spans if e["ph"] == "X" and e["args"].get("iteration", 0) >= 1}
     assert decode == {1, 2, 3}
+
+
+@pytest.mark.parametrize("stagger", [True, False])
+def test_a_prompt_arriving_mid_pass_prefills_at_the_next_layer(model_dirs, stagger):
+    """A request submitted while the batched decode pass is at its first MoE layer is prefilled
+    between two layers of that pass (staggered, the default), not after the pass and at the next
+    tick; its tokens, and the others', are each one's alone tokens either way."""
+    path = model_dirs["mixtral"]
+    engine, _ = engine_in_process(path, max_running=4, stagger=stagger)
+    late = GenerateRequest(PROMPTS[3], max_new_tokens=5, request_id="late", sampling=SAMPLINGS[1])
+    first = [GenerateRequest(p, max_new_tokens=6, request_id=f"r{i}") for i, p in enumerate(PROMPTS[:2])]
+    got = serve(engine, {0: first}, during=[(0, late)])
+    want = {f"r{i}": list(reference(path, p, 6, 0)) for i, p in enumerate(PROMPTS[:2])}
+    want["late"] = list(reference(path, PROMPTS[3], 5, 1))
+    assert got == want
+    assert engine.prefilled_in_pass == (1 if stagger else 0)

@@ -288,9 +288,16 @@ class BatchedDecode:
             return self.config.layer_types[i]
         return "full_attention"
 
-    def step(self, inputs: list[DecodeInput], experts_batch: Callable[[bool], None]) -> list[torch.Tensor]:
+    def step(
+        self,
+        inputs: list[DecodeInput],
+        experts_batch: Callable[[bool], None],
+        between: Callable[[], None] | None = None,
+    ) -> list[torch.Tensor]:
         """Each request's logits [1, V] for its next token. `experts_batch(True)` before the layers
-        and `(False)` after tell the experts call that its rows are one per request, in order."""
+        and `(False)` after tell the experts call that its rows are one per request, in order.
+        `between()` runs between two decoder layers, outside the pass (no function mode, the experts
+        call not batched): other work of main's (a prompt's prefill), which the pass never sees."""
         body, device, rows = self.body, self.main.device, len(inputs)
         ids = torch.cat([run.token for run in inputs]).to(device)  # [B, 1]
         hidden = body.embed_tokens(ids)  # [B, 1, H]
@@ -307,7 +314,8 @@ class BatchedDecode:
                 else:
                     alone = [body.rotary_emb(hidden[b : b + 1], position_ids[b : b + 1]) for b in range(rows)]
                     rotary = tuple(torch.cat(part) for part in zip(*alone, strict=True))  # (cos, sin)
-                for i, layer in enumerate(body.layers[: self.config.num_hidden_layers]):
+                layers = body.layers[: self.config.num_hidden_layers]
+                for i, layer in enumerate(layers):
                     kind = self._mask_type(i)
                     hidden = layer(
                         hidden,
@@ -317,12 +325,24 @@ class BatchedDecode:
                         use_cache=True,
                         position_embeddings=rotary,
                     )
+                    if between is not None and i + 1 < len(layers):
+                        self._outside(between, experts_batch)
                 hidden = body.norm(hidden)
                 logits = self.model.lm_head(hidden[:, -1:, :])
         finally:
             experts_batch(False)
             self.row_exact.rows = 0
         return [logits[b : b + 1, -1, :].float().cpu() for b in range(rows)]
+
+    def _outside(self, work: Callable[[], None], experts_batch: Callable[[bool], None]) -> None:
+        """`work` as if no pass were running: no torch function mode (RowExact), the experts call
+        one request's again; the attention patch lets calls on plain tensors through unchanged."""
+        experts_batch(False)
+        try:
+            with torch._C.DisableTorchFunction():
+                work()
+        finally:
+            experts_batch(True)
 
     @contextlib.contextmanager
     def _attention_per_request(self):

@@ -129,6 +129,7 @@ class MainEngine:
         self.tasks = Lockstep()
         self.stream, self.tick = "", 0
         self.prefill_free_tick = 0  # the first tick no admitted prompt's prefill holds (stagger)
+        self.prefilled_in_pass = 0  # prompts prefilled between layers of a decode pass (stagger)
         self.kv_bytes_per_position = 0  # measured on the first prefill; 0 = not yet
         self._queue: RequestQueue | None = None
         # decoding requests in one pass through the layers (each row its own bits), where the family
@@ -413,14 +414,46 @@ class MainEngine:
             run.ctx.begin(run.iteration)
             contexts.append(run.ctx)
         inputs = [run.decode_input() for _, run in entries]
+        between = self._prefill_in_pass if self.batching.stagger else None
         try:
-            logits = self.batched.step(inputs, lambda on: self.experts.decode_batch(contexts if on else None))
+            logits = self.batched.step(
+                inputs, lambda on: self.experts.decode_batch(contexts if on else None), between
+            )
         except Exception as exc:  # every request of the pass needed each layer's exchange
             for entry in entries:
                 self._fail(entry, exc)
             return
         for (ticket, run), row in zip(entries, logits, strict=True):
             self._accept(ticket, run, row)
+
+    def _prefill_in_pass(self) -> None:
+        """Between two layers of the batched decode pass: a prompt that arrived since the tick began,
+        if this tick has no prefill yet, is admitted and prefilled now, its first token streamed at
+        once, rather than after the rest of the pass and at the next tick (in the closed loop of
+        the serving suite a client's next request arrives just after a tick began: that wait was
+        most of its TTFT). Its prefill is its own forward pass, outside the pass (BatchedDecode
+        steps out of it), so its bits are what they are alone; it decodes from the next tick on,
+        the tick it was admitted for. Only a plain prefill goes now: not while a prefill task is
+        parked, nor a prompt that is scored, chunked, or another's follower (those wait for the
+        next tick's boundary, as before)."""
+        queue = self._queue
+        if queue is None or self.tasks or len(self.running) >= self.batching.max_running:
+            return
+        if self.prefill_free_tick > self.tick:
+            return  # this tick has its prefill: the next prompt takes the next tick (stagger)
+        ticket = queue.take(timeout=0.0, fits=self._fits)
+        if ticket is None:
+            return
+        before = len(self.running)
+        self._start(ticket, queue)
+        queue.capacity = self.batching.max_running - len(self.running)
+        if len(self.running) == before:
+            return  # refused, or over before it began
+        new_ticket, run = self.running[-1]
+        plain = run.leader is None and run.prefill_quota >= self.moe_layers and run.scored
+        if run.prefill_tick == self.tick and plain:
+            self.prefilled_in_pass += 1
+            self._alone(new_ticket, run)
 
     def _alone(self, ticket: Ticket, run: RequestRun) -> None:
         """The only running request's iteration, called directly (the same calls, no task switches):
