@@ -257,3 +257,32 @@ def test_a_prompt_arriving_mid_pass_prefills_at_the_next_layer(model_dirs, stagg
     want["late"] = list(reference(path, PROMPTS[3], 5, 1))
     assert got == want
     assert engine.prefilled_in_pass == (1 if stagger else 0)
+
+
+def test_every_decode_iteration_runs_in_the_tick_the_shadow_was_told(model_dirs):
+    """The shadow names a request's predictions by main's tick: decode iteration n runs at tick
+    `first_tick + n - 1`, told at admission. That holds for prompts admitted during a pass too:
+    one that prefills there at once, and a scored or chunked one, which waits for the next tick."""
+    path = model_dirs["mixtral"]
+    engine, _ = engine_in_process(path, max_running=4, chunk_tokens=3)
+    seen: list[tuple[str, int, int, int]] = []  # request, iteration, tick it ran in, its first_tick
+    accept = engine._accept
+
+    def accept_and_note(ticket, run, logits):
+        seen.append((run.request_id, run.iteration, engine.tick, run.first_tick))
+        return accept(ticket, run, logits)
+
+    engine._accept = accept_and_note
+    first = [GenerateRequest(PROMPTS[i], max_new_tokens=24, request_id=f"r{i}") for i in (0, 2)]
+    during = [  # each comes while r0 and r2 decode in a pass and no other prompt prefills
+        (4, GenerateRequest(PROMPTS[2], max_new_tokens=5, request_id="scored", prompt_logprobs=True)),
+        (10, GenerateRequest(PROMPTS[1], max_new_tokens=5, request_id="chunked")),
+        (18, GenerateRequest(PROMPTS[2], max_new_tokens=5, request_id="plain")),  # <= 3 tokens: whole
+    ]
+    got = serve(engine, {0: first}, during=during)
+    assert got["plain"] == got["scored"] == list(reference(path, PROMPTS[2], 5, 0))
+    assert got["chunked"] == list(reference(path, PROMPTS[1], 5, 0))
+    assert engine.prefilled_in_pass == 1  # the plain one
+    decodes = [(rid, n, tick, first_tick) for rid, n, tick, first_tick in seen if n >= 1]
+    assert {rid for rid, *_ in decodes} == {"r0", "r2", "scored", "chunked", "plain"}
+    assert [(rid, n, tick) for rid, n, tick, f in decodes if tick != f + n - 1] == []

@@ -255,14 +255,16 @@ class MainEngine:
             return True  # admitted only to be refused, with the reason
         return (held + need + ticket.request.max_new_tokens) * self.kv_bytes_per_position <= budget
 
-    def _start(self, ticket: Ticket, requests: RequestQueue) -> None:
+    def _start(self, ticket: Ticket, requests: RequestQueue, in_pass: bool = False) -> RequestRun | None:
+        """The request admitted (its run, or None: refused, or over before it began). `in_pass`:
+        admitted between two layers of a decode pass, where only a plain prefill may go at once."""
         request = ticket.request
         try:
             ids = self.prompt_ids(request)
         except InvalidRequest as exc:
             ticket.put(exc)
             requests.done(ticket)
-            return
+            return None
         if not self.running and not self.finishing:  # a new busy period: its stream is named after it
             self.stream, self.tick, self.prefill_free_tick = request.request_id, 0, 0
         quota = self._prefill_quota(len(ids))
@@ -271,7 +273,9 @@ class MainEngine:
         # Staggered, a prompt arriving with others prefills in the first tick no other prompt's
         # prefill holds: the streams running wait for one prompt per iteration, not k, and requests
         # that arrived together do not finish (and come back) together again
-        prefill_tick = max(self.tick, self.prefill_free_tick) if self.batching.stagger else self.tick
+        plain = passes == 1 and quota >= self.moe_layers and not request.prefill_group
+        earliest = self.tick + 1 if in_pass and not plain else self.tick  # mid-pass: plain ones only
+        prefill_tick = max(earliest, self.prefill_free_tick) if self.batching.stagger else self.tick
         run = RequestRun(
             request,
             ids,
@@ -289,7 +293,7 @@ class MainEngine:
             ticket.put(DoneEvent(stats))
             self.observer.finished(ticket, stats)
             requests.done(ticket)
-            return
+            return None
         run.leader = self._prefill_leader(run, ids)
         if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
             run.first_tick = run.leader.first_tick
@@ -301,6 +305,7 @@ class MainEngine:
             run.shadow = self.shadow
             self.shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
         self.running.append((ticket, run))
+        return run
 
     def _prefill_leader(self, run: RequestRun, ids: list[int]) -> RequestRun | None:
         """A running request of the same `prefill_group` and prompt whose prefill has not started."""
@@ -444,16 +449,11 @@ class MainEngine:
         ticket = queue.take(timeout=0.0, fits=self._fits)
         if ticket is None:
             return
-        before = len(self.running)
-        self._start(ticket, queue)
+        run = self._start(ticket, queue, in_pass=True)
         queue.capacity = self.batching.max_running - len(self.running)
-        if len(self.running) == before:
-            return  # refused, or over before it began
-        new_ticket, run = self.running[-1]
-        plain = run.leader is None and run.prefill_quota >= self.moe_layers and run.scored
-        if run.prefill_tick == self.tick and plain:
+        if run is not None and run.leader is None and run.prefill_tick == self.tick:
             self.prefilled_in_pass += 1
-            self._alone(new_ticket, run)
+            self._alone(ticket, run)
 
     def _alone(self, ticket: Ticket, run: RequestRun) -> None:
         """The only running request's iteration, called directly (the same calls, no task switches):
