@@ -30,6 +30,7 @@ segment by segment.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -46,6 +47,7 @@ class StackedSegments:
     def __init__(self, samples: int = SAMPLES):
         self.samples = samples
         self.verdicts: dict[tuple, bool] = {}  # shape key -> the stacked call gives each segment's bits
+        self.calls: dict[tuple, Callable] = {}  # shape key -> its stacked call, where the verdict is yes
 
     def forward(
         self,
@@ -60,9 +62,6 @@ class StackedSegments:
         """x [sum(segments), H] -> [sum(segments), H]: each segment's rows as expert_forward alone."""
         if len(segments) == 1:
             return expert_forward(_aligned(x), gate_up, down, mlp, kernel, grouped_shape)
-        stacked = _stacked_call(segments, mlp, kernel, x.device, grouped_shape)
-        if stacked is None:
-            return _apart(x, segments, gate_up, down, mlp, kernel, grouped_shape)
         key = (
             kernel, mlp.layout, tuple(segments), tuple(gate_up.shape), tuple(down.shape),
             x.dtype, gate_up.dtype, x.device.type,
@@ -71,18 +70,23 @@ class StackedSegments:
         if verdict is False:
             return _apart(x, segments, gate_up, down, mlp, kernel, grouped_shape)
         x = _aligned(x)  # every row then starts where the shape puts it, as on the samples
-        if verdict:
-            return stacked(x, gate_up, down)
+        if verdict:  # the per-layer path: the call built once per shape, nothing checked again
+            return self.calls[key](x, gate_up, down)
+        stacked = _stacked_call(segments, mlp, kernel, x.device, grouped_shape)
         alone = _apart(x, segments, gate_up, down, mlp, kernel, grouped_shape)
         try:
-            verdict = torch.equal(stacked(x, gate_up, down), alone) and self._agrees_on_samples(
-                stacked, x, segments, gate_up, down, mlp, kernel, grouped_shape
+            verdict = (
+                stacked is not None
+                and torch.equal(stacked(x, gate_up, down), alone)
+                and self._agrees_on_samples(stacked, x, segments, gate_up, down, mlp, kernel, grouped_shape)
             )
         except RuntimeError as exc:  # a shape the stacked kernel refuses (bf16 rows not 16-byte strided)
             log.debug("stacked call refused: %s", exc)
             verdict = False
         self.verdicts[key] = verdict
-        if not verdict:
+        if verdict:
+            self.calls[key] = stacked
+        elif stacked is not None:
             log.info("expert %s x %s (%s, %s): stacked differs; apart", key[3], key[2], key[5], kernel)
         return alone
 
