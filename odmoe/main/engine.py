@@ -438,9 +438,9 @@ class MainEngine:
         the serving suite a client's next request arrives just after a tick began: that wait was
         most of its TTFT). Its prefill is its own forward pass, outside the pass (BatchedDecode
         steps out of it), so its bits are what they are alone; it decodes from the next tick on,
-        the tick it was admitted for. Only a plain prefill goes now: not while a prefill task is
-        parked, nor a prompt that is scored, chunked, or another's follower (those wait for the
-        next tick's boundary, as before)."""
+        the tick it was admitted for. Only a plain prefill goes now, and none while a prefill task is
+        parked: a prompt that is scored, chunked or in a prefill group is admitted now and prefills
+        from the next tick (`_start(in_pass=True)`), its first decode tick told so."""
         queue = self._queue
         if queue is None or self.tasks or len(self.running) >= self.batching.max_running:
             return
