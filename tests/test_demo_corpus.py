@@ -13,7 +13,14 @@ import pytest
 
 from odmoe.tools import demo_corpus
 from odmoe.tools.model_factory import corpus_documents, corpus_files
-from odmoe.tools.training import DEMO_KERNELS, DEMO_SETTINGS, DEMO_SPEC, _train_with_pinned_kernels, code_only
+from odmoe.tools.training import (
+    DEMO_KERNELS,
+    DEMO_SETTINGS,
+    DEMO_SPEC,
+    _train_with_pinned_kernels,
+    code_only,
+    cpu_vendor,
+)
 
 
 def test_the_shipped_corpus_is_the_text_the_demo_names():
@@ -49,6 +56,7 @@ def test_the_demo_trains_with_the_pinned_kernels_and_the_same_bits_twice(tmp_pat
         report = json.loads((tmp_path / name / "odmoe_training.json").read_text())
         assert report["cpu_capability"] == DEMO_KERNELS["ATEN_CPU_CAPABILITY"].upper()
         assert report["mkl_cbwr"] == DEMO_KERNELS["MKL_CBWR"]
+        assert report["cpu_vendor"] == cpu_vendor()  # MKL keeps its pin on GenuineIntel only
         runs.append((tmp_path / name / "model.safetensors").read_bytes())
     assert runs[0] == runs[1]
 

@@ -24,7 +24,8 @@ sequence-wise loss.
 `DEMO_SPEC` is the demo model (`model.path=demo`): small enough to train on first use in about two
 minutes on two cores, long enough that its greedy continuation of `def fibonacci(n):` looks like
 Python. It trains in a child process with torch's and MKL's kernels pinned (DEMO_KERNELS), so every
-x86-64 machine trains the same bits and the README's text is what a new user sees.
+Intel x86-64 CPU trains the same bits and prints the README's text; MKL does not take the pin on
+other CPUs (AMD), which train other weights and print other text (`cpu_vendor()`, logged).
 `ensure_builtin_model("demo" | "tiny")` makes them; odmoe.tools.model_names maps every name to a model.
 """
 
@@ -164,10 +165,25 @@ DEMO_SETTINGS = TrainSettings(
 # torch runs its vector kernels at the widest width the CPU has (AVX-512 here) and MKL picks its
 # own code path, and each changes the rounding. Measured here (60 steps): the default, torch at
 # AVX2, MKL at AVX2, and both at AVX2 gave four different sets of weights. So the demo trains in a
-# child process with both pinned to AVX2, which every x86-64 CPU of the last decade runs; other
-# CPUs (ARM) run other kernels and may train a slightly different demo model (a warning says so).
+# child process with both pinned to AVX2, which every x86-64 CPU of the last decade runs. MKL takes
+# its pin on Intel CPUs only: on others it runs its own choice of code ("the AUTO branch is used
+# instead", Intel's oneMKL guide on MKL_CBWR), and a 700-step run amplifies a last-bit difference
+# into other weights (measured: an AMD EPYC and an Intel Xeon, both pinned, printed different text;
+# so did fp64 training with MKL's AVX2 and COMPATIBLE branches on one machine). So an AMD or ARM
+# CPU trains a demo of its own (a warning says so); the cluster's tokens equal generate()'s for it.
 DEMO_KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 PROGRESS_EVERY_S = 5.0  # a user waits for the demo model: a progress line at least this often
+
+
+def cpu_vendor() -> str:
+    """The x86 CPU's vendor string (GenuineIntel, AuthenticAMD), else the machine's architecture."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("vendor_id"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def code_only(source: str) -> str:
@@ -340,6 +356,7 @@ def _train(out_dir: Path, spec: ModelSpec, settings: TrainSettings) -> Path:
         "train_seconds": time.perf_counter() - start,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the vector kernels used
         "mkl_cbwr": os.environ.get("MKL_CBWR", ""),
+        "cpu_vendor": cpu_vendor(),  # MKL's pin holds on GenuineIntel only
         **routing_stats(model, held_out, settings, spec.top_k),
     }
     _save(model, tokenizer, spec, report, out_dir)
@@ -421,7 +438,7 @@ def _train_with_pinned_kernels(target: Path, spec: ModelSpec, settings: TrainSet
     if platform.machine().lower() not in ("x86_64", "amd64"):
         log.warning(
             "this %s CPU computes with other kernels than the x86-64 ones the demo pins: its demo "
-            "model, and so its text, may differ slightly from the README's",
+            "model, and so its text, differ from the README's",
             platform.machine(),
         )
         train_model(target, spec, settings)
@@ -437,7 +454,13 @@ def _train_with_pinned_kernels(target: Path, spec: ModelSpec, settings: TrainSet
     if done.returncode:
         raise RuntimeError(f"training the demo model failed (exit {done.returncode}); its log is above")
     report = json.loads((target / "odmoe_training.json").read_text())
-    if report["cpu_capability"] != DEMO_KERNELS["ATEN_CPU_CAPABILITY"].upper():
+    if report["cpu_vendor"] != "GenuineIntel":
+        log.warning(
+            "MKL pins its kernels on Intel CPUs only, and this one is %s: its demo model, and so its "
+            "text, differ from the README's (the cluster's text still equals generate()'s for it)",
+            report["cpu_vendor"],
+        )
+    elif report["cpu_capability"] != DEMO_KERNELS["ATEN_CPU_CAPABILITY"].upper():
         log.warning(
             "the demo trained with %s kernels, not AVX2 (this CPU has no AVX2?): its text may differ "
             "slightly from the README's",
