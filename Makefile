@@ -27,7 +27,7 @@ test-fast:  ## the fast tier: pure modules + the engine with in-process workers 
 test:  ## the default test suite (what CI runs)
 	$(PY) -m pytest
 
-test-demo:  ## the README's first command from an empty model cache, its text compared with the README's (~4 min)
+test-demo:  ## the README's first command from an empty model cache, its text compared with generate()'s and, on Intel CPUs, the README's (~5 min)
 	$(PY) -m pytest -m demo tests/test_demo.py
 
 test-extended:  ## the multi-process tests kept out of the default run for time (~40 min)
