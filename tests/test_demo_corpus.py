@@ -63,4 +63,4 @@ def test_the_demo_trains_with_the_pinned_kernels_and_the_same_bits_twice(tmp_pat
 
 def test_the_shipped_file_is_packaged():
     pyproject = (Path(__file__).resolve().parents[1] / "pyproject.toml").read_text()
-    assert '"odmoe" = ["data/demo_corpus.jsonl.gz", "data/NOTICE"]' in pyproject
+    assert '"odmoe.data" = ["demo_corpus.jsonl.gz", "NOTICE"]' in pyproject
