@@ -41,6 +41,15 @@ class ModelConfig:
 
 
 @dataclass
+class NodeConfig:
+    """This node's machine, as the memory plan sees it (odmoe.tools.node_memory, odmoe.memory_plan)."""
+
+    # What this node's process may use in all, e.g. "12GiB" ("": its memory cgroup's limit where one is
+    # set, else the kernel's MemAvailable). Announced to main, which deals expert homes by it.
+    memory: str = ""
+
+
+@dataclass
 class ClusterConfig:
     workers: int = 2  # worker nodes; a multiple of group_size
     group_size: int = 2  # workers per group: a group serves every N-th MoE layer (N = workers / group_size)
@@ -315,6 +324,7 @@ class OdmoeConfig:
     role: RoleConfig = field(default_factory=RoleConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    node: NodeConfig = field(default_factory=NodeConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     shadow: ShadowConfig = field(default_factory=ShadowConfig)
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)

@@ -56,6 +56,10 @@ def validate(cfg: OdmoeConfig) -> None:
     except ValueError as exc:
         raise ValueError(f"worker.host_memory: {exc}") from None
     try:
+        parse_bytes(cfg.node.memory)
+    except ValueError as exc:
+        raise ValueError(f"node.memory: {exc}") from None
+    try:
         parse_bytes(cfg.server.kv_cache_memory)
     except ValueError as exc:
         raise ValueError(f"server.kv_cache_memory: {exc}") from None
