@@ -45,7 +45,10 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from odmoe.launch.local_cluster import NodePlacement
 
 log = logging.getLogger("odmoe.memory_cgroups")
 
@@ -211,7 +214,7 @@ class MemoryCgroups:
         procs = shlex.quote(str(self.path(name) / "cgroup.procs"))
         return ["sh", "-c", f'echo $$ > {procs} && exec "$@"', "sh"]
 
-    def place(self, name: str) -> Any:
+    def place(self, name: str) -> NodePlacement:
         """LocalCluster's `place=`: node `name`'s NodePlacement, its prefix the one above."""
         # Imported here: library code does not import the launcher (STYLE: launch -> nodes -> odmoe),
         # but the launcher's placement type is what a caller of this method wants.
