@@ -3,7 +3,10 @@
 Contract: nothing here loads a whole checkpoint. `Checkpoint` knows the config and the weight map
 (`model.safetensors.index.json`, or the single `model.safetensors`), and hands out either the
 non-expert tensors (what main needs) or one expert's three matrices (what a worker needs), read
-with `safe_open(...).get_slice` so other experts' bytes are never touched.
+with `pread`s of those bytes alone (odmoe.models.safetensors_file: no memory map stays resident
+beside the copy), so other experts' bytes are never touched. `expert_into` reads an expert straight
+into the buffers a worker computes from; `tensor_info` and `expert_bytes` answer from the files'
+headers alone (a memory plan is made before anything is read).
 
 What a real checkpoint may hold beyond the model transformers builds from its config: DeepSeek-V3's
 multi-token-prediction layers (`num_nextn_predict_layers`, stored as `model.layers.{N}` and beyond
@@ -23,7 +26,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from transformers import AutoConfig, PretrainedConfig
 
 from odmoe.models.families import (
@@ -45,6 +47,7 @@ from odmoe.models.fp8 import (
     scale_key,
 )
 from odmoe.models.mxfp4 import Mxfp4Expert, Mxfp4Matrix
+from odmoe.models.safetensors_file import SafetensorsFile, TensorInfo
 
 log = logging.getLogger("odmoe.models.checkpoint")
 
@@ -86,6 +89,7 @@ class Checkpoint:
         if self.mxfp4 and self.family.expert_layout != "gpt_oss":
             raise UnsupportedModelError(f"MXFP4 experts are served for gpt-oss, not {self.family.model_type}")
         self.disk_key: dict[str, str] = {}  # a wrapped checkpoint: the text model's name -> its name on disk
+        self._handles: dict[str, SafetensorsFile] = {}  # shard file name -> its reader
         weight_map = self._read_weight_map()
         if self.wrapper is not None:
             weight_map = self._text_model_only(weight_map, saved.model_type)
@@ -93,7 +97,6 @@ class Checkpoint:
         self.moe_layers = sorted({layer_of_key(k) for k in self.weight_map if is_expert_key(k)} - {None})
         if not self.moe_layers:
             raise UnsupportedModelError(f"{self.path} holds no routed-expert tensors")
-        self._handles: dict[str, object] = {}
 
     @property
     def num_experts(self) -> int:
@@ -110,8 +113,8 @@ class Checkpoint:
         single = self.path / SINGLE_FILE
         if not single.is_file():
             raise CheckpointError(f"{self.path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-        with safe_open(single, "pt") as f:
-            return {key: SINGLE_FILE for key in f.keys()}
+        self._handles[SINGLE_FILE] = SafetensorsFile(single)
+        return dict.fromkeys(self._handles[SINGLE_FILE].keys(), SINGLE_FILE)
 
     def _text_model_only(self, weight_map: dict[str, str], model_type: str) -> dict[str, str]:
         """A multimodal checkpoint's language-model tensors under the text model's names."""
@@ -149,16 +152,28 @@ class Checkpoint:
             )
         return {k: v for k, v in weight_map.items() if (layer_of_key(k) or 0) < layers}
 
-    def _handle(self, key: str):
+    def _handle(self, key: str) -> SafetensorsFile:
         if key not in self.weight_map:
             raise CheckpointError(f"tensor {key} is not in {self.path}")
         shard = self.weight_map[key]
         if shard not in self._handles:
-            self._handles[shard] = safe_open(self.path / shard, "pt")
+            self._handles[shard] = SafetensorsFile(self.path / shard)
         return self._handles[shard]
 
     def tensor(self, key: str) -> torch.Tensor:
-        return self._handle(key).get_tensor(self.disk_key.get(key, key))
+        return self._handle(key).read(self.disk_key.get(key, key))
+
+    def tensor_info(self, key: str) -> TensorInfo:
+        """A tensor's dtype, shape and bytes on disk, from its file's header (nothing read)."""
+        return self._handle(key).info(self.disk_key.get(key, key))
+
+    def _read_into(self, key: str, row: int | None, out: torch.Tensor) -> None:
+        """`key` (or its `row`-th slice) into `out`, converted to `out`'s dtype as `.to()` does."""
+        handle, name = self._handle(key), self.disk_key.get(key, key)
+        if handle.info(name).dtype == out.dtype and out.is_contiguous():
+            handle.read(name, out) if row is None else handle.read_rows(name, row, out)
+        else:
+            out.copy_(handle.read(name) if row is None else handle.read_rows(name, row))
 
     def non_expert_state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor but the routed experts, under the module names transformers uses (an FP8
@@ -175,7 +190,7 @@ class Checkpoint:
         return self.tensor(key)
 
     def _slice(self, key: str, expert: int) -> torch.Tensor:
-        return self._handle(key).get_slice(self.disk_key.get(key, key))[expert]
+        return self._handle(key).read_rows(self.disk_key.get(key, key), expert)
 
     def quantized_expert(self, layer: int, expert: int) -> QuantizedExpert | Mxfp4Expert:
         """A quantized checkpoint's expert as stored (what a worker keeps in host memory)."""
@@ -210,10 +225,83 @@ class Checkpoint:
         gate = fam.expert_key(self.moe_layers[0], 0, fam.gate_proj)
         return "fp8" if scale_key(gate) in self.weight_map else ""
 
+    def _plain_expert_keys(self, layer: int, expert: int) -> tuple[str, str, str] | tuple[str, str] | None:
+        """(gate, up, down) keys of an expert stored per expert, or (gate_up, down) of one stored in
+        a fused [E, ...] pair, where its bytes are the expert itself (no scales, biases or blocks to
+        combine); None otherwise."""
+        fam = self.family
+        gate_key = fam.expert_key(layer, expert, fam.gate_proj)
+        if gate_key in self.weight_map:
+            if self.fp8 is not None and scale_key(gate_key) in self.weight_map:
+                return None
+            return (
+                gate_key,
+                fam.expert_key(layer, expert, fam.up_proj),
+                fam.expert_key(layer, expert, fam.down_proj),
+            )
+        if self.fp8 is not None or self.mxfp4 or fam.expert_layout == "gpt_oss":
+            return None
+        return fam.fused_key(layer, "gate_up_proj"), fam.fused_key(layer, "down_proj")
+
+    def expert_shapes(self) -> tuple[torch.Size, torch.Size]:
+        """The fused (gate_up [2I, H], down [H, I]) shapes of one expert, from the headers (gpt-oss:
+        each with its bias row), without reading a weight."""
+        layer = self.moe_layers[0]
+        keys = self._plain_expert_keys(layer, 0)
+        if keys is not None and len(keys) == 3:
+            gate, _, down = (self.tensor_info(k).shape for k in keys)
+            return torch.Size([2 * gate[0], *gate[1:]]), torch.Size(down)
+        if keys is not None:
+            gate_up, down = (self.tensor_info(k).shape[1:] for k in keys)
+            return torch.Size(gate_up), torch.Size(down)
+        w = self.expert(layer, 0)  # quantized or biased layouts: one expert read to learn its shapes
+        return w.gate_up.shape, w.down.shape
+
+    def expert_bytes(self, dtype: torch.dtype) -> int:
+        """One expert's bytes at `dtype`, as a worker holds it."""
+        gate_up, down = self.expert_shapes()
+        return (gate_up.numel() + down.numel()) * dtype.itemsize
+
+    def expert_into(self, layer: int, expert: int, gate_up: torch.Tensor, down: torch.Tensor) -> int:
+        """Expert `(layer, expert)` written into `gate_up` [2I, H] and `down` [H, I] at their dtype,
+        bit for bit what `expert(...).gate_up.to(dtype)` gives: read straight into them where the
+        checkpoint stores the expert's bytes as they are. Returns the bytes read from disk."""
+        keys = self._plain_expert_keys(layer, expert)
+        if keys is None:
+            w = self.expert(layer, expert)
+            gate_up.copy_(w.gate_up)
+            down.copy_(w.down)
+            return w.nbytes
+        if len(keys) == 3:
+            gate_key, up_key, down_key = keys
+            rows = self.tensor_info(gate_key).shape[0]
+            self._read_into(gate_key, None, gate_up[:rows])
+            self._read_into(up_key, None, gate_up[rows:])
+            self._read_into(down_key, None, down)
+            return sum(self.tensor_info(k).nbytes for k in keys)
+        self._read_into(keys[0], expert, gate_up)
+        self._read_into(keys[1], expert, down)
+        return sum(self.tensor_info(k).row_bytes for k in keys)
+
+    def forget_expert(self, layer: int, expert: int) -> None:
+        """Advise the kernel to drop the expert's pages from its cache (a worker now holds the bytes)."""
+        keys = self._plain_expert_keys(layer, expert)
+        for key in keys or ():
+            handle, name = self._handle(key), self.disk_key.get(key, key)
+            handle.drop_cache(name, None if len(keys) == 3 else expert)
+
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         fam = self.family
         gate_key = fam.expert_key(layer, expert, fam.gate_proj)
         if gate_key in self.weight_map:
+            if (keys := self._plain_expert_keys(layer, expert)) is not None:  # one buffer, no cat
+                gate_up_shape, down_shape = self.expert_shapes()
+                dtype = self.tensor_info(keys[0]).dtype
+                w = ExpertWeights(
+                    torch.empty(gate_up_shape, dtype=dtype), torch.empty(down_shape, dtype=dtype)
+                )
+                self.expert_into(layer, expert, w.gate_up, w.down)
+                return w
             gate = self._dequantized(gate_key)
             up = self._dequantized(fam.expert_key(layer, expert, fam.up_proj))
             down = self._dequantized(fam.expert_key(layer, expert, fam.down_proj))
@@ -236,6 +324,4 @@ class Checkpoint:
             return ExpertWeights(
                 gate_up=torch.cat([gate_up, gate_up_bias[None]]), down=torch.cat([down, down_bias[None]])
             )
-        gate_up = self._handle(gate_up_key).get_slice(self.disk_key.get(gate_up_key, gate_up_key))[expert]
-        down = self._handle(down_key).get_slice(self.disk_key.get(down_key, down_key))[expert]
-        return ExpertWeights(gate_up=gate_up.contiguous(), down=down.contiguous())
+        return ExpertWeights(gate_up=self._slice(gate_up_key, expert), down=self._slice(down_key, expert))

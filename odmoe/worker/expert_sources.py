@@ -163,7 +163,7 @@ def _chunks_into_device(targets, source, pool, name: str) -> None:
 
 
 class CheckpointExpert:
-    """Read from the checkpoint on every load (`get_slice` reads this expert's bytes only)."""
+    """Read from the checkpoint on every load (only this expert's bytes are read)."""
 
     form = "disk"
     host_bytes = 0
