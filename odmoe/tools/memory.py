@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 import resource
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported only by whoever asks for a device's peak: node_memory must not pay it
+    import torch
 
 
 def peak_rss_bytes() -> int:
@@ -14,6 +16,8 @@ def peak_rss_bytes() -> int:
 
 
 def peak_device_bytes(device: torch.device) -> int:
+    import torch
+
     return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
 
 
