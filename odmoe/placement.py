@@ -21,12 +21,14 @@ to member e mod n of the layer's serving group (n live members), whether predict
 missed. A group's workers then cache disjoint experts (each keeps only those it is home for), so
 the group's cache is the sum of theirs, and a mispredicted expert can still be a cache hit. The
 price: a token whose experts share a home is computed by one worker of the group, not spread.
-Where the members' caches differ in size (`rooms`: each worker's `worker.cache` in experts, from its
-Pong, sent to every worker with the live set), homes follow the room: each member is home for about
-max(room, L) of the experts its group serves, L chosen so that the group's experts are all dealt
-(water-filling; min(room, L) where the rooms hold more than the group serves), so a worker with room
-to spare takes what a smaller peer cannot keep, and one with no room still takes an even share of
-the misses. Equal rooms (or none known) give e mod n as above.
+Where the members' caches differ in size (`rooms`: each worker's `worker.cache` in experts, which
+`auto` sizes from the node's memory, from its Pong, sent to every worker with the live set), homes
+follow the room: where the rooms together hold every expert the group serves, each member is home
+for a share in proportion to its room (a 32 GB box twice the experts of a 16 GB one, each within its
+room); where they do not, each is home for max(room, L), L chosen so that the group's experts are all
+dealt (water-filling), so a worker keeps all it can and the rest, read from disk on each use, is
+spread evenly. Rooms count at most the experts the group serves, so members that could each keep
+them all share evenly. Equal rooms (or none known) give e mod n as above.
 """
 
 from __future__ import annotations
@@ -277,7 +279,7 @@ def _weighted_homes(
     topology: Topology, members: tuple[WorkerId, ...], live: tuple[WorkerId, ...] | None
 ) -> dict[tuple[int, int], WorkerId]:
     """Every (layer, expert) that `members` serve under `live`, dealt to a home by room (the module's
-    doc): shares max(room, L) with L filling the group's count, then each expert in turn (layers in
+    doc): shares by `_water_fill`, then each expert in turn (layers in
     rank order, experts ascending) to the member furthest behind its share, ties to the lowest id,
     so a layer's experts interleave over the members as with e mod n."""
     keys = [
@@ -299,16 +301,18 @@ def _weighted_homes(
 
 
 def _water_fill(rooms: list[int], total: int) -> list[float]:
-    """Shares summing to `total`, as even as the rooms allow while caching the most: where the rooms
-    hold fewer than `total`, max(room, L) (each keeps what it can, the rest spread evenly); where
-    they hold more, min(room, L) (nobody home for more than it keeps)."""
+    """Shares summing to `total`: where the rooms hold them all, in proportion to the rooms (each
+    within its room); where they hold fewer than `total`, max(room, L) (each keeps what it can, the
+    rest spread evenly)."""
     short = sum(rooms) < total
+    if not short:
+        return [total * r / sum(rooms) for r in rooms]
 
     def dealt(level: float) -> float:
-        return sum(max(r, level) if short else min(r, level) for r in rooms)
+        return sum(max(r, level) for r in rooms)
 
     low, high = 0.0, float(total)
     for _ in range(60):  # dealt() rises with the level: bisect it onto the total
         mid = (low + high) / 2
         low, high = (mid, high) if dealt(mid) < total else (low, mid)
-    return [max(r, high) if short else min(r, high) for r in rooms]
+    return [max(r, high) for r in rooms]

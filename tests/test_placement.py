@@ -157,6 +157,9 @@ def test_homes_follow_the_cache_rooms():
     assert count(base.with_rooms([12, 2, 8, 8])) == [12, 4]  # 2 kept by worker 1, 2 more dealt to it
     assert count(base.with_rooms([16, 1, 0, 0])) == [15, 1]  # room for all: all but worker 1's one
     assert count(base.with_rooms([3, 0, 0, 0])) == [8, 8]  # little room anywhere: even
+    # room for all in the group: in proportion to the room (twice the memory, twice the experts)
+    assert count(base.with_rooms([16, 8, 0, 0])) == [11, 5]
+    assert count(base.with_rooms([40, 16, 0, 0])) == [8, 8]  # each room holds all 16: counted as 16
     even = base.with_rooms([5, 5, 1, 7])  # equal rooms in group 0: e mod n, as without rooms
     assert all(even.home(layer, e) == base.home(layer, e) == e % 2 for layer, e in group0)
     roomy = base.with_rooms([12, 2, 8, 8])
