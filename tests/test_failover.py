@@ -7,14 +7,19 @@ running stream). Points are drawn from a seeded RNG and named in the assertion m
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
+import threading
 import time
 
 import grpc
 import pytest
 
 from odmoe import LocalCluster
+from odmoe.serving.client import MainsLost
+from tests.test_batching import PARAMS, alone
+from tests.test_batching import PROMPTS as STREAM_PROMPTS
 from tests.test_cluster_fidelity import PROMPTS, reference
 
 pytestmark = pytest.mark.integration
@@ -222,3 +227,93 @@ def test_main_stopped_with_requests_waiting_exits_and_they_get_unavailable(model
         for t in threads:
             t.join(timeout=30)
     assert grpc.StatusCode.UNAVAILABLE in codes
+
+
+class SharedStreams:
+    """Streams started at once from threads of their own through one client (as an application
+    serving several users holds one SDK client): each one's token ids, the time of each token, and
+    the error it ended with."""
+
+    def __init__(self, client, prompts: list[str], new_tokens: int, params: list[int]):
+        self.tokens: list[list[int]] = [[] for _ in prompts]
+        self.times: list[list[float]] = [[] for _ in prompts]
+        self.errors: list[BaseException | None] = [None] * len(prompts)
+        self.ended = [False] * len(prompts)
+        self.progress = threading.Condition()
+        self.threads = [
+            threading.Thread(target=self._run, args=(client, i, p, new_tokens, params[i]), daemon=True)
+            for i, p in enumerate(prompts)
+        ]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, client, i: int, prompt: str, new_tokens: int, params: int) -> None:
+        seed, kwargs = PARAMS[params]
+        sampling = {"do_sample": True, "seed": seed, **kwargs} if seed is not None else {}
+        try:
+            for piece in client.stream(prompt, max_new_tokens=new_tokens, **sampling):
+                with self.progress:
+                    self.tokens[i].append(piece.token_id)
+                    self.times[i].append(time.monotonic())
+                    self.progress.notify_all()
+        except BaseException as exc:
+            self.errors[i] = exc
+        finally:
+            with self.progress:
+                self.ended[i] = True
+                self.progress.notify_all()
+
+    def wait_past(self, n: int, timeout_s: float = 120.0) -> None:
+        """Until every stream has passed its n-th token (fails if one ended before)."""
+        with self.progress:
+            assert self.progress.wait_for(
+                lambda: all(len(t) > n for t in self.tokens) or any(self.ended), timeout_s
+            ), f"not every stream passed token {n}: {[len(t) for t in self.tokens]}"
+            assert not any(self.ended), f"a stream ended first: {self.tokens}, {self.errors}"
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(timeout=180)
+        assert not any(t.is_alive() for t in self.threads), "a stream never ended"
+
+    def longest_gap_s(self, after: float) -> float:
+        """The longest wait between two tokens of a stream that spans `after` (the kill)."""
+        return max(b - a for times in self.times for a, b in itertools.pairwise(times) if b > after)
+
+
+def test_one_client_shared_by_threads_fails_over_once_when_main_is_lost(model_dirs, reap_children):
+    """Issue 50: four streams from four threads on the cluster's one client, greedy and seeded,
+    main SIGKILLed once each has passed its 8th token: the client fails over once and each resumes
+    on the standby with its reference tokens. Then the standby is lost too, under four new
+    streams: each ends with the same MainsLost (UNAVAILABLE, naming both mains), none KeyError."""
+    path, new_tokens = model_dirs["mixtral"], 64
+    prompts = [STREAM_PROMPTS[i] for i in (0, 1, 3, 4)]  # none reaches its end within 64 tokens
+    params = [0, 1, 2, 3]  # greedy and three seeded samplings
+    words = ["server.max_running=4", "shadow.enabled=false"]  # the shadow plays no part here
+    started = time.monotonic()
+    with LocalCluster(path, workers=2, group_size=2, standby_mains=1, overrides=words) as cluster:
+        print(f"cluster up in {time.monotonic() - started:.1f} s")
+        client = cluster.client
+        streams = SharedStreams(client, prompts, new_tokens, params)
+        streams.wait_past(8)
+        killed_at = time.monotonic()
+        cluster.kill("main")
+        streams.join()
+        assert streams.errors == [None] * 4, streams.errors
+        for i, prompt in enumerate(prompts):
+            assert tuple(streams.tokens[i]) == alone(path, prompt, new_tokens, params[i]), f"stream {i}"
+        assert all(times[-1] > killed_at for times in streams.times), "a stream ended before the kill"
+        assert client.failovers == 1, client.failover_log
+        assert client.failover_log[0]["lost"] == cluster.main_addresses[0]
+        print(f"longest gap a stream saw through main's loss: {streams.longest_gap_s(killed_at):.3f} s")
+
+        again = SharedStreams(client, prompts, new_tokens, params)
+        again.wait_past(8)
+        killed_at = time.monotonic()
+        cluster.kill("main1")
+        again.join()
+        print(f"every stream gave up {time.monotonic() - killed_at:.2f} s after the standby's loss")
+        mains = ", ".join(cluster.main_addresses)
+    assert all(isinstance(e, MainsLost) for e in again.errors), again.errors
+    assert {e.code() for e in again.errors} == {grpc.StatusCode.UNAVAILABLE}  # type: ignore[union-attr]
+    assert all(mains in str(e) for e in again.errors)

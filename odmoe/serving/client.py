@@ -20,8 +20,18 @@ health check within `2 * keepalive_s` (gRPC's own keepalive took a minute here: 
 throttles pings on a stream). A busy main answers health checks from its gRPC threads, so slowness
 alone is not a loss. The client then resumes on the next main by sending the prompt
 plus the tokens it already received (`resume_ids`), and that main replays them and streams the
-rest. With greedy decoding the whole sequence equals the single-process reference. A stream that
-keeps failing without a new token after every main was tried raises the last error.
+rest. With greedy decoding, or sampling with its seed, the whole sequence equals the single-process
+reference. What a stream sees: a pause (detection, then the new main replaying the tokens it had,
+one decode step each: ~1-2 s for a tiny model's 10 tokens on a 2-core box), then its tokens go on
+where they stopped, none repeated or missing. `client.failover_log` says when and why it moved on.
+A stream that keeps failing without a new token after every main was tried raises `MainsLost` (a
+`grpc.RpcError`, UNAVAILABLE, naming the mains and the last error).
+
+Threads: a `Client` is safe to share, as gRPC's channels are; one per process is enough (the way an
+application serving several users holds one `openai` client). Its streams share one view of which
+main is in use (`odmoe/serving/main_ring.py`): the first stream to notice a loss moves the client
+on, once, and every other stream of that main resumes on the same next one. After `close()`,
+streams still running and later calls raise `ClientClosed` (a ValueError).
 
 Security: a cluster with security on (the default) answers only over TLS and only calls carrying
 its token: pass `credentials=` a key directory (what `odmoe-keys init` made: its tls/cert.pem and
@@ -35,7 +45,6 @@ import json
 import queue
 import secrets
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -46,6 +55,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from odmoe.main.sampling import MAX_SEED, SamplingParams
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.serving.main_ring import ClientClosed, MainRing, Turn
 from odmoe.transport.security import ClientCredentials, grpc_channel
 
 
@@ -79,10 +89,24 @@ class StreamBroken(RuntimeError):
     """A stream ended without its final reply, or its main stopped answering: it is lost."""
 
 
+class MainsLost(StreamBroken, grpc.RpcError):
+    """Every main was tried since the stream's last token and none could go on with it: the stream
+    gives up. A `grpc.RpcError` with code UNAVAILABLE; its message names the mains and the last
+    error (also its `__cause__`), e.g. "no live worker holds layer 1" from a main that answered."""
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return str(self)
+
+
 _END = object()
 
 
 class Client:
+    """One client per process is enough: any number of threads may stream through it at once."""
+
     def __init__(
         self,
         address: str | list[str],
@@ -94,41 +118,48 @@ class Client:
             credentials = ClientCredentials.from_key_dir(credentials)
         self.credentials = credentials
         self.metadata = credentials.metadata if credentials else None
-        self.addresses = [address] if isinstance(address, str) else list(address)
-        if not self.addresses:
-            raise ValueError("Client needs at least one main address")
         self.timeout_s = timeout_s
         self.keepalive_s = keepalive_s
         self.keepalive_ms = max(int(keepalive_s * 1000), 100)
-        self._channels: dict[int, grpc.Channel] = {}
-        self.current = 0  # the main used now; moves on when one is lost
-        self.failovers = 0
-        self.failover_log: list[dict] = []  # {at_us, lost, to, reason}: when and why it moved on
+        addresses = [address] if isinstance(address, str) else list(address)
+        self._ring: MainRing[grpc.Channel] = MainRing(addresses, self._channel, lambda c: c.close())
+
+    @property
+    def addresses(self) -> list[str]:
+        return self._ring.addresses
 
     @property
     def address(self) -> str:
-        return self.addresses[self.current]
+        """The main in use now."""
+        return self._ring.addresses[self._ring.index]
+
+    @property
+    def current(self) -> int:
+        """The index in `addresses` of the main in use now; moves on when it is lost."""
+        return self._ring.index
+
+    @property
+    def failovers(self) -> int:
+        return self._ring.failovers
+
+    @property
+    def failover_log(self) -> list[dict]:
+        """{at_us, lost, to, reason} of each move to the next main, in order (one per lost main)."""
+        return self._ring.log
 
     def replace_address(self, old: str, new: str) -> None:
         """A main came back at another address (restarted): fail over to it from now on."""
-        i = self.addresses.index(old)
-        self.addresses[i] = new
-        channel = self._channels.pop(i, None)
-        if channel is not None:
-            channel.close()
+        self._ring.replace(old, new)
 
-    def _stub(self) -> odmoe_pb2_grpc.InferenceStub:
-        channel = self._channels.get(self.current)
-        if channel is None:
-            options = [
-                ("grpc.keepalive_time_ms", self.keepalive_ms),
-                ("grpc.keepalive_timeout_ms", self.keepalive_ms),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.http2.max_pings_without_data", 0),
-                ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
-            ]
-            channel = self._channels[self.current] = grpc_channel(self.address, self.credentials, options)
-        return odmoe_pb2_grpc.InferenceStub(channel)
+    def _channel(self, address: str) -> grpc.Channel:
+        options = [
+            ("grpc.keepalive_time_ms", self.keepalive_ms),
+            ("grpc.keepalive_timeout_ms", self.keepalive_ms),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.max_pings_without_data", 0),
+            ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
+        ]
+        return grpc_channel(address, self.credentials, options)
 
     def _request(self, prompt, max_new_tokens, return_logits, request_id, resume, options: dict):
         fields = dict(
@@ -154,7 +185,11 @@ class Client:
         ignore_eos=False,
         **sampling,
     ):
-        """The stream of replies, resumed on the next main whenever the current one is lost."""
+        """The stream of replies, resumed on the next main whenever the current one is lost.
+
+        Each attempt goes to the ring's current main (`MainRing.turn`); a loss is reported with
+        the turn it was seen on, so streams of other threads that noticed the same loss first do
+        not move the client on again: this one just resumes where they went."""
         received: list[int] = []
         failures = 0  # consecutive, without a new token in between
         options = _options(stop, sampling)
@@ -162,10 +197,13 @@ class Client:
             options["logprobs"] = logprobs
         options["prompt_logprobs"], options["ignore_eos"] = prompt_logprobs, ignore_eos
         while True:
+            turn = self._ring.turn()
             request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
-            call = self._stub().Generate(request, timeout=self.timeout_s, metadata=self.metadata)
+            call = None
             try:
-                for reply in self._watched(call):
+                stub = odmoe_pb2_grpc.InferenceStub(turn.connection)
+                call = stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
+                for reply in self._watched(call, turn):
                     if reply.WhichOneof("kind") == "token":
                         received.append(reply.token.token_id)
                         failures = 0
@@ -174,24 +212,31 @@ class Client:
                     yield reply
                     if reply.WhichOneof("kind") == "done":
                         return
-                raise StreamBroken(f"main {self.address} ended the stream without its final reply")
-            except (grpc.RpcError, StreamBroken) as error:
-                exc = error
+                raise StreamBroken(f"main {turn.address} ended the stream without its final reply")
+            except ValueError:  # this turn's channel was closed: the client, or the ring moving on
+                if self._ring.epoch == turn.epoch and not self._ring.closed:
+                    raise
+                error: Exception = StreamBroken(f"main {turn.address}'s channel was closed")
+            except (grpc.RpcError, StreamBroken) as exc:
+                error = exc
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
-                failures += 1
-                if code not in FAILOVER_CODES or failures >= len(self.addresses) + 1:
+                if code not in FAILOVER_CODES:
                     raise
             finally:
-                call.cancel()  # no-op once done; when the caller stops reading, main stops too
-            lost = self.address
-            self._channels.pop(self.current).close()
-            self.current = (self.current + 1) % len(self.addresses)
-            self.failovers += 1
-            self.failover_log.append(
-                {"at_us": time.time() * 1e6, "lost": lost, "to": self.address, "reason": str(exc)[:200]}
-            )
+                if call is not None:
+                    call.cancel()  # no-op once done; when the caller stops reading, main stops too
+            if self._ring.closed:
+                raise ClientClosed("this odmoe.Client was closed while the stream ran") from error
+            failures += 1
+            self._ring.lost(turn, str(error))
+            if self._ring.gives_up(failures):
+                raise MainsLost(
+                    f"no main could go on with the stream ({', '.join(self._ring.addresses)}):"
+                    f" {failures} attempts in a row failed without a new token, the last with"
+                    f" {_describe(error)}"
+                ) from error
 
-    def _watched(self, call) -> Iterator:
+    def _watched(self, call, turn: Turn) -> Iterator:
         """`call`'s replies; while none comes for keepalive_s, main must pass a health check."""
         replies: queue.Queue = queue.Queue()
 
@@ -204,7 +249,7 @@ class Client:
                 replies.put(exc)
 
         threading.Thread(target=pump, name="odmoe-client-stream", daemon=True).start()
-        health = health_pb2_grpc.HealthStub(self._channels[self.current])
+        health = health_pb2_grpc.HealthStub(turn.connection)
         while True:
             try:
                 item = replies.get(timeout=self.keepalive_s)
@@ -214,7 +259,9 @@ class Client:
                         health_pb2.HealthCheckRequest(), timeout=2 * self.keepalive_s, metadata=self.metadata
                     )
                 except grpc.RpcError as exc:
-                    raise StreamBroken(f"main {self.address} stopped answering ({exc.code().name})") from None
+                    raise StreamBroken(f"main {turn.address} stopped answering ({exc.code().name})") from None
+                except ValueError:  # its channel was closed: the client, or another stream moved on
+                    raise StreamBroken(f"main {turn.address}'s channel was closed") from None
                 continue
             if item is _END:
                 return
@@ -278,7 +325,8 @@ class Client:
         return result
 
     def info(self) -> dict:
-        reply = self._stub().Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+        stub = odmoe_pb2_grpc.InferenceStub(self._ring.turn().connection)
+        reply = stub.Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
         return {
             "model_path": reply.model_path,
             "family": reply.family,
@@ -288,15 +336,20 @@ class Client:
         }
 
     def close(self) -> None:
-        for channel in self._channels.values():
-            channel.close()
-        self._channels = {}
+        """Closes every channel: streams still running end with `ClientClosed`, as later calls do."""
+        self._ring.close()
 
     def __enter__(self) -> Client:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.RpcError) and hasattr(error, "details"):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)
 
 
 def _top(top) -> tuple[tuple[int, float], ...]:
