@@ -59,6 +59,7 @@ from odmoe.main.remote_experts import RemoteExperts
 from odmoe.main.request_queue import END, QueueClosed, QueueFull, RequestQueue, Ticket
 from odmoe.main.sampling import SamplingParams
 from odmoe.main.shadow_link import ShadowLink
+from odmoe.memory_plan import MemoryPlanError, unfit_homes
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.main_model import build_main_model, resolve_dtype
 from odmoe.nodes.ready import announce_ready
@@ -66,6 +67,7 @@ from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.serving.error_status import message_of, status_of
 from odmoe.serving.http_api import start_http
 from odmoe.serving.metrics import ServerMetrics
+from odmoe.serving.text_check import TextCheck
 from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.memory import parse_bytes
 from odmoe.tools.trace import Tracer
@@ -132,7 +134,11 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             substituter=Substituter.build(cfg.miss, model_path, main.model, self.checkpoint.num_experts),
         )
         self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
-        self.experts.ping_all(cfg.worker.ready_timeout_s)
+        pongs = self.experts.ping_all(cfg.worker.ready_timeout_s)
+        if problem := unfit_homes(
+            members.topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs]
+        ):
+            raise MemoryPlanError(problem)
         self.connect_s = time.perf_counter() - connect_start
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.shadow_where = cfg.cluster.shadow_where  # a rejoining shadow says where it now runs
@@ -338,7 +344,10 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
     # -- lifecycle ---------------------------------------------------------------------------
     def serve(self, ready_file: str | None = None) -> None:
         secrets = self.security.server  # None: security.enabled=false
-        interceptors = [BearerToken(secrets)] if secrets else []
+        # the token first (a stranger learns nothing), then every request parsed by TextCheck: bad
+        # UTF-8 in a string field answers INVALID_ARGUMENT naming it, not gRPC's bare INTERNAL
+        interceptors: list[grpc.ServerInterceptor] = [BearerToken(secrets)] if secrets else []
+        interceptors.append(TextCheck())
         server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS, interceptors=interceptors
         )

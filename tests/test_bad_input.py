@@ -18,6 +18,7 @@ from odmoe import LocalCluster
 from odmoe.launch.local_cluster import ClusterStartError
 from odmoe.models.checkpoint import CheckpointError
 from odmoe.models.families import UnsupportedModelError
+from odmoe.rpc import odmoe_pb2
 
 pytestmark = pytest.mark.integration
 LAUNCH = [sys.executable, "-m", "odmoe.launch.cli"]
@@ -54,6 +55,20 @@ def test_bad_requests_get_invalid_argument(model_dirs, reap_children):
                 cluster.client.generate(prompt, max_new_tokens=new)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
             assert match in err.value.details()
+        # text that is not UTF-8 in a string field (sent as raw bytes: protobuf refuses to build
+        # it): INVALID_ARGUMENT naming the field, not gRPC's "Exception deserializing request!"
+        creds = cluster.credentials
+        with creds.channel(cluster.address) as channel:
+            generate = channel.unary_stream("/odmoe.rpc.Inference/Generate")
+            for fields, field in [({"prompt": "okay"}, "prompt"), ({"stop": ["okay"]}, "stop[0]")]:
+                raw = odmoe_pb2.GenerateRequest(max_new_tokens=3, **fields).SerializeToString()
+                bad = raw.replace(b"okay", b"o\xed\xa0\x80")  # a surrogate written as UTF-8 (same length)
+                with pytest.raises(grpc.RpcError) as err:
+                    list(generate(bad, metadata=creds.metadata, timeout=30))
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert err.value.details().startswith(f"{field} is not valid UTF-8"), err.value.details()
+        with pytest.raises(ValueError, match="prompt is not valid Unicode"):  # refused before it is sent
+            cluster.client.generate("\ud800abc", max_new_tokens=3)
         # the cluster still serves after rejecting bad requests
         assert len(cluster.client.generate("def f():", max_new_tokens=3).token_ids) == 3
 

@@ -262,6 +262,38 @@ def test_malformed_json_is_a_400(cluster):
     assert reply.status_code == 400 and "error" in reply.json()
 
 
+def test_text_that_is_not_unicode_is_a_400_naming_the_field_and_the_next_request_is_served(cluster, name):
+    """Issue 50: a lone surrogate (valid JSON, not Unicode) answered 500 from the tokenizer's
+    TypeError; a body that is not UTF-8 was answered 500 (a surrogate written as UTF-8) or, as the
+    issue saw it, not at all. Each route that takes text, then a request answered as usual
+    (tests/test_text_check.py has every field)."""
+    cases = [
+        ("/v1/completions", f'{{"model": "{name}", "prompt": "\\ud800abc"}}'.encode(), "prompt"),
+        (
+            "/v1/chat/completions",
+            f'{{"model": "{name}", "messages": [{{"role": "user", "content": "\\ud800abc"}}]}}'.encode(),
+            "messages[0].content",
+        ),
+        ("/tokenize", b'{"prompt": "\\udfffabc"}', "prompt"),
+        ("/v1/completions", f'{{"model": "{name}", "prompt": "\xff\xfeabc"}}'.encode("latin-1"), None),
+        ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\xed\xa0\x80"}]}', None),
+    ]
+    auth = cluster.http_auth
+    headers = {"content-type": "application/json", **auth["headers"]}
+    for path, raw, param in cases:
+        reply = httpx.post(
+            cluster.http_url + path, content=raw, headers=headers, verify=auth["verify"], timeout=30
+        )
+        assert reply.status_code == 400, (path, raw, reply.text)
+        error = reply.json()["error"]
+        assert error["param"] == param and error["type"] == "invalid_request_error", error
+        assert "not valid Unicode" in error["message"] or "not valid UTF-8" in error["message"]
+    body = {"model": name, "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    reply = httpx.post(cluster.http_url + "/v1/completions", json=body, timeout=60, **auth)
+    assert reply.status_code == 200
+    assert reply.json()["choices"][0]["text"] == cluster.client.generate(PROMPT, max_new_tokens=8).text
+
+
 def _sse(cluster, body: dict):
     """The data events of a streamed request, as raw JSON strings."""
     with httpx.stream(

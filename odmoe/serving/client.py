@@ -11,7 +11,8 @@ parameters (`do_sample=True, temperature=, top_p=, top_k=, min_p=, repetition_pe
 and `stop=[...]` strings; with a seed the tokens equal `torch.manual_seed(seed);
 model.generate(do_sample=True, ...)` in one process. Sampling without a seed: the client draws one,
 so a resumed stream (below) continues the same draws. Errors arrive as `grpc.RpcError` with INVALID_ARGUMENT,
-FAILED_PRECONDITION or UNAVAILABLE and a readable message.
+FAILED_PRECONDITION or UNAVAILABLE and a readable message; a prompt or stop string that is not
+valid Unicode (a lone surrogate) is a ValueError naming it, before anything is sent.
 
 Failover (main's loss): give several main addresses, the active one first and standbys after
 (`Client(["10.0.0.1:50051", "10.0.0.2:50051"])`). A killed main breaks the stream at once; a
@@ -56,6 +57,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from odmoe.main.sampling import MAX_SEED, SamplingParams
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.serving.main_ring import ClientClosed, MainRing, Turn
+from odmoe.serving.text_check import invalid_text
 from odmoe.transport.security import ClientCredentials, grpc_channel
 
 
@@ -190,6 +192,8 @@ class Client:
         Each attempt goes to the ring's current main (`MainRing.turn`); a loss is reported with
         the turn it was seen on, so streams of other threads that noticed the same loss first do
         not move the client on again: this one just resumes where they went."""
+        if bad := invalid_text({"prompt": prompt, "stop": stop}):  # protobuf could not send it
+            raise ValueError(bad.message)
         received: list[int] = []
         failures = 0  # consecutive, without a new token in between
         options = _options(stop, sampling)

@@ -16,7 +16,8 @@ sharing the prompt's prefill; choice i samples with seed `seed + i` (with no see
 drawn for the request and each choice's is in `odmoe.choices[i].seed`), so it equals a single
 `generate()` with that seed. Every parameter we do not implement is refused with 400 when set to
 anything but its neutral value (`logprobs`, `echo`, penalties, tools ...) — never silently ignored;
-unknown fields too.
+unknown fields too. A body that is not UTF-8, or holds a string that is not valid Unicode (a lone
+surrogate escape such as `"\\ud800"`), is refused with 400 naming the field, on every route.
 Errors have OpenAI's body: `{"error": {"message", "type", "param", "code"}}`. A stream is `data:
 {chunk}` events, a usage chunk when `stream_options.include_usage`, then `data: [DONE]`; an error
 after the stream began is sent as one `data: {"error": ...}` event. A client that disconnects (stream
@@ -44,6 +45,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -53,6 +55,7 @@ from odmoe.main.request_queue import END, QueueClosed, QueueFull
 from odmoe.main.sampling import MAX_SEED, SamplingParams
 from odmoe.serving.error_status import message_of, status_of
 from odmoe.serving.openai_logprobs import Scored, TokenTexts, chat_content, completion_logprobs
+from odmoe.serving.text_check import invalid_text, invalid_utf8
 from odmoe.transport.security import ServerSecrets
 
 log = logging.getLogger("odmoe.http")
@@ -189,9 +192,39 @@ class ChatBody(_Common):
     response_format: dict | None = None
 
 
+class TextCheckedRoute(APIRoute):
+    """Every route's body is checked before FastAPI parses it: bytes that are not UTF-8, or a
+    string anywhere in the JSON that is not valid Unicode (a lone surrogate, which a `\\ud800`
+    escape carries and the tokenizer refuses with a TypeError), answer 400 naming the field
+    (odmoe/serving/text_check.py). One check where requests enter covers every route that takes text."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def checked(request: Request):
+            _check_text(await request.body())  # kept: the handler reads the same bytes
+            return await handler(request)
+
+        return checked
+
+
+def _check_text(raw: bytes) -> None:
+    if not raw:
+        return
+    if bad := invalid_utf8(raw):
+        raise ApiError(400, bad.message)
+    try:
+        value = json.loads(raw)
+    except ValueError:
+        return  # not JSON: FastAPI answers that itself
+    if bad := invalid_text(value):
+        raise ApiError(400, bad.message, bad.field)
+
+
 # -- the app -------------------------------------------------------------------------------------
 def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
     app = FastAPI(title="odmoe", summary="OpenAI-compatible API of an odmoe cluster", docs_url=None)
+    app.router.route_class = TextCheckedRoute  # before any route is added
 
     if secrets is not None:
 
