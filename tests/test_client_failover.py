@@ -253,17 +253,23 @@ def test_streams_interleaved_through_main_losses_each_end_with_their_tokens(data
 
 
 def test_many_threads_on_one_client_fail_over_once_when_main_is_lost(fake_mains):
-    """Eight threads stream through one client (its real pump threads); the main dies under them:
-    one failover, every stream exact. Before the ring, the others met KeyError or left main1 too."""
+    """Eight threads stream and four generate through one client (its real pump threads); the main
+    dies under them: one failover, every answer exact. Before the ring, the others met KeyError or
+    left main1 too."""
     client, world = fake_mains(2, delay_s=0.002)
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []
-    past_eight = threading.Barrier(9)
+    past_eight = threading.Barrier(9)  # the streams and this thread
+
+    def prompt(i: int) -> str:
+        return PROMPTS[i % 5] * (i + 1)
 
     def run(i: int) -> None:
         tokens = []
         try:
-            for piece in client.stream(PROMPTS[i % 5] * (i + 1), max_new_tokens=40):
+            if i >= 8:
+                tokens = client.generate(prompt(i), max_new_tokens=80).token_ids
+            for piece in client.stream(prompt(i), max_new_tokens=80) if i < 8 else ():
                 tokens.append(piece.token_id)
                 if len(tokens) == 8:
                     past_eight.wait(timeout=10)
@@ -271,7 +277,7 @@ def test_many_threads_on_one_client_fail_over_once_when_main_is_lost(fake_mains)
             errors.append(exc)
         results[i] = tokens
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(12)]
     for t in threads:
         t.start()
     past_eight.wait(timeout=10)
@@ -279,7 +285,7 @@ def test_many_threads_on_one_client_fail_over_once_when_main_is_lost(fake_mains)
     for t in threads:
         t.join(timeout=30)
     assert errors == []
-    assert all(results[i] == reference(PROMPTS[i % 5] * (i + 1), 40) for i in range(8))
+    assert all(results[i] == reference(prompt(i), 80) for i in range(12))
     assert client.failovers == 1 and client.address == "main1:1"
 
 

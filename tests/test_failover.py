@@ -286,8 +286,8 @@ def test_one_client_shared_by_threads_fails_over_once_when_main_is_lost(model_di
     main SIGKILLed once each has passed its 8th token: the client fails over once and each resumes
     on the standby with its reference tokens. Then the standby is lost too, under four new
     streams: each ends with the same MainsLost (UNAVAILABLE, naming both mains), none KeyError."""
-    path, new_tokens = model_dirs["mixtral"], 64
-    prompts = [STREAM_PROMPTS[i] for i in (0, 1, 3, 4)]  # none reaches its end within 64 tokens
+    path, new_tokens = model_dirs["mixtral"], 48
+    prompts = [STREAM_PROMPTS[i] for i in (0, 1, 3, 4)]  # none reaches its end within 48 tokens
     params = [0, 1, 2, 3]  # greedy and three seeded samplings
     words = ["server.max_running=4", "shadow.enabled=false"]  # the shadow plays no part here
     started = time.monotonic()

@@ -93,7 +93,7 @@ def _bad_strings(descriptor: Descriptor, raw: bytes, path: str) -> BadText | Non
         if field is None or not isinstance(unknown.data, bytes):
             continue
         n = seen[field.number] = seen.get(field.number, -1) + 1
-        name = f"{path}{field.name}" + (f"[{n}]" if field.is_repeated else "")
+        name = f"{path}{field.name}" + (f"[{n}]" if _repeated(field) else "")
         if field.type == FieldDescriptor.TYPE_STRING:
             if found := invalid_utf8(unknown.data, name):
                 return found
@@ -101,6 +101,13 @@ def _bad_strings(descriptor: Descriptor, raw: bytes, path: str) -> BadText | Non
             if found := _bad_strings(field.message_type, unknown.data, name + "."):
                 return found
     return None
+
+
+def _repeated(field: FieldDescriptor) -> bool:
+    # protobuf 7 has only is_repeated; protobuf 6 (pyproject allows it) may have only label
+    if hasattr(field, "is_repeated"):
+        return bool(field.is_repeated)
+    return bool(field.label == 3)  # LABEL_REPEATED
 
 
 class _Refused:
