@@ -15,6 +15,7 @@ import grpc
 
 from odmoe.config import OdmoeConfig
 from odmoe.launch.local_cluster import ClusterStartError, LocalCluster, resolve_model_path
+from odmoe.memory_plan import MemoryPlanError
 from odmoe.models.checkpoint import CheckpointError
 from odmoe.models.families import UnsupportedModelError
 from odmoe.transport.security import SecurityError
@@ -26,7 +27,7 @@ BAD_INPUT = 2
 def _serve(name: str, node_class, cfg: OdmoeConfig) -> int:
     try:
         node = node_class(cfg, resolve_model_path(cfg))
-    except (CheckpointError, UnsupportedModelError, SecurityError) as exc:
+    except (CheckpointError, UnsupportedModelError, SecurityError, MemoryPlanError) as exc:
         log.error("%s: %s", name, exc)
         return BAD_INPUT
     node.serve(cfg.ready_file)
@@ -54,7 +55,7 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
     try:
         node = MainNode(cfg, resolve_model_path(cfg))
         node.serve(cfg.ready_file)
-    except (CheckpointError, UnsupportedModelError, PortInUse, SecurityError) as exc:
+    except (CheckpointError, UnsupportedModelError, PortInUse, SecurityError, MemoryPlanError) as exc:
         log.error("main: %s", exc)
         return BAD_INPUT
     except WorkerUnavailable as exc:

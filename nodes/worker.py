@@ -45,6 +45,7 @@ import zmq
 
 from odmoe.config import OdmoeConfig
 from odmoe.lossy.substitution import profile_path, use_rates
+from odmoe.memory_plan import CheckpointSizes, MemoryPlanError, WorkerSetup, worker_memories
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.expert_math import KERNELS, expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
@@ -53,6 +54,7 @@ from odmoe.nodes.ready import announce_ready
 from odmoe.placement import LayerUnavailable
 from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.memory import parse_bytes, peak_rss_bytes
+from odmoe.tools.node_memory import node_memory
 from odmoe.tools.trace import Tracer, now_us
 from odmoe.transport.announce import announce
 from odmoe.transport.codec import CodecError
@@ -74,8 +76,9 @@ from odmoe.transport.messages import (
 from odmoe.transport.security import NodeSecurity, secure_client, secure_server
 from odmoe.worker.device_slots import device_peak_bytes
 from odmoe.worker.expert_cache import CacheBook, cache_capacity, expected_distance
-from odmoe.worker.expert_store import DeviceSlots, ExpertStore, Link, ResidentExperts, Slot
+from odmoe.worker.expert_store import DeviceSlots, ExpertStore, Link, LoadCounters, ResidentExperts, Slot
 from odmoe.worker.preload_schedule import PreloadSchedule
+from odmoe.worker.share import ShareLayout, plan_share
 from odmoe.worker.stacked_segments import StackedSegments
 
 log = logging.getLogger("odmoe.worker")
@@ -121,6 +124,13 @@ class WorkerNode:
         start = time.perf_counter()
         w = cfg.worker
         device = compute_device(cfg.worker.device)
+        self.resident = cfg.emulation.resident
+        self.layout = self._share(cfg, checkpoint, dtype, layers, device)
+        self.memory = node_memory(cfg.node.memory)
+        log.info("worker %d: memory %s; %s", self.index, self.memory.describe(), self.layout.need.holds)
+        if self.layout.strict and not self.layout.need.fits:
+            raise MemoryPlanError(self.layout.need.refusal())
+        cache_is_store = self.layout.cache_is_store
         self.store = ExpertStore.build(
             checkpoint,
             layers,
@@ -129,7 +139,9 @@ class WorkerNode:
             parse_bytes(w.host_memory),
             w.pack_dir,
             w.decompress_threads,
-            pin_memory=device.type == "cuda" and not cfg.emulation.resident,  # async host-to-device copies
+            pin_memory=device.type == "cuda" and not self.resident,  # async host-to-device copies
+            held=self.layout.held,
+            forget_read=cache_is_store and w.store == "memory",  # read once into the cache: drop the pages
         )
         log.info(
             "worker %d: %d layers, store=%s: %s (%.1fs)",
@@ -140,16 +152,18 @@ class WorkerNode:
             time.perf_counter() - start,
         )
         link = Link(cfg.emulation.link.bandwidth_gbps, cfg.emulation.link.latency_ms)
-        self.resident = cfg.emulation.resident
         self.on_host = device.type == "cpu"  # computes where the rows arrive
         self.live: list[int] | None = None  # None until main says: every worker
-        capacity, ready = (0, 0) if self.resident else self._cache_room(w.cache, device)
+        capacity = 0 if self.resident else self.layout.room
+        ready = min(capacity, len(self.layout.home))
         self.cache = CacheBook(capacity, w.cache_policy, prior=self._cache_prior(w, model_path, capacity))
         self.slots = (
             ResidentExperts(self.store, device)
             if self.resident
             else DeviceSlots(self.store, device, cfg.worker.slots, link, cache=capacity, allocate=ready)
         )
+        if cache_is_store:
+            self._warm(self.layout.home[:capacity])
         if capacity:
             log.info(
                 "worker %d: cache of %d experts (%s, policy %s)",
@@ -213,17 +227,80 @@ class WorkerNode:
             )
         return rates
 
-    def _cache_room(self, spec: str, device: torch.device) -> tuple[int, int]:
-        """`worker.cache` in experts (its room: what it may keep of the experts it stores, which main
-        deals homes by: odmoe.placement), and the buffers to allocate now: as many as it is home for
-        with every worker's room alike. More are allocated as they fill, should its room make it home
-        for more (peers with less room, a lost peer's experts)."""
+    def _share(
+        self, cfg: OdmoeConfig, checkpoint: Checkpoint, dtype, layers: list[int], device
+    ) -> ShareLayout:
+        """What this worker holds in memory (odmoe.worker.share), from its memory figure and its
+        peers' as far as it knows them, before anything is read. Its cache's room (what main deals
+        homes by: odmoe.placement) is `worker.cache` in experts: on a CPU, auto is what its memory
+        leaves; elsewhere a size, all, or free device memory less a margin."""
+        w, c = cfg.worker, cfg.cluster
+        own = node_memory(cfg.node.memory)
+        sizes = CheckpointSizes.of(checkpoint, dtype)
+        stored = [(layer, e) for layer in layers for e in range(checkpoint.num_experts)]
+        setup = WorkerSetup(
+            c.workers,
+            c.group_size,
+            w.store,
+            self.topology.homes,
+            w.slots,
+            w.only_own_layers,
+            w.replicas,
+            parse_bytes(w.host_memory),
+        )
+        memories = worker_memories(c.workers, (own.bytes, own.source), c.node_memory, parse_bytes)
+        room = cache_capacity(w.cache, sizes.expert_bytes, len(stored), lambda: _free_device_bytes(device))
+        return plan_share(
+            self.index,
+            setup,
+            sizes,
+            self.topology,
+            stored,
+            memories,
+            w.cache,
+            device.type,
+            bool(checkpoint.quantized_experts),
+            self.resident,
+            room,
+        )
+
+    def _warm(self, keys: tuple[tuple[int, int], ...]) -> None:
+        """Read the experts this worker is home for into its cache before serving (a CPU worker's
+        cache is where they rest), logging progress on a long read."""
+        total = len(keys) * self._expert_bytes()
+        start = last = time.perf_counter()
+        done = 0
+        for key in keys:
+            slot = self.slots.load(key)
+            self.slots.keep(slot)
+            self.cache.admit(key)
+            done += slot.nbytes
+            now = time.perf_counter()
+            if now - last >= 2.0:
+                last = now
+                log.info(
+                    "worker %d: read %.0f of %.0f MiB of its share (%.0f %%, %.0f MiB/s)",
+                    self.index,
+                    done / 2**20,
+                    total / 2**20,
+                    100 * done / max(total, 1),
+                    done / 2**20 / (now - start),
+                )
+        self.slots.counters = LoadCounters()  # reading its share is not a load any request made
+        elapsed = time.perf_counter() - start
+        if keys:
+            log.info(
+                "worker %d: its share read: %d experts, %.0f MiB in %.1fs (%.0f MiB/s)",
+                self.index,
+                len(keys),
+                done / 2**20,
+                elapsed,
+                done / 2**20 / max(elapsed, 1e-9),
+            )
+
+    def _expert_bytes(self) -> int:
         elements = self.store.gate_up_shape.numel() + self.store.down_shape.numel()
-        expert_bytes = elements * self.store.dtype.itemsize
-        keys = self.store.keys()
-        room = cache_capacity(spec, expert_bytes, len(keys), lambda: _free_device_bytes(device))
-        home = sum(self.topology.home(layer, e) == self.index for layer, e in keys)
-        return room, min(room, home)
+        return elements * self.store.dtype.itemsize
 
     def _cache_report(self) -> list[int]:
         """CacheBook.report with the experts this worker is home for now, and of them cached (counted
@@ -344,6 +421,9 @@ class WorkerNode:
                 self.where,
                 device_peak_bytes(self.slots.device),
                 self.cache.capacity,
+                self.memory.bytes,
+                self.memory.source,
+                self.layout.strict and self.topology.homes,
             )
             return to_frames(pong)
         if isinstance(message, ComputeExpert):

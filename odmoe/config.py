@@ -80,6 +80,10 @@ class ClusterConfig:
     # shadow anywhere. Without it the kernel wakes a layer's workers next to each other on one core
     # and the second computes only after the first (dataplane suite: ~100 µs a decode layer on 2 cores).
     spread_workers: bool = False
+    # The memory of named nodes, where a node should not take its own figure for its peers' (role=plan
+    # prints every node's; a worker deals homes by it at start, before main has heard from each), e.g.
+    # {worker0: 32GiB, worker1: 16GiB}. Main learns each worker's own figure from its Pong either way.
+    node_memory: dict[str, str] = field(default_factory=dict)
     # With worker caches, which worker of a group keeps which expert (its home, odmoe.placement):
     # room (each worker home for experts in proportion to its worker.cache, told in its Pong) | even
     # (expert e on member e mod n whatever the rooms: the ablation)

@@ -104,3 +104,16 @@ def test_reading_maps_nothing_of_the_file(tmp_path):
     rows = [f.read_rows("w", i) for i in range(64)]
     assert sum(int(r.sum()) for r in rows) == 64 << 20  # every page touched
     assert process_memory().file_backed - before < 8 << 20
+
+
+def test_a_tensor_read_sits_where_a_memory_map_would_put_it(mixed_file):
+    """from_pretrained computes with tensors over safetensors' mmap; oneMKL's matmul bits depend on
+    the operands' alignment, so main's tensors keep the file's alignment (a fresh 64-byte aligned
+    lm_head gave other final logits than the reference: tests/test_cache_cluster.py)."""
+    path, tensors = mixed_file
+    f = SafetensorsFile(path)
+    with safe_open(path, "pt") as reference:
+        for key in ("bf16", "f32", "i64", "u8"):
+            got, mapped = f.read(key), reference.get_tensor(key)
+            assert got.data_ptr() % 4096 == f.info(key).start % 4096 == mapped.data_ptr() % 4096, key
+            assert _same(got, mapped)

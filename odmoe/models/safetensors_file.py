@@ -14,6 +14,13 @@ the reader made. A worker holding its share of the experts then showed twice its
 a cgroup counts both. A `pread` leaves no mapping: the only copy is the caller's buffer (the kernel's
 page cache, which a memory limit reclaims first, aside).
 
+A tensor `read` without `out` sits in memory at the address a memory map would give it, modulo the
+page (its file offset modulo 4096), not wherever the allocator puts a new buffer: transformers'
+`from_pretrained` computes with tensors over safetensors' mmap, and oneMKL's matmuls give other last
+bits for other alignments of the same operands (Intel documents reproducibility for aligned memory
+only). Main's non-expert tensors thus stay at the alignment the single-process reference has them at,
+and its logits equal the reference's to the bit (a 64-byte aligned lm_head changed them).
+
 Reads are thread-safe (`pread` takes its offset; nothing here keeps a file position).
 """
 
@@ -48,6 +55,18 @@ DTYPES = {
 }
 MAX_HEADER = 100 << 20  # safetensors' own bound on the JSON header
 READ_CHUNK = 1 << 30  # one pread moves at most this (Linux caps a read near 2 GiB)
+
+
+PAGE = 4096  # a memory map starts on a page: a mapped tensor's address is its file offset modulo this
+
+
+def _placed_like_a_map(offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """An empty tensor whose address modulo PAGE equals `offset`'s, as over a memory map (module doc)."""
+    buffer = torch.empty(nbytes + PAGE, dtype=torch.uint8)
+    shift = (offset - buffer.data_ptr()) % PAGE
+    if shift % dtype.itemsize:  # an offset no map could hold this dtype at: a plain buffer
+        return torch.empty(shape, dtype=dtype)
+    return buffer[shift : shift + nbytes].view(dtype).view(shape)
 
 
 class SafetensorsError(ValueError):
@@ -131,7 +150,7 @@ class SafetensorsFile:
         self, offset: int, nbytes: int, dtype: torch.dtype, shape: tuple[int, ...], out: torch.Tensor | None
     ) -> torch.Tensor:
         if out is None:
-            out = torch.empty(shape, dtype=dtype)
+            out = _placed_like_a_map(offset, nbytes, dtype, shape)
         elif out.dtype != dtype or out.numel() != prod(shape) or not out.is_contiguous():
             raise SafetensorsError(
                 f"cannot read {dtype} {list(shape)} into a {'' if out.is_contiguous() else 'non-contiguous '}"

@@ -163,22 +163,38 @@ def _chunks_into_device(targets, source, pool, name: str) -> None:
 
 
 class CheckpointExpert:
-    """Read from the checkpoint on every load (only this expert's bytes are read)."""
+    """Read from the checkpoint on every load (only this expert's bytes are read), straight into the
+    slot's buffers (`Checkpoint.expert_into`: no copy in between)."""
 
     form = "disk"
     host_bytes = 0
 
-    def __init__(self, checkpoint: Checkpoint, key: tuple[int, int], dtype: torch.dtype, lock, nbytes: int):
+    def __init__(
+        self,
+        checkpoint: Checkpoint,
+        key: tuple[int, int],
+        dtype: torch.dtype,
+        lock,
+        nbytes: int,
+        forget=False,
+    ):
         self.checkpoint, self.key, self.dtype, self.lock = checkpoint, key, dtype, lock
         self.stored_bytes = nbytes
+        self.forget = forget  # drop the pages from the kernel's cache once read (the slot keeps them)
 
     def weights_now(self, pool: Executor | None = None) -> ExpertWeights:
-        with self.lock:  # one safetensors handle per shard, shared by the loader and the serving thread
+        with self.lock:  # one reader per shard, shared by the loader and the serving thread
             w = self.checkpoint.expert(*self.key)
         return ExpertWeights(w.gate_up.to(self.dtype).contiguous(), w.down.to(self.dtype).contiguous())
 
     def load_into(self, gate_up: torch.Tensor, down: torch.Tensor, pool: Executor | None = None) -> int:
-        w = self.weights_now()
-        gate_up.copy_(w.gate_up)
-        down.copy_(w.down)
-        return w.nbytes
+        if gate_up.device.type != "cpu":
+            w = self.weights_now()
+            gate_up.copy_(w.gate_up)
+            down.copy_(w.down)
+            return w.nbytes
+        with self.lock:
+            self.checkpoint.expert_into(*self.key, gate_up, down)
+            if self.forget:
+                self.checkpoint.forget_expert(*self.key)
+        return self.stored_bytes

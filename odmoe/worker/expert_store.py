@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -79,6 +80,8 @@ class ExpertStore:
         pack_dir: str | None = None,
         threads: int = 2,
         pin_memory: bool = False,
+        held: Collection[ExpertKey] | None = None,
+        forget_read: bool = False,
     ) -> ExpertStore:
         """The store of `worker.store=kind`. Experts are taken in (layer, expert) order and kept in host
         memory in the kind's form while `host_memory` bytes last (0: no limit); the rest, and every
@@ -86,7 +89,10 @@ class ExpertStore:
         MODEL/odmoe-pack) holds one for this dtype and the kind compresses (compressed, disk), else
         from the checkpoint's safetensors. `memory` never reads the pack: it is the uncompressed path.
         `pin_memory` (a CUDA worker): experts held decompressed rest in page-locked memory, so a load
-        is an asynchronous DMA."""
+        is an asynchronous DMA. `held` (memory only): only these experts are kept in host memory, the
+        others read from the checkpoint on each load (a worker's share: those it is home for; on a CPU
+        worker with a cache, none: the cache holds them). `forget_read`: after each read from the
+        checkpoint, the kernel is told to drop those pages from its cache (the reader keeps the bytes)."""
         if kind not in STORES:
             raise ValueError(f"worker.store={kind!r} is not one of {', '.join(STORES)}")
         if kind == "compressed" and checkpoint.quantized_experts:
@@ -104,15 +110,19 @@ class ExpertStore:
         lock = threading.Lock()
         probe = checkpoint.expert(*keys[0])
         raw_bytes = (probe.gate_up.numel() + probe.down.numel()) * dtype.itemsize  # one expert at `dtype`
-        held, experts = 0, {}
+        kept, experts = 0, {}
         for key in keys:
-            source = _held_source(checkpoint, key, dtype, kind, pack, budget - held, raw_bytes, pin_memory)
+            source = None
+            if held is None or key in held:
+                source = _held_source(
+                    checkpoint, key, dtype, kind, pack, budget - kept, raw_bytes, pin_memory
+                )
             if source is None and pack is not None:  # beyond the budget: read on each load
                 packed = pack[key]
                 source = CompressedExpert(packed.gate_up, packed.down, pack.bytes, True, f"expert {key}")
             elif source is None:
-                source = CheckpointExpert(checkpoint, key, dtype, lock, raw_bytes)
-            held += source.host_bytes
+                source = CheckpointExpert(checkpoint, key, dtype, lock, raw_bytes, forget_read)
+            kept += source.host_bytes
             experts[key] = source
         store = cls(experts, threads)
         store.pack_path = str(path) if pack is not None else None
