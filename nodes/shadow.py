@@ -58,6 +58,7 @@ from odmoe.shadow.shadow_batch import RowCache, ShadowBatch, batchable
 from odmoe.shadow.shadow_model import (
     load_shadow_model,
     model_bytes,
+    resolve_precision,
     router_modules,
 )
 from odmoe.shadow.speculation import Speculation
@@ -146,17 +147,21 @@ class ShadowNode:
         self.model = None
         if self.scfg.mode == "emulate":
             start = time.perf_counter()
-            self.model = load_shadow_model(model_path, self.scfg.precision, self.scfg.device)
+            # auto: int8_dynamic or int4 (CUDA: int8 or nf4), by what fits this node's memory
+            self.precision = resolve_precision(
+                model_path, self.scfg.precision, self.scfg.device, cfg.node.memory
+            )
+            self.model = load_shadow_model(model_path, self.precision, self.scfg.device)
             self.weight_bytes = model_bytes(self.model)
             log.info(
                 "shadow: %s copy, %.2f MiB of weights (%.1fs)",
-                self.scfg.precision,
+                self.precision,
                 self.weight_bytes / 2**20,
                 time.perf_counter() - start,
             )
             self._hook_routers()
         else:
-            self.weight_bytes = 0
+            self.precision, self.weight_bytes = "", 0
         self.moe_layers = sorted(self._router_layers(config))
         # the topic of a layer's predictions is its group, as main and the workers place it
         self.topology = Topology(cfg.cluster.workers, cfg.cluster.group_size).for_model(self.moe_layers)

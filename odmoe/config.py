@@ -190,7 +190,10 @@ class PrefillConfig:
 class ShadowConfig:
     enabled: bool = True  # false: no shadow, every expert is loaded after routing (ablation case 6)
     mode: str = "emulate"  # emulate: a copy of the model predicts; random: random experts (case 5)
-    precision: str = "fp32"  # fp32 / bf16 / fp16 / int8 / nf4 (bitsandbytes) / int8_dynamic (fast CPU int8)
+    # auto: int8_dynamic on a CPU where its weights fit node.memory, else int4 (CUDA: bitsandbytes int8,
+    # else nf4); fp32 (exact) / bf16 / fp16 / int8_dynamic, int4 (torch's fast CPU int8 and int4) /
+    # int8, nf4 (bitsandbytes: GPUs; slow on CPU)
+    precision: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:<i> (bitsandbytes int8/nf4 are meant for cuda)
     inject_wrong: float | None = None  # deprecated: emulation.inject_wrong
     inject_wrong_token: float | None = None  # deprecated: emulation.inject_wrong_token

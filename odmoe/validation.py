@@ -75,15 +75,17 @@ def validate(cfg: OdmoeConfig) -> None:
     check_device("model.device", cfg.model.device)
     check_device("shadow.device", cfg.shadow.device)
     check_device("worker.device", cfg.worker.device, allow_auto=True)
-    if cfg.shadow.precision == "int8_dynamic" and cfg.shadow.device.startswith("cuda"):
-        raise ValueError("shadow.precision=int8_dynamic is torch's CPU int8; on CUDA use int8 or nf4")
+    from odmoe.shadow.precision import CPU_ONLY, PRECISIONS
+
+    if cfg.shadow.precision in CPU_ONLY and cfg.shadow.device.startswith("cuda"):
+        raise ValueError(
+            f"shadow.precision={cfg.shadow.precision} is a CPU kernel of torch's; on CUDA use int8 or nf4"
+        )
     if cfg.shadow.mode not in SHADOW_MODES:
         raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
     for name in ("inject_wrong", "inject_wrong_token"):
         if not 0.0 <= getattr(cfg.emulation, name) <= 1.0:
             raise ValueError(f"emulation.{name} must lie in [0, 1], got {getattr(cfg.emulation, name)}")
-    from odmoe.shadow.shadow_model import PRECISIONS
-
     if cfg.shadow.precision not in PRECISIONS:
         raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
     cfg.miss.validate()

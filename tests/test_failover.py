@@ -96,7 +96,12 @@ def test_shadow_killed_mid_decode_then_restarted_is_used_again(model_dirs, reap_
     path = model_dirs["qwen3_moe"]
     iteration = RNG.randrange(2, 20)
     # worker.cache=0: with every expert cached a request would run without the shadow, used or not
-    overrides = ["fault.node=shadow", f"fault.iteration={iteration}", "worker.cache=0"]
+    overrides = [
+        "fault.node=shadow",
+        f"fault.iteration={iteration}",
+        "worker.cache=0",
+        "shadow.precision=fp32",
+    ]
     want, _ = reference(path, PROMPTS[2])
     with LocalCluster(path, workers=2, group_size=2, overrides=overrides) as cluster:
         got = cluster.client.generate(PROMPTS[2], max_new_tokens=32)

@@ -160,7 +160,12 @@ def test_predictions_arrive_ahead_of_main_with_alignment_every_iteration(tmp_pat
         path,
         workers=2,
         group_size=2,
-        overrides=["alignment.token_period=1", "alignment.kv_period=1", "worker.cache=0"],
+        overrides=[
+            "shadow.precision=fp32",
+            "alignment.token_period=1",
+            "alignment.kv_period=1",
+            "worker.cache=0",
+        ],
     ) as cluster:
         cluster.client.generate(PROMPTS[0], max_new_tokens=4)
         runs = [cluster.client.generate(p, max_new_tokens=32).stats for p in PROMPTS]
@@ -199,16 +204,15 @@ def test_multirun_sweep_leaves_one_table(model_dirs, tmp_path, reap_children):
 
 
 ALIGNMENTS = [(1, 1), (1, 0), (0, 1), (0, 0), (2, 4)]
+MATRIX_PRECISIONS = ["fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic", "int4"]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [*FAMILY_NAMES, *FOCUSED_FAMILIES])
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic"])
+@pytest.mark.parametrize("precision", MATRIX_PRECISIONS)
 def test_fidelity_matrix(family, precision, model_dirs, reap_children):
     """Every family x precision; the alignment setting rotates with the precision, faults injected."""
-    p, q = ALIGNMENTS[
-        ["fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic"].index(precision) % len(ALIGNMENTS)
-    ]
+    p, q = ALIGNMENTS[MATRIX_PRECISIONS.index(precision) % len(ALIGNMENTS)]
     path = model_dirs[family]
     overrides = [
         f"shadow.precision={precision}",

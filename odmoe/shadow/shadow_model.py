@@ -1,54 +1,91 @@
-"""The shadow's copy of the whole model at a chosen precision (paper §3.2).
+"""The shadow's copy of the whole model at a chosen precision (paper §3.2), built layer by layer.
 
-Contract: `load_shadow_model(path, precision)` returns transformers' own model, experts included,
-ready to run locally. Precisions:
-- fp32 / bf16 / fp16: the checkpoint cast to that dtype (fp32 on main's device is an exact emulator);
-- int8 / nf4: bitsandbytes linears (the GPU path; they also run on CPU, 4-5x slower than fp32 there,
-  fine for recall studies, too slow to stay ahead of main). On a CUDA device the checkpoint is read
-  on the host, unfused there without copies, and each linear is quantized as it moves to the GPU, so
-  the device never holds the full-precision experts (a real-width model would not fit beside the
-  rest of a one-GPU cluster); the unquantized rest follows;
-- int8_dynamic: torch's dynamic int8 quantization, the fast CPU int8.
-transformers keeps experts as fused [E, 2I, H] parameters that no quantizer touches, so for the
-quantized precisions each experts module is first unfused into per-expert `nn.Linear`s. Routers are
-bare parameters, not linears, so they stay in full precision; so does Qwen2-MoE's shared-expert gate.
+Contract: `load_shadow_model(path, precision, device, memory)` returns transformers' own model class,
+experts included, ready to run locally, holding only its share: the model is built on the `meta`
+device and filled one decoder layer at a time from the safetensors (`Checkpoint`): a layer's tensors
+are read, quantized, and their full-precision copies dropped before the next layer is read, and each
+expert is quantized as soon as it is read. Loading thus peaks at the shadow's steady size plus about
+one layer; nothing ever holds the whole model at full precision. Precisions
+(`odmoe.shadow.precision`):
+- fp32 / bf16 / fp16: every tensor in the dtype `from_pretrained(dtype=...)` gives it (fp32 equals
+  `from_pretrained(dtype=float32)` to the bit: on main's device an exact emulator);
+- int8_dynamic (torch's dynamic int8) and int4 (torch's int4 weight-only kernel): the fast CPU shadows;
+- int8 / nf4: bitsandbytes linears (the GPU path; on CPU 4-5x slower than fp32: recall studies only).
+  On a CUDA device every linear is quantized as it moves there, so the device never holds a
+  full-precision expert;
+- auto (the default): `resolve_precision` picks int8_dynamic or int4 on a CPU, int8 or nf4 on CUDA,
+  from the bytes each would hold (estimated from the model's shapes before anything is read) and the
+  memory this node may use (`odmoe.tools.node_memory`), and logs its choice and why.
+transformers keeps experts as fused [E, 2I, H] parameters that no quantizer touches, so at the
+quantized precisions each expert (`Checkpoint.expert`) becomes two quantized linears of an
+`UnfusedExperts`; gpt-oss's biased experts stay fused, in float32. Routers are bare parameters, not
+linears, so they stay in full precision, as does Qwen2-MoE's shared-expert gate; the embedding stays
+at the checkpoint's dtype (`CastEmbedding`); the vocabulary head is quantized for int8_dynamic and
+int4. A model needing a tensor the checkpoint's weight map lacks is loaded the old way instead
+(`load_whole_shadow_model`: `from_pretrained` at full precision, then quantized), with a log line.
 """
 
 from __future__ import annotations
 
-import warnings
+import copy
+import ctypes
+import logging
+import time
 
 import torch
+from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.models.llama4.modeling_llama4 import Llama4Router
 
-from odmoe.models.main_model import experts_modules_named, llama4_choice
+from odmoe.models.checkpoint import Checkpoint, CheckpointError
+from odmoe.models.families import is_expert_key, layer_of_key
+from odmoe.models.fp8 import SCALE_SUFFIX, dequantize, scale_key
+from odmoe.models.load_dtypes import loaded_dtypes, meta_skeleton
+from odmoe.models.main_model import experts_modules_named, llama4_choice, resolve_dtype
 from odmoe.shadow.hedging import GroupLimit
+from odmoe.shadow.precision import (
+    AUTO_CHOICES,
+    CPU_ONLY,
+    HEAD_QUANTIZED,
+    PRECISIONS,
+    QUANTIZED,
+    WeightShape,
+    choose_precision,
+    shadow_weight_bytes,
+    why_chosen,
+)
+from odmoe.shadow.quantized_linear import CastEmbedding, FlatRows, float_linear, quantized_linear
+from odmoe.tools.node_memory import NodeMemory, node_memory
 
-PRECISIONS = ("fp32", "bf16", "fp16", "int8", "nf4", "int8_dynamic")
+__all__ = ["PRECISIONS", "load_shadow_model", "resolve_precision"]
+
+log = logging.getLogger("odmoe.shadow.model")
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-_KEEP_FULL = ("shared_expert_gate", "lm_head")  # tiny gates and the vocabulary head stay exact
+_KEEP_FULL = ("shared_expert_gate", "lm_head")  # tiny gates stay exact; the head is decided apart
+_EXPERT_PARAMS = {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
 
 
 class UnfusedExperts(nn.Module):
-    """A fused experts module as per-expert linears, computing what transformers' eager kernel does."""
+    """A fused experts module as per-expert linears (any modules computing x @ W.T: quantized or
+    not), computing what transformers' eager kernel does."""
 
-    def __init__(self, fused: nn.Module, hidden_act: str, copy: bool = True):
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], hidden_act: str):
         super().__init__()
-        take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())  # no copy: views
-        self.num_experts = fused.gate_up_proj.shape[0]
-        self.gate_up = nn.ModuleList()
-        self.down = nn.ModuleList()
-        for e in range(self.num_experts):
-            gate_up = nn.Linear(fused.gate_up_proj.shape[2], fused.gate_up_proj.shape[1], bias=False)
-            gate_up.weight = nn.Parameter(take(fused.gate_up_proj[e]), requires_grad=False)
-            down = nn.Linear(fused.down_proj.shape[2], fused.down_proj.shape[1], bias=False)
-            down.weight = nn.Parameter(take(fused.down_proj[e]), requires_grad=False)
-            self.gate_up.append(gate_up)
-            self.down.append(down)
+        self.num_experts = len(gate_up)
+        self.gate_up = nn.ModuleList(gate_up)  # each [2I, H]: gate rows first
+        self.down = nn.ModuleList(down)  # each [H, I]
         self.act_fn = ACT2FN[hidden_act]
+
+    @classmethod
+    def from_fused(cls, fused: nn.Module, hidden_act: str, copy: bool = True) -> UnfusedExperts:
+        """Float linears over a fused module's [E, 2I, H] / [E, H, I] (`copy=False`: views of it)."""
+        take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+        gate_up = [float_linear(take(w), None) for w in fused.gate_up_proj]
+        down = [float_linear(take(w), None) for w in fused.down_proj]
+        return cls(gate_up, down, hidden_act)
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         out = torch.zeros_like(hidden)
@@ -65,20 +102,19 @@ class UnfusedBmmExperts(nn.Module):
     the router) as per-expert linears; rows a token did not route to are zero and give zero, so
     only the others are computed (a predictor's shortcut: the shadow need not be exact)."""
 
-    def __init__(self, fused: nn.Module, hidden_act: str, copy: bool = True):
+    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], hidden_act: str):
         super().__init__()
-        take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
-        self.num_experts, hidden, double = fused.gate_up_proj.shape
-        self.gate_up = nn.ModuleList()
-        self.down = nn.ModuleList()
-        for e in range(self.num_experts):
-            gate_up = nn.Linear(hidden, double, bias=False)
-            gate_up.weight = nn.Parameter(take(fused.gate_up_proj[e].T), requires_grad=False)
-            down = nn.Linear(double // 2, hidden, bias=False)
-            down.weight = nn.Parameter(take(fused.down_proj[e].T), requires_grad=False)
-            self.gate_up.append(gate_up)
-            self.down.append(down)
+        self.num_experts = len(gate_up)
+        self.gate_up = nn.ModuleList(gate_up)  # each [2I, H]: Llama 4's [H, 2I] transposed
+        self.down = nn.ModuleList(down)  # each [H, I]
         self.act_fn = ACT2FN[hidden_act]
+
+    @classmethod
+    def from_fused(cls, fused: nn.Module, hidden_act: str, copy: bool = True) -> UnfusedBmmExperts:
+        take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
+        gate_up = [float_linear(take(w.T), None) for w in fused.gate_up_proj]
+        down = [float_linear(take(w.T), None) for w in fused.down_proj]
+        return cls(gate_up, down, hidden_act)
 
     def forward(self, routed_in: torch.Tensor) -> torch.Tensor:
         rows = routed_in.view(self.num_experts, -1, routed_in.shape[-1])
@@ -91,14 +127,288 @@ class UnfusedBmmExperts(nn.Module):
         return out.view(-1, routed_in.shape[-1])
 
 
-def _unfuse(model: PreTrainedModel, copy: bool = True) -> None:
-    for name, module in experts_modules_named(model):
-        if getattr(module, "has_bias", False):  # gpt-oss: its biased experts stay fused, unquantized
+# -- the precision -------------------------------------------------------------------------------
+
+
+def resolve_precision(
+    checkpoint: Checkpoint | str, precision: str, device: str = "cpu", memory: str = ""
+) -> str:
+    """`precision`, or for "auto" the one `odmoe.shadow.precision.choose_precision` picks for this
+    model on this node (`memory`: `node.memory`, "" to detect), logged with its reason."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"shadow.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
+    if precision != "auto":
+        return precision
+    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
+    shapes = weight_shapes(meta_skeleton(checkpoint.config, torch.float32), checkpoint.family.expert_layout)
+    itemsize = resolve_dtype("auto", checkpoint).itemsize  # the embedding is kept as stored
+    estimates = {p: shadow_weight_bytes(shapes, p, itemsize) for p in AUTO_CHOICES[device_type]}
+    figure = _memory_figure(device, memory)
+    choice = choose_precision(estimates, figure.bytes, device_type)
+    log.info(
+        "shadow.precision=auto: %s, %.2f GiB of weights (%s); this node's memory: %s",
+        choice,
+        estimates[choice] / 2**30,
+        why_chosen(choice, estimates, figure.bytes, device_type),
+        figure.describe(),
+    )
+    return choice
+
+
+def _memory_figure(device: str, memory: str) -> NodeMemory:
+    """What the shadow's weights must fit: `node.memory` when set; else, on CUDA, the device's free
+    memory (where its weights go); else this node's (`node_memory`: cgroup limit, MemAvailable)."""
+    target = torch.device(device)
+    if target.type == "cuda" and not memory:
+        free, _ = torch.cuda.mem_get_info(target)
+        return NodeMemory(int(free), f"free memory of {target}")
+    return node_memory(memory)
+
+
+def weight_shapes(skeleton: nn.Module, layout: str) -> list[WeightShape]:
+    """Every tensor of a (meta) model as the shadow would hold it (`WeightShape`'s kinds); `layout`
+    is the family's expert layout (Llama 4's experts are stored transposed, gpt-oss's stay fused)."""
+    shapes: list[WeightShape] = []
+    covered: set[str] = set()
+    head, embedding = skeleton.get_output_embeddings(), skeleton.get_input_embeddings()
+    for name, module in skeleton.named_modules():
+        if name.endswith(".experts") and hasattr(module, "gate_up_proj") and layout != "gpt_oss":
+            for p in ("gate_up_proj", "down_proj"):
+                e, a, b = getattr(module, p).shape
+                shapes.append(WeightShape("experts", (e, b, a) if layout == "llama4" else (e, a, b)))
+                covered.add(f"{name}.{p}")
             continue
-        parent = model.get_submodule(name.rpartition(".")[0])
-        llama4 = isinstance(getattr(parent, "router", None), Llama4Router)
-        unfused = UnfusedBmmExperts if llama4 else UnfusedExperts
-        parent.experts = unfused(module, model.config.hidden_act, copy)
+        if module is head or module is embedding:
+            kind = "head" if module is head else "embedding"
+        elif type(module) is nn.Linear and name.rpartition(".")[2] not in _KEEP_FULL:
+            kind = "linear"
+        else:
+            continue
+        shapes.append(WeightShape(kind, tuple(module.weight.shape)))
+        covered.add(f"{name}.weight")
+    for name, tensor in (*skeleton.named_parameters(), *skeleton.named_buffers()):
+        if name not in covered:
+            shapes.append(WeightShape("other", tuple(tensor.shape)))
+    return shapes
+
+
+# -- loading ---------------------------------------------------------------------------------------
+
+
+def load_shadow_model(path: str, precision: str, device: str = "cpu", memory: str = "") -> PreTrainedModel:
+    """The shadow's model (module contract). `memory`: `node.memory`, for `precision="auto"`."""
+    checkpoint = Checkpoint(path)
+    precision = resolve_precision(checkpoint, precision, device, memory)
+    target = torch.device(device)
+    if target.type == "cuda" and precision in CPU_ONLY:
+        raise ValueError(f"shadow.precision={precision} is a CPU kernel of torch's; on CUDA use int8 or nf4")
+    dtype = _DTYPES.get(precision, torch.float32)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; rotary buffers computed
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(checkpoint.config), dtype=dtype)
+    lacking = _lacking(model, checkpoint)
+    if lacking:
+        log.info(
+            "%s: loading the shadow whole through from_pretrained (full precision first), not layer by "
+            "layer: its model needs %s, which the checkpoint does not hold as expected",
+            path,
+            ", ".join(lacking[:3]),
+        )
+        del model
+        return load_whole_shadow_model(path, precision, device)
+    start = time.perf_counter()
+    _fill_by_layer(model, checkpoint, precision, target)
+    model.eval()
+    log.debug("%s: shadow loaded layer by layer at %s (%.1fs)", path, precision, time.perf_counter() - start)
+    return model
+
+
+def _decoder_layers(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """(name, the decoder layers) where the checkpoint's `model.layers.{i}` keys land, or None."""
+    layers = model.get_submodule("model").get_submodule("layers") if hasattr(model, "model") else None
+    return ("model.layers", layers) if isinstance(layers, nn.ModuleList) else None
+
+
+def _lacking(model: PreTrainedModel, checkpoint: Checkpoint) -> list[str]:
+    """What stops a layer-by-layer load: parameters the weight map does not hold, experts of a layer
+    the checkpoint has none for, expert parameters of an unknown kind. Empty: go ahead."""
+    if _decoder_layers(model) is None:
+        return ["its decoder layers under model.layers"]
+    module_key = checkpoint.family.module_key
+    held = {module_key(k) for k in checkpoint.weight_map if not k.endswith(SCALE_SUFFIX)}
+    experts = experts_modules_named(model)
+    in_experts = {f"{n}.{p}" for n, m in experts for p, _ in m.named_parameters(recurse=False)}
+    needed = {n for n, _ in model.named_parameters()} - in_experts
+    if getattr(model.config, "tie_word_embeddings", False):
+        needed.discard(f"{_name_of(model, model.get_output_embeddings())}.weight")
+    lacking = sorted(needed - held)
+    for name, module in experts:
+        if _layer_of(name) not in checkpoint.moe_layers:
+            lacking.append(f"the experts of {name}")
+        unknown = {p for p, _ in module.named_parameters(recurse=False)} - _EXPERT_PARAMS
+        lacking += [f"{name}.{p}" for p in sorted(unknown)]
+    return lacking
+
+
+def _fill_by_layer(
+    model: PreTrainedModel, checkpoint: Checkpoint, precision: str, device: torch.device
+) -> None:
+    """Every tensor read into the meta skeleton, one decoder layer at a time (module contract)."""
+    dtype_of = loaded_dtypes(model, _DTYPES.get(precision, torch.float32))
+    keys: dict[int | None, list[str]] = {}  # layer (None: outside the layers) -> its non-expert keys
+    for key in checkpoint.weight_map:
+        if not is_expert_key(key) and not key.endswith(SCALE_SUFFIX):
+            keys.setdefault(layer_of_key(key), []).append(key)
+    prefix, layers = _decoder_layers(model)  # type: ignore[misc]  # _lacking made sure
+    for index, layer in enumerate(layers):
+        # 1) the layer's own tensors (attention, norms, router, shared expert), in their load dtype
+        _read_tensors(model, checkpoint, keys.get(index, []), dtype_of)
+        # 2) its experts, each quantized as soon as it is read (or into the fused parameters)
+        for name, fused in experts_modules_named(layer):
+            owner_name, _, attr = name.rpartition(".")
+            full = f"{prefix}.{index}.{name}"
+            if precision in QUANTIZED and checkpoint.family.expert_layout != "gpt_oss":
+                unfused = _quantized_experts(
+                    checkpoint, index, fused, model.config.hidden_act, precision, device
+                )
+                setattr(layer.get_submodule(owner_name), attr, unfused)
+            else:
+                _fill_fused(fused, full, checkpoint, index, dtype_of)
+        # 3) its linears quantized; the full-precision copies go with the modules they replace
+        if precision in QUANTIZED:
+            _quantize_linears(layer, precision, device)
+        layer.to(device)
+        _return_freed_memory()
+    _read_outside_layers(model, checkpoint, keys.get(None, []), precision, dtype_of, device)
+    model.to(device)  # rotary buffers, norms
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+    if meta:
+        raise CheckpointError(f"{checkpoint.path}: the shadow was left without {meta[:5]}")
+
+
+def _read(checkpoint: Checkpoint, key: str) -> torch.Tensor:
+    """One tensor as stored; a block-FP8 one dequantized to float32, as transformers loads it."""
+    if scale_key(key) in checkpoint.weight_map:
+        return dequantize(checkpoint.tensor(key), checkpoint.tensor(scale_key(key)))
+    return checkpoint.tensor(key)
+
+
+def _read_tensors(model: nn.Module, checkpoint: Checkpoint, keys: list[str], dtype_of) -> None:
+    unexpected = []
+    for key in keys:
+        name = checkpoint.family.module_key(key)
+        if not _put(model, name, lambda key=key, name=name: _read(checkpoint, key).to(dtype_of(name))):
+            unexpected.append(key)
+    if unexpected:  # as from_pretrained: tensors the model has no place for are not loaded
+        log.debug("%s: not in the model, not loaded: %s", checkpoint.path, unexpected)
+
+
+def _put(model: nn.Module, name: str, value) -> bool:
+    """Sets the parameter or buffer `name` to `value()`; False (nothing read) where there is none."""
+    owner_name, _, attr = name.rpartition(".")
+    try:
+        owner = model.get_submodule(owner_name)
+    except AttributeError:
+        return False
+    if attr in owner._parameters:
+        setattr(owner, attr, nn.Parameter(value(), requires_grad=False))
+    elif attr in owner._buffers:
+        owner._buffers[attr] = value()
+    else:
+        return False
+    return True
+
+
+def _quantized_experts(
+    checkpoint: Checkpoint,
+    layer: int,
+    fused: nn.Module,
+    hidden_act: str,
+    precision: str,
+    device: torch.device,
+) -> nn.Module:
+    """The layer's experts as quantized per-expert linears, each built from the expert read alone."""
+    llama4 = checkpoint.family.expert_layout == "llama4"  # stored transposed: [H, 2I], [I, H]
+    gate_up, down = [], []
+    for e in range(fused.gate_up_proj.shape[0]):
+        w = checkpoint.expert(layer, e)
+        _check_shape(w.gate_up, fused.gate_up_proj, layer, e)
+        _check_shape(w.down, fused.down_proj, layer, e)
+        gate_up.append(quantized_linear(w.gate_up.T if llama4 else w.gate_up, None, precision, device))
+        down.append(quantized_linear(w.down.T if llama4 else w.down, None, precision, device))
+        del w
+        _return_freed_memory()
+    unfused = UnfusedBmmExperts if llama4 else UnfusedExperts
+    return unfused(gate_up, down, hidden_act)
+
+
+def _fill_fused(fused: nn.Module, name: str, checkpoint: Checkpoint, layer: int, dtype_of) -> None:
+    """The fused expert parameters ([E, ...], in their load dtype) filled expert by expert; gpt-oss's
+    experts come with their bias as one more row (`ExpertWeights`), split off into `*_bias`."""
+    params = {
+        p: torch.empty(t.shape, dtype=dtype_of(f"{name}.{p}"))
+        for p, t in fused.named_parameters(recurse=False)
+    }
+    for e in range(params["gate_up_proj"].shape[0]):
+        w = checkpoint.expert(layer, e)
+        for p, value in (("gate_up_proj", w.gate_up), ("down_proj", w.down)):
+            if f"{p}_bias" in params:
+                params[f"{p}_bias"][e].copy_(value[-1])
+                value = value[:-1]
+            _check_shape(value, params[p], layer, e)
+            params[p][e].copy_(value)
+    for p, value in params.items():
+        setattr(fused, p, nn.Parameter(value, requires_grad=False))
+
+
+def _check_shape(value: torch.Tensor, fused: torch.Tensor, layer: int, expert: int) -> None:
+    if tuple(value.shape) != tuple(fused.shape[1:]):
+        raise CheckpointError(
+            f"expert {expert} of layer {layer} is {tuple(value.shape)} on disk, "
+            f"the model's {tuple(fused.shape[1:])}"
+        )
+
+
+def _read_outside_layers(
+    model: PreTrainedModel,
+    checkpoint: Checkpoint,
+    keys: list[str],
+    precision: str,
+    dtype_of,
+    device: torch.device,
+) -> None:
+    """The embedding, the final norm and the head. At the quantized precisions the embedding is kept
+    as stored and the head (the embedding's table where they are tied) quantized or kept in float."""
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if precision not in QUANTIZED:
+        _read_tensors(model, checkpoint, keys, dtype_of)
+        if tied:
+            model.tie_weights()
+        return
+    embedding, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embedding_name, head_name = _name_of(model, embedding), _name_of(model, head)
+    by_name = {checkpoint.family.module_key(k): k for k in keys}
+    apart = {f"{embedding_name}.weight", f"{head_name}.weight", f"{head_name}.bias"}
+    _read_tensors(model, checkpoint, [k for n, k in by_name.items() if n not in apart], dtype_of)
+    table = _read(checkpoint, by_name[f"{embedding_name}.weight"])
+    weight = table if tied else _read(checkpoint, by_name[f"{head_name}.weight"])
+    bias = _read(checkpoint, by_name[f"{head_name}.bias"]) if f"{head_name}.bias" in by_name else None
+    if precision in HEAD_QUANTIZED:
+        new_head = quantized_linear(weight, bias, precision, device)
+    else:
+        new_head = float_linear(weight, bias)
+    del weight, bias
+    owner_name, _, attr = head_name.rpartition(".")
+    setattr(model.get_submodule(owner_name) if owner_name else model, attr, new_head)
+    compute = _DTYPES.get(precision, torch.float32)
+    model.set_input_embeddings(CastEmbedding(table, getattr(embedding, "padding_idx", None), compute))
+
+
+def _quantize_linears(module: nn.Module, precision: str, device: torch.device | None = None) -> None:
+    """Every nn.Linear under `module` (but _KEEP_FULL) replaced by its quantized form."""
+    for parent, name, linear in list(_linears(module)):
+        q = quantized_linear(linear.weight, linear.bias, precision, device)
+        setattr(parent, name, FlatRows(q) if name == "kv_b_proj" and precision in ("int8", "nf4") else q)
 
 
 def _linears(model: nn.Module):
@@ -108,95 +418,51 @@ def _linears(model: nn.Module):
                 yield module, child_name, child
 
 
-class FlatRows(nn.Module):
-    """A linear fed [..., in] with more than 3 dims sees [rows, in]: bitsandbytes' CPU int8 matmul
-    fails on 4-D inputs, which MLA gives its `kv_b_proj` ([B, 1, S, kv_lora_rank]). Row-wise
-    quantization does not depend on the batch shape, so the result is what a 2-D call gives."""
-
-    def __init__(self, linear: nn.Module):
-        super().__init__()
-        self.linear = linear
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() <= 3:
-            return self.linear(x)
-        return self.linear(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+def _return_freed_memory() -> None:
+    """Hands the pages of freed tensors back to the OS (glibc keeps freed heap memory for reuse
+    otherwise, which a layer's scattered frees fragment), so resident memory follows what is held."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
+        pass
 
 
-def _to_bitsandbytes(model: PreTrainedModel, precision: str, device: torch.device | None = None) -> None:
-    """Every linear (but _KEEP_FULL) quantized; each lands on `device` (None: where it was)."""
-    import bitsandbytes as bnb
+def _name_of(model: nn.Module, module: nn.Module | None) -> str:
+    return next((n for n, m in model.named_modules() if m is module), "")
 
-    for parent, name, lin in list(_linears(model)):
-        weight = lin.weight.data.float()
-        if precision == "int8":
-            q = bnb.nn.Linear8bitLt(
-                lin.in_features,
-                lin.out_features,
-                bias=lin.bias is not None,
-                has_fp16_weights=False,
-                threshold=0.0,
+
+def _layer_of(name: str) -> int:
+    return int(name.split(".layers.")[1].split(".")[0])
+
+
+def load_whole_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrainedModel:
+    """The old way, for a model the layer-by-layer load does not take: the whole checkpoint through
+    `from_pretrained` (at float32 for the quantized precisions), then quantized. On a CUDA device
+    the quantized linears are made on the host from views and quantized on their way to the GPU."""
+    if precision not in PRECISIONS or precision == "auto":
+        raise ValueError(
+            f"shadow.precision={precision!r}: load_whole_shadow_model takes a resolved precision"
+        )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES.get(precision, torch.float32))
+    target = torch.device(device)
+    if precision in QUANTIZED:
+        for name, module in experts_modules_named(model):
+            if getattr(module, "has_bias", False):  # gpt-oss: its biased experts stay fused, unquantized
+                continue
+            owner = model.get_submodule(name.rpartition(".")[0])
+            llama4 = isinstance(getattr(owner, "router", None), Llama4Router)
+            unfused = UnfusedBmmExperts if llama4 else UnfusedExperts
+            owner.experts = unfused.from_fused(module, model.config.hidden_act, copy=False)
+        _quantize_linears(model, precision, target)
+        head = model.get_output_embeddings()
+        if precision in HEAD_QUANTIZED and type(head) is nn.Linear:
+            owner_name, _, attr = _name_of(model, head).rpartition(".")
+            setattr(
+                model.get_submodule(owner_name) if owner_name else model,
+                attr,
+                quantized_linear(head.weight, head.bias, precision, target),
             )
-            q.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
-        else:
-            q = bnb.nn.Linear4bit(
-                lin.in_features,
-                lin.out_features,
-                bias=lin.bias is not None,
-                compute_dtype=torch.float32,
-                quant_type="nf4",
-            )
-            q.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
-            if not _fits_packed_cpu_nf4(lin.in_features, lin.out_features, q.weight.blocksize):
-                # bitsandbytes repacks nf4 weights for its AVX512-BF16 CPU kernel on the first forward,
-                # which only takes rows of whole blocks (and crashes on e.g. a 32-wide LoRA input);
-                # such a linear keeps the generic nf4 path, the same on every CPU
-                q.support_avx512bf16_for_cpu = False
-        if lin.bias is not None:
-            q.bias = nn.Parameter(lin.bias.data.float(), requires_grad=False)
-        q = q.to(device if device is not None else lin.weight.device)  # quantizes as it reaches a GPU
-        setattr(parent, name, FlatRows(q) if name == "kv_b_proj" else q)
-
-
-_PACKED_NF4_BLOCK_N = 32  # bitsandbytes' _convert_weight_packed_for_cpu packs output rows by 32
-
-
-def _fits_packed_cpu_nf4(in_features: int, out_features: int, blocksize: int) -> bool:
-    """Pure: whether bitsandbytes' packed CPU nf4 kernel can take this linear (whole blocks per row,
-    output rows in whole packs)."""
-    return in_features % blocksize == 0 and out_features % _PACKED_NF4_BLOCK_N == 0
-
-
-def _to_dynamic_int8(model: PreTrainedModel) -> None:
-    from torch.ao.quantization import quantize_dynamic
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # torch marks its quantized tensors deprecated; they still work
-        for parent, name, lin in list(_linears(model)):
-            setattr(parent, name, quantize_dynamic(nn.Sequential(lin), {nn.Linear}, dtype=torch.qint8)[0])
-
-
-def load_shadow_model(path: str, precision: str, device: str = "cpu") -> PreTrainedModel:
-    if precision not in PRECISIONS:
-        raise ValueError(f"shadow.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
-    dtype = _DTYPES.get(precision, torch.float32)
-    on_gpu = torch.device(device).type == "cuda"
-    if on_gpu and precision == "int8_dynamic":
-        raise ValueError("shadow.precision=int8_dynamic is torch's CPU int8; on CUDA use int8 or nf4")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    if on_gpu and precision in ("int8", "nf4"):
-        _unfuse(model, copy=False)  # views of the host copy, each quantized on its way to the GPU
-        _to_bitsandbytes(model, precision, torch.device(device))
-        model = model.to(device)  # attention, norms, routers, embeddings, lm_head
-        model.eval()
-        return model
-    model = model.to(device)
-    if precision in ("int8", "nf4", "int8_dynamic"):
-        _unfuse(model)
-        if precision == "int8_dynamic":
-            _to_dynamic_int8(model)
-        else:
-            _to_bitsandbytes(model, precision)
+    model = model.to(target)
     model.eval()
     return model
 
@@ -285,6 +551,7 @@ def model_bytes(model: nn.Module) -> int:
 
     for module in model.modules():
         if isinstance(module, DynamicInt8Linear):  # packed params are not in state_dict
-            bias = module.bias()
-            total += module.weight().numel() + (bias.numel() * bias.element_size() if bias is not None else 0)
+            weight, bias = module.weight(), module.bias()
+            total += weight.numel() + 4 * weight.shape[0]  # int8 + fbgemm's int32 column offsets
+            total += bias.numel() * bias.element_size() if bias is not None else 0
     return total
