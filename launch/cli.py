@@ -6,6 +6,7 @@
     odmoe-launch role=worker worker.index=0 model.path=DIR cluster=lan_example
     odmoe-launch role=main model.path=DIR cluster=lan_example
     odmoe-launch role=ray model.path=DIR cluster.workers=4          # placed on a running Ray cluster
+    odmoe-launch role=plan model.path=DIR cluster.workers=4         # each node's memory need, nothing loaded
 
 Every word is a Hydra override except `--prompt TEXT`, `--prompt-file FILE` and `--prompt -`: they
 are taken out of the command line before Hydra parses it, and the text is set on the config as it
@@ -142,9 +143,16 @@ def _launch(raw: DictConfig) -> None:
             "sends (security.enabled=false, security.insecure_lan=true)",
             ", ".join(exposed),
         )
-    from odmoe.launch.roles import run_local, run_main, run_ray, run_shadow, run_worker
+    from odmoe.launch.roles import run_local, run_main, run_plan, run_ray, run_shadow, run_worker
 
-    roles = {"local": run_local, "main": run_main, "worker": run_worker, "shadow": run_shadow, "ray": run_ray}
+    roles = {
+        "local": run_local,
+        "main": run_main,
+        "worker": run_worker,
+        "shadow": run_shadow,
+        "ray": run_ray,
+        "plan": run_plan,
+    }
     overrides = list(HydraConfig.get().overrides.task)
     code = roles[cfg.role.name](cfg, overrides)
     if code:  # returning (not exiting) on success lets a -m multirun go on to its next job

@@ -65,6 +65,15 @@ class NodeProcess:
     process: subprocess.Popen
     ready_file: Path
     log_file: Path
+    started: float = field(default_factory=time.time)  # when it was spawned (wall clock)
+
+    @property
+    def ready_s(self) -> float | None:
+        """Seconds from its spawn to its ready file (None until it serves)."""
+        try:
+            return self.ready_file.stat().st_mtime - self.started
+        except OSError:
+            return None
 
     def log_tail(self, lines: int = 25) -> str:
         try:
@@ -376,6 +385,22 @@ class LocalCluster:
                 if line.startswith("VmHWM:"):
                     peaks[name] = int(line.split()[1]) * 1024
         return peaks
+
+    def ready_seconds(self) -> dict[str, float]:
+        """Each node's time from its spawn to serving, by node name (a node's start at scale: its
+        imports, reading its share, binding)."""
+        return {n.name: t for n in self.nodes if (t := n.ready_s) is not None}
+
+    def ready_info(self) -> dict[str, dict]:
+        """What each node wrote in its ready file (address, and what it read at start: `read_bytes`,
+        `read_s`), by node name."""
+        out = {}
+        for node in self.nodes:
+            try:
+                out[node.name] = json.loads(node.ready_file.read_text())
+            except (OSError, ValueError):
+                continue
+        return out
 
     def cpu_seconds(self) -> dict[str, float]:
         """Each running node's CPU time so far (user + system, every thread; Linux /proc), by node name.

@@ -64,6 +64,17 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
     return 0
 
 
+def run_plan(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    """Each node's memory need, loading nothing (odmoe.launch.plan)."""
+    from odmoe.launch.plan import run_plan as plan
+
+    try:
+        return plan(cfg, resolve_model_path(cfg))
+    except (CheckpointError, UnsupportedModelError, ValueError) as exc:
+        print(f"odmoe-launch: {exc}", file=sys.stderr)
+        return BAD_INPUT
+
+
 def run_ray(cfg: OdmoeConfig, overrides: list[str]) -> int:
     """Place the cluster on a running Ray cluster, print where each node landed and the main
     address, relay node logs and Ray's restarts, and stop every actor on Ctrl-C."""

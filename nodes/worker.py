@@ -162,8 +162,9 @@ class WorkerNode:
             if self.resident
             else DeviceSlots(self.store, device, cfg.worker.slots, link, cache=capacity, allocate=ready)
         )
+        self.share_read = (0, 0.0)  # (bytes, seconds) of its share read at start (the ready file's)
         if cache_is_store:
-            self._warm(self.layout.home[:capacity])
+            self.share_read = self._warm(self.layout.home[:capacity])
         if capacity:
             log.info(
                 "worker %d: cache of %d experts (%s, policy %s)",
@@ -264,9 +265,9 @@ class WorkerNode:
             room,
         )
 
-    def _warm(self, keys: tuple[tuple[int, int], ...]) -> None:
+    def _warm(self, keys: tuple[tuple[int, int], ...]) -> tuple[int, float]:
         """Read the experts this worker is home for into its cache before serving (a CPU worker's
-        cache is where they rest), logging progress on a long read."""
+        cache is where they rest), logging progress on a long read; returns (bytes, seconds)."""
         total = len(keys) * self._expert_bytes()
         start = last = time.perf_counter()
         done = 0
@@ -297,6 +298,7 @@ class WorkerNode:
                 elapsed,
                 done / 2**20 / max(elapsed, 1e-9),
             )
+        return done, elapsed
 
     def _expert_bytes(self) -> int:
         elements = self.store.gate_up_shape.numel() + self.store.down_shape.numel()
@@ -342,7 +344,14 @@ class WorkerNode:
         self.poller.register(self.predictions, zmq.POLLIN)
 
     def serve(self, ready_file: str | None = None) -> None:
-        announce_ready(ready_file, role="worker", index=self.index, address=self.address)
+        announce_ready(
+            ready_file,
+            role="worker",
+            index=self.index,
+            address=self.address,
+            read_bytes=self.share_read[0],
+            read_s=self.share_read[1],
+        )
         announce(
             self.main_addresses,
             "worker",
@@ -462,6 +471,9 @@ class WorkerNode:
             share = None
         position = (step.iteration, step.layer)
         self._give_back(self.schedule.predicted(step.request, position, share, self.slots))
+        for expert in share[0] if share else ():  # read from disk: the kernel starts now, layers ahead
+            if (step.layer, expert) not in self.cache.cached:
+                self.store.prefetch((step.layer, expert))
 
     def _preload_next(self) -> None:
         """The schedule's next preload, into a free slot (or the hedge slot it gives back)."""

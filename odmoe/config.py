@@ -17,12 +17,14 @@ from odmoe.placement import Topology
 
 log = logging.getLogger("odmoe.config")
 
-ROLES = ("local", "main", "worker", "shadow", "ray")
+ROLES = ("local", "main", "worker", "shadow", "ray", "plan")
 
 
 @dataclass
 class RoleConfig:
-    name: str = "local"  # local (every node on this machine) | main | worker | shadow | ray
+    # local (every node on this machine) | main | worker | shadow | ray | plan (print each node's
+    # memory need for model.path and the cluster shape, loading nothing)
+    name: str = "local"
 
 
 @dataclass

@@ -39,8 +39,9 @@ class MemoryPlanError(RuntimeError):
 GiB = 1 << 30
 MiB = 1 << 20
 PROCESS_BYTES = 480 * MiB  # a node's fixed cost: the demo's nodes measured 432-458 MiB resident
-MARGIN_FRACTION = 0.05  # of a node's memory, kept for activations, messages and the allocator
-MARGIN_MIN = 128 * MiB
+# kept free on every node for activations, messages in flight and the allocator's slack (the same on
+# every box: they scale with the model's width and the prompt, not with the node's memory)
+MARGIN_BYTES = 256 * MiB
 
 
 @dataclass(frozen=True)
@@ -123,14 +124,10 @@ class NodeNeed:
         )
 
 
-def margin(memory: int) -> int:
-    return max(int(memory * MARGIN_FRACTION), MARGIN_MIN)
-
-
 def expert_room(memory: int, expert_bytes: int, slots: int, cap: int, host_memory: int = 0) -> int:
     """Experts a worker with `memory` bytes may keep (its cache's room, what homes are dealt by):
     what is left after the process, the slots and the margin, at most `cap` and `host_memory`."""
-    left = memory - PROCESS_BYTES - slots * expert_bytes - margin(memory)
+    left = memory - PROCESS_BYTES - slots * expert_bytes - MARGIN_BYTES
     if host_memory:
         left = min(left, host_memory)
     return max(0, min(cap, left // expert_bytes))
@@ -173,16 +170,17 @@ def plan_workers(
     for w, ((memory, source), share) in enumerate(zip(memories, shares, strict=True)):
         slots = setup.slots * eb
         if setup.store == "disk":
-            need = PROCESS_BYTES + slots + (margin(memory) if memory else MARGIN_MIN)
+            need = PROCESS_BYTES + slots + MARGIN_BYTES
             holds = (
                 f"{setup.slots} slots {_mib(slots)}; its {share} experts read from disk as they are needed"
             )
         else:
             held = share * eb if setup.store == "memory" else int(share * eb * 0.7)
-            need = PROCESS_BYTES + held + slots + (margin(memory) if memory else MARGIN_MIN)
+            need = PROCESS_BYTES + held + slots + MARGIN_BYTES
             what = "home for" if setup.cache else "storing"
             holds = f"{what} {share} experts, {_mib(held)}{'' if setup.store == 'memory' else ' compressed'}"
             holds += f", + {setup.slots} slots {_mib(slots)}, + the process {_mib(PROCESS_BYTES)}"
+            holds += f" and {_mib(MARGIN_BYTES)} spare"
         out.append(
             NodeNeed(f"worker{w}", need, memory, source, holds, _worker_advice(sizes, setup, memories, need))
         )
@@ -204,11 +202,11 @@ def _worker_advice(sizes: CheckpointSizes, setup: WorkerSetup, memories, need: i
 
 
 def plan_main(sizes: CheckpointSizes, memory: int | None, source: str, kv_cache: int = 0) -> NodeNeed:
-    need = PROCESS_BYTES + sizes.non_expert_bytes + kv_cache + (margin(memory) if memory else MARGIN_MIN)
+    need = PROCESS_BYTES + sizes.non_expert_bytes + kv_cache + MARGIN_BYTES
     holds = f"non-expert tensors {_mib(sizes.non_expert_bytes)}"
     if kv_cache:
         holds += f", K/V cache up to {_mib(kv_cache)} (server.kv_cache_memory)"
-    holds += f", + the process {_mib(PROCESS_BYTES)}"
+    holds += f", + the process {_mib(PROCESS_BYTES)} and {_mib(MARGIN_BYTES)} spare"
     advice = "run main on a box with more memory (it holds everything but the routed experts)"
     if not kv_cache:
         advice += "; the K/V cache comes on top: bound it with server.kv_cache_memory"
@@ -221,9 +219,9 @@ def plan_shadow(
     """The shadow at `precision` (already resolved from auto): its weights, one layer at full
     precision while it loads (`layer_bytes`), the process."""
     weights = sizes.shadow_bytes.get(precision, 0)
-    need = PROCESS_BYTES + weights + layer_bytes + (margin(memory) if memory else MARGIN_MIN)
+    need = PROCESS_BYTES + weights + layer_bytes + MARGIN_BYTES
     holds = f"{precision} weights {_mib(weights)}, + one layer while loading {_mib(layer_bytes)}"
-    holds += f", + the process {_mib(PROCESS_BYTES)}"
+    holds += f", + the process {_mib(PROCESS_BYTES)} and {_mib(MARGIN_BYTES)} spare"
     smaller = [p for p, b in sorted(sizes.shadow_bytes.items(), key=lambda kv: kv[1]) if b < weights]
     lower = f"a lower shadow.precision ({', '.join(smaller[:2])}), " if smaller else ""
     advice = f"{lower}a box with more memory for the shadow, or shadow.enabled=false"

@@ -141,7 +141,7 @@ def exposed_hosts(cfg: OdmoeConfig) -> list[str]:
 def _validate_security(cfg: OdmoeConfig) -> None:
     sec = cfg.security
     if sec.enabled:
-        if cfg.role.name not in ("local", "ray") and not sec.key_dir:  # those two make their own
+        if cfg.role.name not in ("local", "ray", "plan") and not sec.key_dir:  # make their own, or none
             raise ValueError(
                 f"role={cfg.role.name} with security on needs security.key_dir=DIR (make it once with "
                 "`odmoe-keys init DIR --workers N`, see README: Several machines on a LAN), or "

@@ -285,10 +285,18 @@ class Checkpoint:
 
     def forget_expert(self, layer: int, expert: int) -> None:
         """Advise the kernel to drop the expert's pages from its cache (a worker now holds the bytes)."""
+        self._advise_expert(layer, expert, forget=True)
+
+    def prefetch_expert(self, layer: int, expert: int) -> None:
+        """Advise the kernel to read the expert's pages into its cache now (a load will want them)."""
+        self._advise_expert(layer, expert, forget=False)
+
+    def _advise_expert(self, layer: int, expert: int, forget: bool) -> None:
         keys = self._plain_expert_keys(layer, expert)
         for key in keys or ():
             handle, name = self._handle(key), self.disk_key.get(key, key)
-            handle.drop_cache(name, None if len(keys) == 3 else expert)
+            row = None if len(keys) == 3 else expert
+            handle.drop_cache(name, row) if forget else handle.prefetch(name, row)
 
     def expert(self, layer: int, expert: int) -> ExpertWeights:
         fam = self.family

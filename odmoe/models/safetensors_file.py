@@ -6,7 +6,8 @@ it whole and `read_rows(key, index)` one slice of its first dimension (one exper
 [E, ...] tensor), each into a new tensor or into `out` when given (same dtype and element count), so
 a worker reads an expert straight into the buffer it computes from. `drop_cache(key)` asks the kernel
 to forget the file's pages of that tensor (posix_fadvise DONTNEED), for bytes that are now held in a
-buffer of their own.
+buffer of their own; `prefetch(key)` to read them into its cache in the background (WILLNEED), for
+bytes a read will want soon.
 
 Why not `safetensors.safe_open`: it maps the whole file, and every page a read touches stays in the
 process's resident memory (file-backed, `RssFile`) for as long as the handle lives, beside the copy
@@ -169,13 +170,21 @@ class SafetensorsFile:
     def drop_cache(self, key: str, index: int | None = None) -> None:
         """Let the kernel drop this tensor's (or one row's) pages from its cache: their bytes are held
         elsewhere now. Advice only: nothing fails where the kernel ignores it."""
+        self._advise(key, index, "POSIX_FADV_DONTNEED")
+
+    def prefetch(self, key: str, index: int | None = None) -> None:
+        """Ask the kernel to start reading this tensor's (or one row's) pages into its cache now, in
+        the background, so that a `read` soon after finds them there."""
+        self._advise(key, index, "POSIX_FADV_WILLNEED")
+
+    def _advise(self, key: str, index: int | None, advice: str) -> None:
         info = self.info(key)
         start, length = info.start, info.nbytes
         if index is not None:
             start, length = start + index * info.row_bytes, info.row_bytes
-        if hasattr(os, "posix_fadvise"):
+        if hasattr(os, advice):
             try:
-                os.posix_fadvise(self._fd, start, length, os.POSIX_FADV_DONTNEED)
+                os.posix_fadvise(self._fd, start, length, getattr(os, advice))
             except OSError:
                 pass
 

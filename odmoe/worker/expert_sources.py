@@ -187,6 +187,10 @@ class CheckpointExpert:
             w = self.checkpoint.expert(*self.key)
         return ExpertWeights(w.gate_up.to(self.dtype).contiguous(), w.down.to(self.dtype).contiguous())
 
+    def prefetch(self) -> None:
+        """Start reading this expert's pages into the kernel's cache (a prediction: a load is coming)."""
+        self.checkpoint.prefetch_expert(*self.key)
+
     def load_into(self, gate_up: torch.Tensor, down: torch.Tensor, pool: Executor | None = None) -> int:
         if gate_up.device.type != "cpu":
             w = self.weights_now()

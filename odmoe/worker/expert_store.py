@@ -143,6 +143,13 @@ class ExpertStore:
         """Write expert `key`'s exact bits into the two slot tensors; returns the bytes moved."""
         return self._experts[key].load_into(gate_up, down, self.pool)
 
+    def prefetch(self, key: ExpertKey) -> None:
+        """An expert read from disk on each load: have the kernel start reading it now (a prediction
+        says a load is coming); nothing for one held in memory."""
+        source = self._experts.get(key)
+        if isinstance(source, CheckpointExpert):
+            source.prefetch()
+
     def form(self, key: ExpertKey) -> str:
         return self._experts[key].form
 
