@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from dataclasses import fields
 
@@ -117,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     expert, form = ckpt.expert(ckpt.moe_layers[0], 0), ckpt.quantized_experts
     saved_dtype = resolve_dtype("auto", ckpt)  # an FP8 expert comes dequantized to float32
     expert_bytes = (expert.gate_up.numel() + expert.down.numel()) * saved_dtype.itemsize
-    total = sum(ckpt.tensor(k).numel() for k in ckpt.weight_map)
+    total = sum(math.prod(ckpt.tensor_info(k).shape) for k in ckpt.weight_map)  # headers only
     print(
         f"{out}: {spec.family}, {total / 1e6:.2f} M parameters, {len(ckpt.moe_layers)} MoE layers x "
         f"{ckpt.num_experts} experts of {expert_bytes / 1024:.0f} KiB"
