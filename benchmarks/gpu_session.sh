@@ -10,6 +10,8 @@
 #   also:   batched (issue 28, one call, timeout_s 420: the batched-decode gpu tests, then main's time
 #           per token with main on the GPU, batched vs per request, on a wide random model made there:
 #           gpu-batched-tests.txt/.xml, main-decode-cuda.txt),
+#           memory (issue 45, one call, timeout_s 580: every gpu test, then benchmarks/gpu_memory.py on a
+#           real-width model made there: gpu-tests.txt/.xml, gpu-memory.txt/.json),
 #           install (install and versions only; runs without a GPU too), all (part1..3 in a row, for a
 #           box with no 10-minute limit: ~15-20 min), lease (one call for a 15-minute lease, timeout_s
 #           600: every gpu test at once on the box's cores within TESTS_S=240 s, then suite gpu at
@@ -153,6 +155,20 @@ make_wide_model(ModelSpec(layers=4, hidden=4096, intermediate=128, heads=32, kv_
     --device cuda --dtype bfloat16 --users "${USERS:-1,2,4,8,16}" --rounds 2 --tokens 24
 }
 
+memory() {  # issue 45 in one call of a 15-minute lease (timeout_s 580): every gpu test at once (the
+  # workers' host stores now hold only their homes, the shadow is built layer by layer: both on CUDA
+  # here), then each node's memory with every node on the GPU at real Mixtral width (MEM_LAYERS
+  # layers x 8 experts x 352 MB, bf16: 2 layers 5.6 GB) beside one process: gpu-memory.txt/.json
+  local workers=()
+  "$PY" -c "import xdist" 2> /dev/null && workers=(-n "${XDIST:-8}")
+  step gpu-tests "${TESTS_S:-200}" "${PYTEST[@]}" "${workers[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
+  local model="/tmp/odmoe-mem-${MEM_LAYERS:-2}"
+  step make-wide "${MAKE_S:-100}" "$PY" -c "from odmoe.tools.model_factory import ModelSpec, make_wide_model
+make_wide_model(ModelSpec(layers=${MEM_LAYERS:-2}, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
+                          vocab=4096, dtype='bfloat16'), '$model')"
+  step gpu-memory "${MEM_S:-200}" "$PY" -m odmoe.benchmarks.gpu_memory --model "$model" --out "$OUT/gpu-memory.json"
+}
+
 say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1 | tee -a "$LOG"
 install
@@ -163,6 +179,7 @@ case "$PART" in
   part3) part3 ;;
   lease) lease ;;
   batched) batched ;;
+  memory) memory ;;
   all) part1; part2; part3 ;;
   *) say "unknown part '$PART': part1|part2|part3|lease|install|all"; exit 2 ;;
 esac
