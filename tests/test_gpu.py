@@ -165,13 +165,17 @@ def test_shadow_runs_on_cuda(precision, model_dirs):
 def test_cluster_on_cuda_equals_generate(family, model_dirs, reap_children):
     path = model_dirs[family]
     with LocalCluster(path, workers=4, group_size=2, overrides=gpu_words()) as cluster:
+        stats = []
         for prompt in PROMPTS:
             got = cluster.client.generate(prompt, max_new_tokens=NEW_TOKENS)
             assert got.token_ids == reference_on(path, prompt, torch.bfloat16), f"{family} on {prompt!r}"
+            stats.append(got.stats)
         peaks = got.stats["device_peak_bytes"]
         assert set(peaks) == {"main", "shadow", "worker0", "worker1", "worker2", "worker3"}
         assert all(b > 0 for b in peaks.values()), peaks
-        assert got.stats["worker_load_s"] > 0 and got.stats["bytes_loaded"] > 0
+        # experts were loaded onto the device (the first requests at least: by the last one the workers'
+        # caches may hold every expert it needs, and it loads nothing)
+        assert sum(s["worker_load_s"] for s in stats) > 0 and sum(s["bytes_loaded"] for s in stats) > 0
 
 
 @pytest.mark.integration
