@@ -122,21 +122,32 @@ class World:
         self.alive = dict.fromkeys(addresses, True)
         self.delay_s = delay_s
         self.calls = 0
+        self.channels: list[FakeChannel] = []
 
     def channel(self, address: str, credentials, options) -> FakeChannel:
-        return FakeChannel(self, address)
+        channel = FakeChannel(self, address)
+        self.channels.append(channel)
+        return channel
 
 
 class FakeChannel:
     def __init__(self, world: World, address: str):
         self.world, self.address, self.closed = world, address, False
+        self.stubs = 0  # built on it
 
     def close(self) -> None:
         self.closed = True
 
 
+def _stub_of(channel: FakeChannel) -> None:
+    # grpcio 1.85 crashes the process (SIGSEGV) building a stub on a closed channel
+    assert not channel.closed, "a stub was built on a closed channel"
+    channel.stubs += 1
+
+
 class FakeStub:
     def __init__(self, channel: FakeChannel):
+        _stub_of(channel)
         self.channel = channel
 
     def Generate(self, request, timeout=None, metadata=None):
@@ -148,6 +159,7 @@ class FakeStub:
 
 class FakeHealth:
     def __init__(self, channel: FakeChannel):
+        _stub_of(channel)
         self.channel = channel
 
     def Check(self, request, timeout=None, metadata=None):
@@ -287,6 +299,8 @@ def test_many_threads_on_one_client_fail_over_once_when_main_is_lost(fake_mains)
     assert errors == []
     assert all(results[i] == reference(prompt(i), 80) for i in range(12))
     assert client.failovers == 1 and client.address == "main1:1"
+    # its two stubs built with each channel, while it was open: never by a stream afterwards
+    assert [c.stubs for c in world.channels] == [2, 2]
 
 
 def test_every_main_lost_ends_every_thread_with_the_same_error(fake_mains):

@@ -23,7 +23,7 @@ alone is not a loss. The client then resumes on the next main by sending the pro
 plus the tokens it already received (`resume_ids`), and that main replays them and streams the
 rest. With greedy decoding, or sampling with its seed, the whole sequence equals the single-process
 reference. What a stream sees: a pause (detection, then the new main replaying the tokens it had,
-one decode step each: 0.8-1.7 s in tests/test_failover.py, four streams of a tiny model ~10
+one decode step each: 0.7-1.7 s in tests/test_failover.py, four streams of a tiny model ~10
 tokens in, on a busy 2-core box), then its tokens go on where they stopped, none repeated or
 missing. `client.failover_log` says when and why it moved on.
 A stream that keeps failing without a new token after every main was tried raises `MainsLost` (a
@@ -107,6 +107,18 @@ class MainsLost(StreamBroken, grpc.RpcError):
 _END = object()
 
 
+@dataclass(frozen=True)
+class _Connection:
+    """One main's channel and its stubs, built together while the channel is open: grpcio 1.85
+    crashes the process (SIGSEGV) building a stub on a closed channel, and another thread may
+    close this one at any time (the ring moving on); calling a stub of a closed channel only
+    raises ValueError."""
+
+    channel: grpc.Channel
+    inference: odmoe_pb2_grpc.InferenceStub
+    health: health_pb2_grpc.HealthStub
+
+
 class Client:
     """One client per process is enough: any number of threads may stream through it at once."""
 
@@ -125,7 +137,7 @@ class Client:
         self.keepalive_s = keepalive_s
         self.keepalive_ms = max(int(keepalive_s * 1000), 100)
         addresses = [address] if isinstance(address, str) else list(address)
-        self._ring: MainRing[grpc.Channel] = MainRing(addresses, self._channel, lambda c: c.close())
+        self._ring: MainRing[_Connection] = MainRing(addresses, self._connect, lambda c: c.channel.close())
 
     @property
     def addresses(self) -> list[str]:
@@ -154,7 +166,7 @@ class Client:
         """A main came back at another address (restarted): fail over to it from now on."""
         self._ring.replace(old, new)
 
-    def _channel(self, address: str) -> grpc.Channel:
+    def _connect(self, address: str) -> _Connection:
         options = [
             ("grpc.keepalive_time_ms", self.keepalive_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_ms),
@@ -162,7 +174,10 @@ class Client:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
         ]
-        return grpc_channel(address, self.credentials, options)
+        channel = grpc_channel(address, self.credentials, options)
+        return _Connection(
+            channel, odmoe_pb2_grpc.InferenceStub(channel), health_pb2_grpc.HealthStub(channel)
+        )
 
     def _request(self, prompt, max_new_tokens, return_logits, request_id, resume, options: dict):
         fields = dict(
@@ -206,8 +221,12 @@ class Client:
             request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
             call = None
             try:
-                stub = odmoe_pb2_grpc.InferenceStub(turn.connection)
-                call = stub.Generate(request, timeout=self.timeout_s, metadata=self.metadata)
+                try:
+                    call = turn.connection.inference.Generate(
+                        request, timeout=self.timeout_s, metadata=self.metadata
+                    )
+                except ValueError:  # its channel was closed since our turn: moved on, or close()
+                    raise StreamBroken(f"main {turn.address}'s channel was closed") from None
                 for reply in self._watched(call, turn):
                     if reply.WhichOneof("kind") == "token":
                         received.append(reply.token.token_id)
@@ -218,10 +237,6 @@ class Client:
                     if reply.WhichOneof("kind") == "done":
                         return
                 raise StreamBroken(f"main {turn.address} ended the stream without its final reply")
-            except ValueError:  # this turn's channel was closed: the client, or the ring moving on
-                if self._ring.epoch == turn.epoch and not self._ring.closed:
-                    raise
-                error: Exception = StreamBroken(f"main {turn.address}'s channel was closed")
             except (grpc.RpcError, StreamBroken) as exc:
                 error = exc
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
@@ -254,13 +269,12 @@ class Client:
                 replies.put(exc)
 
         threading.Thread(target=pump, name="odmoe-client-stream", daemon=True).start()
-        health = health_pb2_grpc.HealthStub(turn.connection)
         while True:
             try:
                 item = replies.get(timeout=self.keepalive_s)
             except queue.Empty:
                 try:
-                    health.Check(
+                    turn.connection.health.Check(
                         health_pb2.HealthCheckRequest(), timeout=2 * self.keepalive_s, metadata=self.metadata
                     )
                 except grpc.RpcError as exc:
@@ -330,7 +344,7 @@ class Client:
         return result
 
     def info(self) -> dict:
-        stub = odmoe_pb2_grpc.InferenceStub(self._ring.turn().connection)
+        stub = self._ring.turn().connection.inference
         reply = stub.Info(odmoe_pb2.InfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
         return {
             "model_path": reply.model_path,

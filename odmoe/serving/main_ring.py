@@ -3,7 +3,8 @@
 Contract. `MainRing(addresses, connect, disconnect)` holds the mains in the order they are tried,
 the one in use (`index`) and a counter of its changes (`epoch`). Every method takes one lock, so
 any number of threads may call them at once; `connect(address)` and `disconnect(connection)` run
-under it (the client's: open / close a gRPC channel, both quick and never blocking on the network).
+under it (the client's: open a gRPC channel and build its stubs / close it, both quick and never
+blocking on the network), so nothing is ever built on a connection another thread closed.
 
 - `turn()`: where an attempt goes now, as a `Turn(epoch, index, address, connection)`; the
   connection is opened on first use. A caller keeps its turn for the whole attempt.
