@@ -32,6 +32,7 @@ SUITES = (
     "cache",
     "eval",
     "gpu",
+    "memory",
     "quick",
 )
 GPU_SYSTEMS = ("odmoe", "odmoe_cache", "single_process", "accelerate_offload", "lru_offloader")
@@ -420,6 +421,25 @@ class GpuSuite:
 
 
 @dataclass
+class MemorySuite:
+    """Issue 45: each node's memory at real width, its slope over the model's size, start-up, and the
+    disk path (benchmarks/suites/memory.py)."""
+
+    layers: list[int] = field(default_factory=lambda: [8, 16, 24])  # checkpoints of ~1.4, 2.7 and 4.1 GiB
+    hidden: int = 1024
+    intermediate: int = 3584
+    experts: int = 8
+    systems: list[str] = field(default_factory=lambda: ["defaults", "paper", "disk"])
+    shadow_precisions: list[str] = field(default_factory=lambda: ["bf16", "int8_dynamic", "int4"])
+    disk_fractions: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25])  # on the largest
+    prompt: str = "def fibonacci(n):"
+    new_tokens: int = 16
+
+
+MEMORY_SYSTEMS = ("defaults", "paper", "disk")
+
+
+@dataclass
 class BenchConfig:
     suite: str = "quick"
     # "trained": the trained benchmark model (made once, ~10 min, cached); "trained_deepseek": its
@@ -449,6 +469,7 @@ class BenchConfig:
     cache: CacheSuite = field(default_factory=CacheSuite)
     eval: EvalSuite = field(default_factory=EvalSuite)
     gpu: GpuSuite = field(default_factory=GpuSuite)
+    memory: MemorySuite = field(default_factory=MemorySuite)
     log_level: str = "WARNING"
 
 
@@ -498,6 +519,11 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError(f"cache.skew must lie in [0, 1), got {ca.skew}")
     if not ca.budgets or any(not 0 <= b <= 1 for b in ca.budgets) or min(ca.prompts, ca.new_tokens) < 1:
         raise ValueError("cache.budgets must lie in [0, 1]; cache.prompts and new_tokens >= 1")
+    me = cfg.memory
+    if bad := sorted(set(me.systems) - set(MEMORY_SYSTEMS)):
+        raise ValueError(f"memory.systems: {bad} not among {', '.join(MEMORY_SYSTEMS)}")
+    if not me.layers or min(me.layers) < 1 or any(not 0 < f <= 1 for f in me.disk_fractions):
+        raise ValueError("memory.layers must be >= 1 and memory.disk_fractions lie in (0, 1]")
     ev = cfg.eval
     if ev.limit < 0 or min(ev.num_concurrent, ev.scoring_prompts, ev.scoring_batch) < 1:
         raise ValueError("eval: limit must be >= 0; num_concurrent, scoring_prompts, scoring_batch >= 1")

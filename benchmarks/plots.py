@@ -665,3 +665,37 @@ def cache(report: dict, out: Path, subtitle: str) -> None:
         f"expert cache: requests whose tokens differ from transformers: {differ}\n{subtitle}", fontsize=9
     )
     _save(fig, out)
+
+
+def memory(report: dict, out: Path, subtitle: str) -> None:
+    """Steady and peak resident memory per role over the checkpoint's size (the defaults), and the
+    disk path's decode tokens/s by the share of the experts the workers' memory holds."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    rows = [r for r in report["rows"] if r["system"] == "defaults"]
+    sizes = [r["checkpoint_bytes"] / 2**30 for r in rows]
+    for role, color in (("main", "C0"), ("shadow", "C1"), ("worker", "C2")):
+        for key, style in (("steady", "o-"), ("peak", "x:")):
+            ys = []
+            for r in rows:
+                values = [n[key] for name, n in r["nodes"].items() if name.rstrip("0123456789") == role]
+                ys.append(max(values) / 2**30 if values else 0.0)
+            label = f"{role}{' (each)' if role == 'worker' else ''}, {key}"
+            axes[0].plot(sizes, ys, style, color=color, label=label)
+    if sizes:
+        axes[0].plot(sizes, sizes, "--", color="grey", label="the checkpoint")
+    axes[0].set(xlabel="checkpoint, GiB (bf16)", ylabel="resident memory, GiB (VmRSS / VmHWM)")
+    axes[0].legend(fontsize=7)
+    disk = report["disk_path"]
+    if disk:
+        axes[1].plot(
+            [d["fraction"] for d in disk], [d["decode_tokens_per_s"] for d in disk], "o-", label="decode"
+        )
+        axes[1].set(xlabel="the experts' share the workers' memory holds", ylabel="decode tokens/s")
+        axes[1].invert_xaxis()
+        axes[1].legend(fontsize=8)
+    fig.suptitle(
+        f"memory per node (defaults) and the disk path; tokens identical to one process: "
+        f"{report['identical']}\n{subtitle}",
+        fontsize=9,
+    )
+    _save(fig, out)

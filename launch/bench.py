@@ -19,6 +19,7 @@
     odmoe-bench suite=cache             # the workers' expert cache by budget: prediction vs LRU vs offloader
     odmoe-bench suite=eval              # lm-eval through the API vs one process: scores, scoring cost
     odmoe-bench suite=gpu               # one GPU: odmoe vs resident, accelerate offload, LRU (CUDA only)
+    odmoe-bench suite=memory            # each node's memory at real width, its slope, start-up, the disk path
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
@@ -66,6 +67,7 @@ def run_suites(cfg: BenchConfig) -> None:
         grid,
         lookahead,
         lossy,
+        memory,
         placement,
         prefill,
         recall,
@@ -95,6 +97,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "serving": serving.run,
         "cache": cache.run,
         "eval": eval_harness.run,
+        "memory": memory.run,
     }
     if cfg.suite == "gpu":  # its own real-width model; stops at once without CUDA
         from odmoe.benchmarks.suites import gpu
@@ -109,10 +112,13 @@ def run_suites(cfg: BenchConfig) -> None:
     model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)
     # quick leaves out the soak (it is one long run), placement (it needs the ray extra and starts
-    # a Ray cluster; tests/test_ray_cluster.py exercises the same path) and eval (the eval extra;
-    # tests/test_eval_harness.py runs it reduced)
+    # a Ray cluster; tests/test_ray_cluster.py exercises the same path), eval (the eval extra;
+    # tests/test_eval_harness.py runs it reduced) and memory (GiBs of real-width checkpoints; its
+    # parts are tests/test_memory_limits.py's)
     names = (
-        [n for n in suites if n not in ("soak", "placement", "eval")] if cfg.suite == "quick" else [cfg.suite]
+        [n for n in suites if n not in ("soak", "placement", "eval", "memory")]
+        if cfg.suite == "quick"
+        else [cfg.suite]
     )
     for name in names:
         start = time.perf_counter()

@@ -30,10 +30,10 @@ from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.families import layer_of_key
 from odmoe.models.load_dtypes import meta_skeleton
 from odmoe.models.main_model import resolve_dtype
+from odmoe.node_memory import node_memory
 from odmoe.shadow.precision import AUTO_CHOICES, PRECISIONS, choose_precision, shadow_weight_bytes
 from odmoe.shadow.shadow_model import weight_shapes
 from odmoe.tools.memory import parse_bytes
-from odmoe.tools.node_memory import node_memory
 
 
 def shadow_estimates(checkpoint: Checkpoint) -> dict[str, int]:

@@ -50,11 +50,11 @@ from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.expert_math import KERNELS, expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
+from odmoe.node_memory import node_memory
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import LayerUnavailable
 from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.memory import parse_bytes, peak_rss_bytes
-from odmoe.tools.node_memory import node_memory
 from odmoe.tools.trace import Tracer, now_us
 from odmoe.transport.announce import announce
 from odmoe.transport.codec import CodecError

@@ -44,7 +44,7 @@ class ModelConfig:
 
 @dataclass
 class NodeConfig:
-    """This node's machine, as the memory plan sees it (odmoe.tools.node_memory, odmoe.memory_plan)."""
+    """This node's machine, as the memory plan sees it (odmoe.node_memory, odmoe.memory_plan)."""
 
     # What this node's process may use in all, e.g. "12GiB" ("": its memory cgroup's limit where one is
     # set, else the kernel's MemAvailable). Announced to main, which deals expert homes by it.

@@ -7,7 +7,7 @@ safetensors headers and nothing else):
 - `worker_shares(...)`: how many experts each worker is home for (odmoe.placement's homes, dealt by
   the rooms that the workers' memory leaves: `expert_room`), or, with cacheless workers, stores.
 - `plan_cluster(...)` gives one `NodeNeed` per node: what it needs, what it has (its memory figure,
-  odmoe.tools.node_memory), and, for a node that does not fit, the one line that says so and what to
+  odmoe.node_memory), and, for a node that does not fit, the one line that says so and what to
   change. A node checks its own line at start and refuses with it (`NodeNeed.refusal`); main checks
   the workers' once it has their memory figures; `odmoe-launch role=plan` prints them all.
 
@@ -160,11 +160,9 @@ def plan_workers(
     eb = sizes.expert_bytes
     cap = sizes.experts * len(sizes.moe_layers)
     known = [m for m, _ in memories if m is not None]
-    rooms = (
-        [expert_room(m, eb, setup.slots, cap, setup.host_memory) for m, _ in memories]
-        if len(known) == len(memories)
-        else None
-    )
+    rooms: list[int] | None = [expert_room(m, eb, setup.slots, cap, setup.host_memory) for m in known]
+    if len(known) != len(memories):
+        rooms = None
     shares = worker_shares(sizes, setup, rooms)
     out = []
     for w, ((memory, source), share) in enumerate(zip(memories, shares, strict=True)):

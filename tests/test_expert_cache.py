@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from odmoe.launch.settings import compose
+from odmoe.models.expert_math import expert_forward
 from odmoe.placement import Topology
 from odmoe.transport.messages import ComputeExpert, ComputeExperts, Prediction, Step, from_frames
 from odmoe.worker.expert_cache import CacheBook, cache_capacity, complete, expected_distance, next_use
@@ -170,20 +171,28 @@ def _answer(frames):
 
 
 def test_a_worker_keeps_what_it_computed_and_answers_the_same_from_its_cache(worker):
-    # its room: every expert it stores (32); buffers now: the 16 it is home for, beside its slots
-    assert worker.cache.capacity == 32 and worker.slots.busy == 0
+    # its room: every expert it stores (32); at start it read the 16 it is home for into the cache (a
+    # CPU worker's cache is where its share rests), beside its free just-in-time slots
+    assert worker.cache.capacity == 32 and len(worker.slots.cached()) == worker.slots.busy == 16
+    assert {s.holds for s in worker.slots.cached()} == {
+        (layer, e) for layer in range(4) for e in (0, 2, 4, 6)
+    }
     assert len(worker.slots._slots) == worker.slots.jit_slots + 16
     hidden = torch.randn(3, worker.store.gate_up_shape[1])
     first, (y1,) = _answer(worker.compute(ComputeExpert(Step("a", 1, 0), 2, "eager"), hidden))
-    again, (y2,) = _answer(worker.compute(ComputeExpert(Step("b", 5, 0), 2, "eager"), hidden))
-    assert first.bytes_loaded > 0 and first.cached == 0
-    assert again.bytes_loaded == 0 and again.cached == first.bytes_loaded  # no load: from the cache
+    assert first.bytes_loaded == 0 and first.cached > 0  # no load: from the cache
+    # an expert this worker is not home for (odd ones are worker 1's) is read, computed, not kept
+    other, (y3,) = _answer(worker.compute(ComputeExpert(Step("b", 5, 1), 3, "eager"), hidden))
+    assert other.bytes_loaded == first.cached and other.cached == 0
+    assert (1, 3) not in {s.holds for s in worker.slots.cached()} and len(worker.slots.cached()) == 16
+    assert other.cache[:4] == [16, 16, 1, 1]  # what it can keep of its homes, cached, hits, misses
+    assert other.cache[6:] == [16, 16]  # home for 16 experts, all of them cached
+    # the same bits as the expert computed alone from the checkpoint
+    again, (y2,) = _answer(worker.compute(ComputeExpert(Step("c", 6, 0), 2, "eager"), hidden))
     assert torch.equal(y1, y2)
-    assert again.cache[:4] == [16, 1, 1, 1]  # capacity, cached, hits, misses
-    assert again.cache[6:] == [16, 1]  # home for 16 experts, 1 of them cached
-    # an expert this worker is not home for (odd ones are worker 1's) is not kept
-    _answer(worker.compute(ComputeExpert(Step("b", 5, 1), 3, "eager"), hidden))
-    assert {s.holds for s in worker.slots.cached()} == {(0, 2)}
+    w = worker.store[(0, 2)]
+    want = expert_forward(hidden, w.gate_up, w.down, worker.mlp, "eager")
+    assert torch.equal(y1, want)
 
 
 def test_a_full_cache_drops_the_expert_predicted_farthest_and_never_one_a_message_computes(model_dirs):

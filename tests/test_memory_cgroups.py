@@ -1,4 +1,4 @@
-"""Nodes under real memory limits (odmoe/tools/memory_cgroups.py): a process beyond its cgroup's limit
+"""Nodes under real memory limits (launch/memory_cgroups.py): a process beyond its cgroup's limit
 is OOM-killed and the report says so, a node sees its limit as the memory it may use, the death
 signal survives the cgroup prefix, and a whole LocalCluster runs placed in cgroups with the tokens
 it gives without them (the in-process reference's, which tests/test_cluster_fidelity.py holds a
@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from odmoe import LocalCluster
-from odmoe.tools.memory_cgroups import CgroupHierarchy, MemoryCgroups
+from odmoe.launch.memory_cgroups import CgroupHierarchy, MemoryCgroups
 from tests.test_cluster_fidelity import reference
 
 MiB, GiB = 2**20, 2**30
@@ -80,7 +80,7 @@ def test_beyond_its_limit_a_process_is_oom_killed_and_the_report_says_so():
 @needs_cgroups
 def test_a_node_in_a_cgroup_sees_its_limit_as_its_memory():
     code = (
-        "import json; from odmoe.tools.node_memory import node_memory; m = node_memory('');"
+        "import json; from odmoe.node_memory import node_memory; m = node_memory('');"
         "print(json.dumps([m.bytes, m.source]))"
     )
     with MemoryCgroups({"worker": 512 * MiB}) as cg:

@@ -1,4 +1,4 @@
-"""Each node under a real memory limit (a cgroup each, odmoe.tools.memory_cgroups): a model bigger than
+"""Each node under a real memory limit (a cgroup each, odmoe.launch.memory_cgroups): a model bigger than
 any node serves exactly with the defaults, a worker lost under the limits is taken over without a node
 passing its own, the disk serves past the cluster's memory, and a node that cannot fit says so at start.
 
@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from odmoe import LocalCluster
+from odmoe.launch.memory_cgroups import MemoryCgroups
 from odmoe.launch.spawn import ClusterStartError
 from odmoe.memory_plan import MARGIN_BYTES, PROCESS_BYTES
-from odmoe.tools.memory_cgroups import MemoryCgroups
 from odmoe.tools.model_factory import ModelSpec, make_wide_model
 from tests.test_cluster_fidelity import reference, sampled_reference
 

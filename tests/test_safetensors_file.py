@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.safetensors_file import SafetensorsError, SafetensorsFile
-from odmoe.tools.node_memory import process_memory
+from odmoe.node_memory import process_memory
 from tests.conftest import FAMILY_NAMES
 
 

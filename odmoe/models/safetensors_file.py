@@ -158,7 +158,7 @@ class SafetensorsFile:
                 f"{out.dtype} {list(out.shape)}"
             )
         if nbytes:
-            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())
+            view = memoryview(out.reshape(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
             done = 0
             while done < nbytes:
                 n = os.preadv(self._fd, [view[done : done + READ_CHUNK]], offset + done)

@@ -15,7 +15,7 @@ one layer; nothing ever holds the whole model at full precision. Precisions
   full-precision expert;
 - auto (the default): `resolve_precision` picks int8_dynamic or int4 on a CPU, int8 or nf4 on CUDA,
   from the bytes each would hold (estimated from the model's shapes before anything is read) and the
-  memory this node may use (`odmoe.tools.node_memory`), and logs its choice and why.
+  memory this node may use (`odmoe.node_memory`), and logs its choice and why.
 transformers keeps experts as fused [E, 2I, H] parameters that no quantizer touches, so at the
 quantized precisions each expert (`Checkpoint.expert`) becomes two quantized linears of an
 `UnfusedExperts`; gpt-oss's biased experts stay fused, in float32. Routers are bare parameters, not
@@ -44,6 +44,7 @@ from odmoe.models.families import is_expert_key, layer_of_key
 from odmoe.models.fp8 import SCALE_SUFFIX, dequantize, scale_key
 from odmoe.models.load_dtypes import loaded_dtypes, meta_skeleton
 from odmoe.models.main_model import experts_modules_named, llama4_choice, resolve_dtype
+from odmoe.node_memory import NodeMemory, node_memory
 from odmoe.shadow.hedging import GroupLimit
 from odmoe.shadow.precision import (
     AUTO_CHOICES,
@@ -57,7 +58,6 @@ from odmoe.shadow.precision import (
     why_chosen,
 )
 from odmoe.shadow.quantized_linear import CastEmbedding, FlatRows, float_linear, quantized_linear
-from odmoe.tools.node_memory import NodeMemory, node_memory
 
 __all__ = ["PRECISIONS", "load_shadow_model", "resolve_precision"]
 

@@ -260,7 +260,7 @@ class Pong:
     where: str = ""  # where it runs, as its launcher names it (cluster.where); shown in main's Info
     device_peak_bytes: int = 0  # CUDA's max_memory_allocated in this worker process (0 off CUDA)
     cache_room: int = 0  # experts its worker.cache may keep (homes follow it: odmoe.placement)
-    memory: int = 0  # what the worker's process may use (odmoe.tools.node_memory), bytes
+    memory: int = 0  # what the worker's process may use (odmoe.node_memory), bytes
     memory_source: str = ""  # where that figure came from (node.memory, a cgroup limit, MemAvailable)
     # its home experts must all fit its room (worker.store=memory with room from its memory): main
     # refuses to start when the workers' rooms together cannot hold them (odmoe.memory_plan)

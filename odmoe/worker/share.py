@@ -55,19 +55,15 @@ def plan_share(
     `cache_room` the room `worker.cache` gives when it is not automatic on a CPU (a size, all, or auto
     on a device, sized by free device memory)."""
     auto = str(cache_spec).strip().lower() == "auto"
-    own = memories[index][0]
-    if auto and device_type == "cpu" and own is not None:
-        room = expert_room(own, sizes.expert_bytes, setup.slots, len(stored), setup.host_memory)
-    else:
-        room = cache_room
-    rooms = None
-    if setup.cache and all(m is not None for m, _ in memories):
-        rooms = [
-            room
-            if w == index
-            else expert_room(m or 0, sizes.expert_bytes, setup.slots, len(stored), setup.host_memory)
-            for w, (m, _) in enumerate(memories)
-        ]
+    by_memory = auto and device_type == "cpu"  # else the room is what `worker.cache` says, on every peer
+
+    def room_of(memory: int | None) -> int:
+        if by_memory and memory is not None:
+            return expert_room(memory, sizes.expert_bytes, setup.slots, len(stored), setup.host_memory)
+        return cache_room
+
+    room = room_of(memories[index][0])
+    rooms = [room_of(m) for m, _ in memories] if setup.cache else None
     placed = topology.with_rooms(rooms) if rooms and topology.homes else topology
     home = tuple(k for k in stored if placed.home(*k) == index) if setup.cache else ()
     cache_is_store = (

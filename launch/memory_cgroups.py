@@ -45,10 +45,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from odmoe.launch.local_cluster import NodePlacement
+from odmoe.launch.local_cluster import NodePlacement
 
 log = logging.getLogger("odmoe.memory_cgroups")
 
@@ -216,10 +215,6 @@ class MemoryCgroups:
 
     def place(self, name: str) -> NodePlacement:
         """LocalCluster's `place=`: node `name`'s NodePlacement, its prefix the one above."""
-        # Imported here: library code does not import the launcher (STYLE: launch -> nodes -> odmoe),
-        # but the launcher's placement type is what a caller of this method wants.
-        from odmoe.launch.local_cluster import NodePlacement
-
         return NodePlacement(prefix=self.prefix(name))
 
     # -- reading -----------------------------------------------------------------------------

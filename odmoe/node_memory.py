@@ -1,4 +1,5 @@
-"""How much memory this node may use, and how much it uses: the figures memory plans are made of.
+"""How much memory this node may use, how much it uses, and byte sizes as users write them: the
+figures memory plans are made of.
 
 Contract:
 - `node_memory(configured)` is the memory this node's process may grow to, and where that figure
@@ -9,6 +10,7 @@ Contract:
   `virtual_memory().available` does not (it reads the whole machine's /proc/meminfo).
 - `process_memory(pid)` reads /proc/PID/status: the peak (`VmHWM`) and current resident size, split
   into anonymous, file-backed and shared pages, in bytes.
+- `parse_bytes(text)`: a byte size as users write it ("512MiB", "2GB", 1024; "" and 0 mean none).
 - `cgroup_usage()` is the current and peak usage the kernel charges to this process's memory cgroup
   (page cache included, which is how a limit sees it), when the process runs in one of its own.
 
@@ -17,10 +19,9 @@ Every figure is in bytes. Nothing here allocates or imports torch: a node calls 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
-
-from odmoe.tools.memory import parse_bytes
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 UNLIMITED = 1 << 60  # v1 writes "no limit" as a page-rounded 2**63 - 1
@@ -160,3 +161,21 @@ def _meminfo(path: Path) -> dict[str, int]:
     except OSError:
         pass
     return out
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9}
+_UNITS |= {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 10**12, "tb": 10**12}
+
+
+def parse_bytes(text: str | int) -> int:
+    """ "512MiB" -> 536870912, "2GB" -> 2000000000, 1024 -> 1024; "" and 0 mean no limit (0)."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text or "0")
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{text!r} is not a byte size (e.g. 1073741824, 512MiB, 2GB)")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value < 0:
+        raise ValueError(f"a byte size cannot be negative, got {text!r}")
+    return value
