@@ -432,6 +432,7 @@ class MemorySuite:
     systems: list[str] = field(default_factory=lambda: ["defaults", "paper", "disk"])
     shadow_precisions: list[str] = field(default_factory=lambda: ["bf16", "int8_dynamic", "int4"])
     disk_fractions: list[float] = field(default_factory=lambda: [1.0, 0.5, 0.25])  # on the largest
+    startup_workers: list[int] = field(default_factory=lambda: [2, 4])  # one worker of N, alone, cold
     prompt: str = "def fibonacci(n):"
     new_tokens: int = 16
 

@@ -85,6 +85,9 @@ log = logging.getLogger("odmoe.worker")
 MAX_OPEN_BATCHES = 64  # prefill batches still missing parts; beyond this the oldest is dropped
 MAX_GROUPED_ROWS = 1 << 20  # a grouped_shape beyond this is refused (it sizes an allocation)
 MAX_GROUPS = 1023  # PyTorch's grouped_mm takes fewer than 1024 groups
+# Reading its share at start, the kernel is asked for this many experts ahead (posix_fadvise WILLNEED):
+# 466 against 172 MiB/s read with none, on this project's virtio disk (4 ahead beat 16: 355 MiB/s)
+WARM_AHEAD = 4
 
 
 def _free_device_bytes(device: torch.device) -> int:
@@ -271,7 +274,11 @@ class WorkerNode:
         total = len(keys) * self._expert_bytes()
         start = last = time.perf_counter()
         done = 0
-        for key in keys:
+        for key in keys[:WARM_AHEAD]:
+            self.store.prefetch(key)
+        for i, key in enumerate(keys):
+            if i + WARM_AHEAD < len(keys):  # the kernel reads the next ones while this one is copied
+                self.store.prefetch(keys[i + WARM_AHEAD])
             slot = self.slots.load(key)
             self.slots.keep(slot)
             self.cache.admit(key)

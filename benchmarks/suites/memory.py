@@ -23,6 +23,9 @@ memory for experts = fraction x the checkpoint), the defaults otherwise: decode 
 per token, the workers' memory pressure (the kernel's PSI "some" stall share while decoding, the
 system-wide figure of /proc/pressure/memory and /proc/pressure/io) and the disk's own read bandwidth
 (O_DIRECT reads of the checkpoint).
+Part 4, start-up at scale (`memory.startup_workers`): one worker of the largest checkpoint started
+alone with the checkpoint's pages dropped from the page cache: its time to ready against its share's
+bytes at the disk's bandwidth.
 """
 
 from __future__ import annotations
@@ -72,12 +75,14 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
                 {"model": Path(path).name, "checkpoint_bytes": size, **_shadow(path, precision)}
             )
     disk = _disk_path(models[-1], m) if m.disk_fractions else []
+    bandwidth = _disk_bandwidth(models[-1])
     report = {
         "rows": rows,
         "shadow": shadow_rows,
         "slopes": _slopes(rows),
         "disk_path": disk,
-        "disk_read_bytes_per_s": _disk_bandwidth(models[-1]),
+        "disk_read_bytes_per_s": bandwidth,
+        "startup": [_startup(models[-1], workers, bandwidth) for workers in m.startup_workers],
         "identical": all(r["identical"] for r in rows) and all(d["identical"] for d in disk),
     }
     _print(report)
@@ -244,6 +249,65 @@ def _disk_path(path: str, m) -> list[dict]:
     return rows
 
 
+def _evict(path: str) -> None:
+    """Drop the checkpoint's pages from the kernel's cache (posix_fadvise DONTNEED on each file), so
+    that reading it comes from the disk; nothing else's pages are touched."""
+    for file in Path(path).glob("*.safetensors"):
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _startup(path: str, workers: int, bandwidth: float | None) -> dict:
+    """One worker of `workers` started alone with the checkpoint out of the page cache: its time to
+    ready against reading its share at the disk's bandwidth, and against the same with its imports
+    taken out (an interpreter importing the worker's modules, timed apart)."""
+    import tempfile
+
+    _evict(path)
+    ready = Path(tempfile.mkdtemp()) / "ready.json"
+    words = [
+        "role=worker",
+        "worker.index=0",
+        f"cluster.workers={workers}",
+        f"cluster.group_size={workers}",
+        f"model.path={path}",
+        "security.enabled=false",
+        f"ready_file={ready}",
+    ]
+    start = time.perf_counter()
+    node = subprocess.Popen(
+        [sys.executable, "-m", "odmoe.launch.cli", *words],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        while not ready.exists() and node.poll() is None:
+            time.sleep(0.05)
+        ready_s = time.perf_counter() - start
+        info = json.loads(ready.read_text()) if ready.exists() else {}
+    finally:
+        node.kill()
+        node.wait()
+    start = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import odmoe.nodes.worker"], check=True)
+    import_s = time.perf_counter() - start
+    read_bytes = info.get("read_bytes", 0)
+    ideal_s = read_bytes / bandwidth if bandwidth else None
+    return {
+        "workers": workers,
+        "ready_s": ready_s,
+        "read_bytes": read_bytes,
+        "read_s": info.get("read_s"),
+        "import_s": import_s,
+        "share_at_disk_bandwidth_s": ideal_s,
+        "ready_over_disk": ready_s / ideal_s if ideal_s else None,
+        "ready_less_imports_over_disk": (ready_s - import_s) / ideal_s if ideal_s else None,
+    }
+
+
 def _disk_bandwidth(path: str, chunk: int = 8 * MiB, total: int = 1 * GiB) -> float | None:
     """The disk's sequential read bandwidth, bypassing the page cache (O_DIRECT), over the checkpoint."""
     files = sorted(Path(path).glob("*.safetensors"))
@@ -301,6 +365,15 @@ def _print(report: dict) -> None:
         )
     bw = report["disk_read_bytes_per_s"]
     print(f"disk read bandwidth (O_DIRECT): {bw / 2**20:.0f} MiB/s" if bw else "disk read bandwidth: n/a")
+    for st in report["startup"]:
+        ratio, without = st["ready_over_disk"], st["ready_less_imports_over_disk"]
+        print(
+            f"start-up, one worker of {st['workers']} alone, the checkpoint not in the page cache: "
+            f"ready in {st['ready_s']:.1f} s, its share "
+            f"{st['read_bytes'] / GiB:.2f} GiB read in {st['read_s'] or 0:.1f} s; at the disk's "
+            f"bandwidth {st['share_at_disk_bandwidth_s'] or 0:.1f} s: "
+            + (f"{ratio:.2f} x ({without:.2f} x less {st['import_s']:.1f} s of imports)" if ratio else "n/a")
+        )
     for d in report["disk_path"]:
         print(
             f"disk path at {d['fraction']:g} x: {d['decode_tokens_per_s']:.2f} tokens/s, "
