@@ -52,6 +52,8 @@ EXTENDED_FOR_TIME = (
     "test_failover.py::test_main_stopped_with_requests_waiting_exits_and_they_get_unavailable",
     "test_dataplane.py::test_the_suites_floor",
     "test_model_factory.py::test_cli_writes_a_model_and_rejects_bad_options",
+    # a tiny cluster in cgroups: test_memory_limits' refusal runs a cluster's nodes in cgroups by default
+    "test_memory_cgroups.py::test_a_cluster_in_cgroups_gives_the_same_tokens_and_reports_each_node",
 )
 
 

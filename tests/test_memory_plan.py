@@ -89,17 +89,21 @@ def test_peers_memory_is_its_own_unless_named():
     assert got == [(8 * GiB, "MemAvailable"), (8 * GiB, "MemAvailable"), (16 * GiB, "cluster.node_memory")]
 
 
-@pytest.mark.integration
-def test_role_plan_prints_every_node_and_exits_1_when_one_does_not_fit(model_dirs):
+def test_the_plan_of_a_checkpoint_lists_every_node(model_dirs):
+    from odmoe.launch.plan import cluster_plan
+    from odmoe.launch.settings import compose
+
     path = model_dirs["mixtral"]
-    ok = subprocess.run(
-        [sys.executable, "-m", "odmoe.launch.cli", "role=plan", f"model.path={path}", "cluster.workers=4"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert ok.returncode == 0, ok.stderr
-    assert all(f"worker{i}" in ok.stdout for i in range(4)) and "shadow" in ok.stdout and "main" in ok.stdout
+    cfg = compose(["role=plan", f"model.path={path}", "cluster.workers=4", "node.memory=8GiB"])
+    header, needs = cluster_plan(cfg, path)
+    assert [n.node for n in needs] == ["main", "shadow", "worker0", "worker1", "worker2", "worker3"]
+    assert all(n.fits and n.have == 8 * GiB and n.source == "node.memory" for n in needs)
+    assert "32 experts" in header and "home for 8 experts" in needs[2].holds
+
+
+@pytest.mark.integration
+def test_role_plan_exits_1_with_the_line_of_a_node_that_does_not_fit(model_dirs):
+    path = model_dirs["mixtral"]
     short = subprocess.run(
         [sys.executable, "-m", "odmoe.launch.cli", "role=plan", f"model.path={path}", "node.memory=300MiB"],
         capture_output=True,
@@ -107,4 +111,5 @@ def test_role_plan_prints_every_node_and_exits_1_when_one_does_not_fit(model_dir
         timeout=300,
     )
     assert short.returncode == 1, short.stdout + short.stderr
+    assert all(f"worker{i}" in short.stdout for i in range(2)) and "shadow" in short.stdout
     assert "main needs" in short.stdout and "but has 0.29 GiB (node.memory)" in short.stdout
