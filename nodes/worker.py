@@ -128,8 +128,8 @@ class WorkerNode:
         w = cfg.worker
         device = compute_device(cfg.worker.device)
         self.resident = cfg.emulation.resident
+        self.memory = node_memory(cfg.node.memory)  # what this node may use: told to main in its Pong
         self.layout = self._share(cfg, checkpoint, dtype, layers, device)
-        self.memory = node_memory(cfg.node.memory)
         log.info("worker %d: memory %s; %s", self.index, self.memory.describe(), self.layout.need.holds)
         if self.layout.strict and not self.layout.need.fits:
             raise MemoryPlanError(self.layout.need.refusal())
@@ -238,8 +238,7 @@ class WorkerNode:
         peers' as far as it knows them, before anything is read. Its cache's room (what main deals
         homes by: odmoe.placement) is `worker.cache` in experts: on a CPU, auto is what its memory
         leaves; elsewhere a size, all, or free device memory less a margin."""
-        w, c = cfg.worker, cfg.cluster
-        own = node_memory(cfg.node.memory)
+        w, c, own = cfg.worker, cfg.cluster, self.memory
         sizes = CheckpointSizes.of(checkpoint, dtype)
         stored = [(layer, e) for layer in layers for e in range(checkpoint.num_experts)]
         setup = WorkerSetup(
