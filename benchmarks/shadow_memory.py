@@ -126,7 +126,7 @@ def measure_speed(model_path: str, precisions: list[str], tokens: int, rounds: i
 
 
 HEADER = (
-    f"{'precision':<14}{'loader':<8}{'load s':>8}{'peak':>8}{'steady':>8}{'over':>7}{'layer':>7}"
+    f"{'precision':<18}{'loader':<8}{'load s':>8}{'peak':>8}{'steady':>8}{'over':>7}{'layer':>7}"
     f"{'weights':>9}{'/bf16':>7}{'held':>7}{'/bf16':>7}{'ms/tok':>8}   (GiB; ms/tok at --threads)"
 )
 
@@ -135,7 +135,7 @@ def _line(row: dict) -> str:
     gib = 2**30
     name = row["precision"] if row["precision"] == row["chosen"] else f"auto:{row['chosen']}"
     sizes = [row["peak_rss"], row["steady_rss"], row["peak_over_steady"], row["layer_bytes"]]
-    text = f"{name:<14}{row['loader']:<8}{row['load_s']:>8.1f}"
+    text = f"{name:<18}{row['loader']:<8}{row['load_s']:>8.1f}"
     text += "".join(f"{b / gib:>{8 if i < 2 else 7}.2f}" for i, b in enumerate(sizes))
     text += f"{row['weight_bytes'] / gib:>9.2f}{row['weight_over_bf16']:>7.3f}"
     text += f"{row['held_rss'] / gib:>7.2f}{row['held_over_bf16']:>7.3f}"
