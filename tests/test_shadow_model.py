@@ -169,6 +169,26 @@ def test_unknown_precision_is_rejected(model_dirs):
         load_shadow_model(model_dirs["mixtral"], "int4", "cuda")
 
 
+def test_a_checkpoint_lacking_a_tensor_is_loaded_the_old_way_and_says_so(model_dirs, tmp_path, caplog):
+    """The layer-by-layer load refuses a model whose weight map lacks a tensor it needs (here the final
+    norm, which from_pretrained initializes): `load_whole_shadow_model` loads it, with a log line."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "lacking"
+    shutil.copytree(model_dirs["mixtral"], path)
+    tensors = load_file(path / "model.safetensors")
+    del tensors["model.norm.weight"]
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level("INFO", logger="odmoe.shadow.model"):
+        model = load_shadow_model(str(path), "int4")
+    assert "through from_pretrained" in caplog.text and "model.norm.weight" in caplog.text
+    with torch.no_grad():
+        assert torch.isfinite(model(IDS).logits).all()
+    assert any(isinstance(m, Int4Linear) for m in model.modules())
+
+
 _PEAK = """
 import gc, json, sys
 from pathlib import Path
