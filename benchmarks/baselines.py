@@ -33,7 +33,7 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import open_checkpoint
 from odmoe.models.expert_math import combine, expert_forward, split_by_expert
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import build_main_model, resolve_dtype
@@ -147,7 +147,7 @@ def build(
 ):
     """The model to generate with (at `dtype`, "auto": as saved, on `device`), its device bytes, and
     the LRU cache when there is one."""
-    kwargs = {} if dtype == "auto" else {"dtype": resolve_dtype(dtype, Checkpoint(path))}
+    kwargs = {} if dtype == "auto" else {"dtype": resolve_dtype(dtype, open_checkpoint(path))}
     if system == "single_process":
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
         return model, sum(p.numel() * p.element_size() for p in model.parameters()), None
@@ -159,7 +159,7 @@ def build(
         ).eval()
         on_gpu = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "cpu")
         return model, on_gpu, None
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)
     main = build_main_model(ckpt, resolve_dtype(dtype, ckpt), device)
     store = ExpertStore.build(
         ckpt,

@@ -27,9 +27,10 @@ ONE_PROCESS = """
 import json, sys, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from odmoe.models.checkpoint import load_tokenizer
 path, device, n, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
-ids = AutoTokenizer.from_pretrained(path)(prompt, return_tensors="pt")["input_ids"].to(device)
+ids = load_tokenizer(path)(prompt, return_tensors="pt")["input_ids"].to(device)
 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
 lines = Path("/proc/self/status").read_text().splitlines()
 status = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in lines if l.endswith("kB")}

@@ -23,6 +23,8 @@ import time
 
 import torch
 
+from odmoe.models.checkpoint import load_tokenizer
+
 
 def _measure(engine, workers, requests, clock=time.thread_time) -> tuple[float, dict[str, list[int]]]:
     from odmoe.main.engine import TokenEvent
@@ -56,7 +58,6 @@ def _measure(engine, workers, requests, clock=time.thread_time) -> tuple[float, 
 
 
 def main() -> None:
-    from transformers import AutoTokenizer
 
     from odmoe.benchmarks.workload import prompt_ids
     from odmoe.main.engine import GenerateRequest
@@ -76,7 +77,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     torch.set_num_threads(1)  # as a node runs (one torch thread per process on this box)
     path = resolve_model(args.model)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = load_tokenizer(path)
     users = [int(u) for u in args.users.split(",")]
     engines = {
         mode: engine_in_process(

@@ -21,11 +21,10 @@ import statistics
 import subprocess
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
+from odmoe.models.checkpoint import load_tokenizer
 from odmoe.tools.model_names import resolve_model
 
 SUBNET, BRIDGE = "10.77.0", "odmoe-br"
@@ -113,7 +112,7 @@ def main() -> None:
     if shutil.which("ip") is None or shutil.which("tc") is None:
         raise SystemExit("netns_lan: needs iproute2 (ip, tc) and root")
     path = resolve_model(args.model)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     prompts = [prompt_ids(tokenizer, i, 32) for i in range(3)]
     words = [f"cluster.workers={args.workers}", "cluster.group_size=2", *args.overrides]
     nodes = ["main", "shadow", *[f"worker{i}" for i in range(args.workers)]]

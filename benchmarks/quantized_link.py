@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from odmoe import LocalCluster
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.tools.fp8_checkpoint import quantize_fp8
 from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4
@@ -30,11 +30,11 @@ PROMPT = "def fibonacci(n):"
 
 def reference(path: str, tokens: int) -> list[int]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(1)  # as every node of the local cluster computes
     model = AutoModelForCausalLM.from_pretrained(path)
-    ids = AutoTokenizer.from_pretrained(path)(PROMPT, return_tensors="pt")["input_ids"]
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt")["input_ids"]
     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens)
     return out[0, ids.shape[1] :].tolist()
 
@@ -43,7 +43,7 @@ def run(path: str, tokens: int) -> dict:
     with LocalCluster(path, workers=2, group_size=2, overrides=["preset=paper"]) as cluster:
         got = cluster.client.generate(PROMPT, max_new_tokens=tokens)
     s = got.stats
-    checkpoint = Checkpoint(path)
+    checkpoint = open_checkpoint(path)
     key = (checkpoint.moe_layers[0], 0)
     stored = (
         checkpoint.quantized_expert(*key).nbytes

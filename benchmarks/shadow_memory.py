@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 
+from odmoe.models.checkpoint import open_checkpoint
+
 
 def _status() -> dict[str, int]:
     out = {}
@@ -50,7 +52,6 @@ def measure_memory(model_path: str, precision: str, whole: bool) -> dict:
 
     import torch
 
-    from odmoe.models.checkpoint import Checkpoint
     from odmoe.models.load_dtypes import meta_skeleton
     from odmoe.shadow.precision import shadow_weight_bytes
     from odmoe.shadow.shadow_model import (
@@ -61,7 +62,7 @@ def measure_memory(model_path: str, precision: str, whole: bool) -> dict:
         weight_shapes,
     )
 
-    checkpoint = Checkpoint(model_path)
+    checkpoint = open_checkpoint(model_path)
     chosen = resolve_precision(checkpoint, precision)  # auto: by this box's memory
     skeleton = meta_skeleton(checkpoint.config, torch.bfloat16)
     shapes = weight_shapes(skeleton, checkpoint.family.expert_layout)

@@ -29,7 +29,7 @@ import time
 import torch
 import zmq
 
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import open_checkpoint
 from odmoe.models.expert_math import KERNELS, expert_forward
 from odmoe.transport.messages import ComputeExpert, ExpertResult, from_frames, to_frames
 
@@ -46,7 +46,7 @@ class Expert:
     own `expert_forward`: a worker's compute with none of its message handling around it."""
 
     def __init__(self, model: str, layer: int, kernel: str):
-        ckpt = Checkpoint(model)
+        ckpt = open_checkpoint(model)
         self.weights = [ckpt.expert(layer, e) for e in range(ckpt.num_experts)]
         self.act, self.kernel = ckpt.config.hidden_act, kernel
         self.dtype, self.hidden = self.weights[0].down.dtype, self.weights[0].down.shape[0]

@@ -29,6 +29,7 @@ import atexit
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -42,7 +43,7 @@ from pathlib import Path
 from odmoe.config import ModelConfig, OdmoeConfig
 from odmoe.launch.settings import compose
 from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent, popen_node  # noqa: F401 - re-exported
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import CheckpointError, open_checkpoint
 from odmoe.serving.client import Client
 from odmoe.tools.model_names import resolve_model
 from odmoe.transport.security import ClientCredentials, init_key_dir
@@ -85,8 +86,28 @@ class NodeProcess:
 def resolve_model_path(cfg: OdmoeConfig) -> str:
     """`model.path` as a checkpoint directory (odmoe.tools.model_names: `demo`, `tiny`, `trained`,
     `trained_deepseek`, `trained_qwen3_next` or a directory; unset is `tiny`), made on first use under
-    model.cache_dir."""
-    return resolve_model(cfg.model.path, cfg.model.cache_dir)
+    model.cache_dir; with `model.gguf_file`, that file in the directory."""
+    path = resolve_model(cfg.model.path, cfg.model.cache_dir)
+    if cfg.model.gguf_file and Path(path).is_dir():  # a path already naming the file keeps it
+        path = str(Path(path) / cfg.model.gguf_file)
+        if not Path(path).is_file():
+            raise CheckpointError(f"model.gguf_file={cfg.model.gguf_file}: {path} does not exist")
+    elif Path(path).is_dir() and not (Path(path) / "config.json").is_file():
+        path = _only_gguf_file(Path(path)) or path
+    return path
+
+
+def _only_gguf_file(directory: Path) -> str | None:
+    """A directory of downloaded GGUF files and no config.json: its one model (a sharded set counts
+    once, by its first shard); None where it holds none; refused, naming them, where it holds several."""
+    files = sorted(directory.glob("*.gguf"))
+    sets = [f for f in files if not re.search(r"-\d{5}-of-\d{5}\.gguf$", f.name) or "-00001-of-" in f.name]
+    if len(sets) > 1:
+        raise CheckpointError(
+            f"{directory} holds {len(sets)} GGUF models ({', '.join(f.name for f in sets)}): "
+            "name one with model.gguf_file="
+        )
+    return str(sets[0]) if sets else None
 
 
 class LocalCluster:
@@ -116,7 +137,7 @@ class LocalCluster:
         self.cfg: OdmoeConfig = compose(["role=local", *words])  # validates before anything starts
         self.overrides = words
         self.model_path = resolve_model_path(self.cfg)
-        Checkpoint(self.model_path)  # a missing or non-MoE model fails here, before any process starts
+        open_checkpoint(self.model_path)  # a missing or non-MoE model fails here, before any process starts
         self.ready_timeout_s = ready_timeout_s or self.cfg.worker.ready_timeout_s
         self.nodes: list[NodeProcess] = []
         self.address = ""

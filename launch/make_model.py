@@ -6,6 +6,8 @@ odmoe-make-model --family deepseek_v3 --out /tmp/ds3-tiny --experts 16 --top-k 4
 odmoe-make-model --train --family deepseek_v3 --out /tmp/ds3-trained   # the DeepSeek benchmark model
 odmoe-make-model --family deepseek_v3 --dtype bfloat16 --fp8 32 --out /tmp/ds3-fp8   # as FP8 releases are
 odmoe-make-model --family gpt_oss --dtype bfloat16 --mxfp4 --out /tmp/oss-mxfp4   # as gpt-oss is released
+odmoe-make-model --family qwen3_moe --hidden 256 --intermediate 768 --gguf Q4_K_M --out /tmp/q3-gguf
+                                        # a GGUF file as llama.cpp writes one (odmoe[gguf])
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ import math
 import sys
 from dataclasses import fields
 
+from odmoe.models.checkpoint import open_checkpoint
+from odmoe.tools.gguf_export import GGUF_TYPES
 from odmoe.tools.model_factory import FAMILIES, ModelSpec, make_model
 
 
@@ -59,6 +63,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="--family gpt_oss: then store its experts as gpt-oss's MXFP4 release does",
     )
+    parser.add_argument(
+        "--gguf",
+        choices=GGUF_TYPES,
+        default=None,
+        metavar="TYPE",
+        help="--family qwen2_moe / qwen3_moe: write it as one GGUF file of TYPE in --out "
+        f"(model-TYPE.gguf), named and laid out as llama.cpp's converter does ({', '.join(GGUF_TYPES)}); "
+        "K-quant blocks need --hidden and --intermediate multiples of 256",
+    )
+    parser.add_argument("--gguf-shards", type=int, default=1, help="--gguf: split into N shard files")
     parser.add_argument(
         "--steps",
         type=int,
@@ -111,10 +125,13 @@ def main(argv: list[str] | None = None) -> int:
         from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4
 
         out = quantize_mxfp4(out, out)
-    from odmoe.models.checkpoint import Checkpoint
     from odmoe.models.main_model import resolve_dtype
 
-    ckpt = Checkpoint(out)
+    if args.gguf:
+        out = _as_gguf(out, args.gguf, args.gguf_shards, args.seed)
+        if out is None:
+            return 2
+    ckpt = open_checkpoint(out)
     expert, form = ckpt.expert(ckpt.moe_layers[0], 0), ckpt.quantized_experts
     saved_dtype = resolve_dtype("auto", ckpt)  # an FP8 expert comes dequantized to float32
     expert_bytes = (expert.gate_up.numel() + expert.down.numel()) * saved_dtype.itemsize
@@ -125,6 +142,30 @@ def main(argv: list[str] | None = None) -> int:
         + (f" ({_stored_bytes(ckpt) / 1024:.0f} KiB as stored in {form.upper()})" if form else "")
     )
     return 0
+
+
+def _as_gguf(model_dir, qtype: str, shards: int, seed: int):
+    """The model in `model_dir` rewritten as a GGUF file in its place (the file's path), or None."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from odmoe.tools.gguf_export import write_gguf
+
+    model_dir = Path(model_dir)
+    source = Path(tempfile.mkdtemp(prefix=".safetensors-", dir=model_dir.parent))
+    try:
+        shutil.rmtree(source)
+        model_dir.rename(source)
+        return write_gguf(source, model_dir, qtype, shards=shards, seed=seed)
+    except ImportError:
+        print("odmoe-make-model: --gguf needs the gguf package: pip install 'odmoe[gguf]'", file=sys.stderr)
+        return None
+    except ValueError as exc:
+        print(f"odmoe-make-model: {exc}", file=sys.stderr)
+        return None
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
 
 
 def _stored_bytes(ckpt) -> int:

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from odmoe.models.checkpoint import Checkpoint, CheckpointError
+from odmoe.models.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from odmoe.models.families import UnsupportedModelError
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
@@ -75,7 +75,7 @@ def verify(path, checkpoint: Checkpoint, dtype: torch.dtype) -> dict[str, list[i
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        checkpoint = Checkpoint(args.model)
+        checkpoint = open_checkpoint(args.model)
         # Packed at the dtype the experts load in (from_pretrained's rule, not always --dtype's).
         asked = [resolve_dtype(name, checkpoint) for name in (args.dtype or ["auto"])]
         dtypes = [expert_dtype(checkpoint.config, dtype) for dtype in asked]

@@ -13,6 +13,8 @@ fits, 1 when one does not (its line says what to change), 2 on bad input.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from odmoe.config import OdmoeConfig
@@ -26,7 +28,7 @@ from odmoe.memory_plan import (
     plan_workers,
     worker_memories,
 )
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import Checkpoint, open_checkpoint
 from odmoe.models.families import layer_of_key
 from odmoe.models.load_dtypes import meta_skeleton
 from odmoe.models.main_model import resolve_dtype
@@ -44,19 +46,20 @@ def shadow_estimates(checkpoint: Checkpoint) -> dict[str, int]:
 
 
 def largest_layer_bytes(checkpoint: Checkpoint) -> int:
-    """The bytes on disk of the largest decoder layer: what the shadow holds at full precision while
-    it quantizes one layer."""
+    """The bytes of the largest decoder layer as read (safetensors: as on disk; GGUF: dequantized to
+    float32): what the shadow holds at full precision while it quantizes one layer."""
     per_layer: dict[int, int] = {}
     for key in checkpoint.weight_map:
         layer = layer_of_key(key)
         if layer is not None:
-            per_layer[layer] = per_layer.get(layer, 0) + checkpoint.tensor_info(key).nbytes
+            info = checkpoint.tensor_info(key)  # as held in memory (a GGUF tensor dequantized)
+            per_layer[layer] = per_layer.get(layer, 0) + math.prod(info.shape) * info.dtype.itemsize
     return max(per_layer.values(), default=0)
 
 
 def cluster_plan(cfg: OdmoeConfig, model_path: str) -> tuple[str, list[NodeNeed]]:
     """A header line and every node's need."""
-    checkpoint = Checkpoint(model_path)
+    checkpoint = open_checkpoint(model_path)
     dtype = resolve_dtype(cfg.model.dtype, checkpoint)
     sizes = CheckpointSizes.of(checkpoint, dtype, shadow_estimates(checkpoint))
     here = node_memory(cfg.node.memory)

@@ -19,10 +19,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from odmoe.lossy.substitution import profile_path
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.tools.profiling import draw_heatmap, profile_model, save_profile
 
 
@@ -68,14 +68,14 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         path = resolve_model(args.model)
-        checkpoint = Checkpoint(path)
+        checkpoint = open_checkpoint(path)
     except (ValueError, OSError) as exc:
         print(f"odmoe-profile: {exc}", file=sys.stderr)
         return 2
     files = args.text or corpus_files(TRAINED_SETTINGS["mixtral"].corpus_bytes)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = load_tokenizer(path)
     windows = calibration_windows(tokenizer, files, args.tokens, args.window)
     profile = profile_model(model, windows, checkpoint.num_experts, _progress(time.perf_counter()))
     out = save_profile(profile, profile_path(path, args.out), args.alpha, args.k_max)

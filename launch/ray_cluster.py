@@ -54,7 +54,7 @@ from odmoe.config import OdmoeConfig, RayRoleConfig
 from odmoe.launch.local_cluster import resolve_model_path
 from odmoe.launch.ray_node import STOP_GRACE_S, NodeActor, NodeSpec, SecretFiles, model_fingerprint
 from odmoe.launch.spawn import ClusterStartError
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import open_checkpoint
 from odmoe.serving.client import Client
 from odmoe.transport.security import ClientCredentials, KeyDir, init_key_dir
 
@@ -138,7 +138,7 @@ class RayCluster:
         if not any(w.startswith("server.http_port=") for w in self.words):
             self.words.append(f"server.http_port={cfg.server.http_port}")
         self.model_path = resolve_model_path(cfg)
-        self.checkpoint = Checkpoint(self.model_path)  # a missing or non-MoE model fails here
+        self.checkpoint = open_checkpoint(self.model_path)  # a missing or non-MoE model fails here
         self.actors: dict[str, object] = {}
         self.placement: dict[str, dict] = {}
         self.main_addresses: list[str] = []

@@ -39,7 +39,6 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from transformers import AutoTokenizer
 
 from odmoe.config import OdmoeConfig
 from odmoe.lossy.substitution import Substituter
@@ -60,7 +59,7 @@ from odmoe.main.request_queue import END, QueueClosed, QueueFull, RequestQueue, 
 from odmoe.main.sampling import SamplingParams
 from odmoe.main.shadow_link import ShadowLink
 from odmoe.memory_plan import MemoryPlanError, unfit_homes
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.models.main_model import build_main_model, resolve_dtype
 from odmoe.nodes.ready import announce_ready
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
@@ -91,11 +90,11 @@ class PortInUse(RuntimeError):
 class MainNode(odmoe_pb2_grpc.InferenceServicer):
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.cfg, self.model_path = cfg, model_path
-        self.checkpoint = Checkpoint(model_path)
+        self.checkpoint = open_checkpoint(model_path)
         main = build_main_model(
             self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint), cfg.model.device
         )
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = load_tokenizer(model_path)
         heartbeat = Heartbeat(cfg.failover.heartbeat_interval_s, cfg.failover.heartbeat_timeout_s)
         sec = cfg.security
         self.security = NodeSecurity.load(

@@ -42,13 +42,14 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 from accelerate import init_empty_weights
-from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, DynamicCache
 
 from odmoe.config import OdmoeConfig
 from odmoe.main.alignment import make_plan
 from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
 from odmoe.models.cache_argument import with_cache
-from odmoe.models.families import family_of, served_config
+from odmoe.models.checkpoint import load_config
+from odmoe.models.families import family_of
 from odmoe.models.main_model import experts_modules
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
@@ -138,7 +139,7 @@ class ShadowNode:
         self.cfg, self.scfg, self.emulation = cfg, cfg.shadow, cfg.emulation
         self.alignment = cfg.alignment
         self.first_wait = make_plan(cfg.alignment).next_after(0)  # main's plan says the same
-        config, _ = served_config(AutoConfig.from_pretrained(model_path))  # a wrapper's text model
+        config = load_config(model_path)  # a wrapper's text model; a GGUF file's as odmoe reads it
         self.vocab_size = int(config.vocab_size)
         self.max_positions = int(getattr(config, "max_position_embeddings", 0) or 0)
         self.family = family_of(config)

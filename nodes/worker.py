@@ -46,7 +46,7 @@ import zmq
 from odmoe.config import OdmoeConfig
 from odmoe.lossy.substitution import profile_path, use_rates
 from odmoe.memory_plan import CheckpointSizes, MemoryPlanError, WorkerSetup, worker_memories
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import Checkpoint, open_checkpoint
 from odmoe.models.expert_math import KERNELS, expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
@@ -108,7 +108,7 @@ def compute_device(name: str) -> torch.device:
 class WorkerNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
         self.index = cfg.worker.index
-        checkpoint = Checkpoint(model_path)
+        checkpoint = open_checkpoint(model_path)
         self.topology = cfg.topology.for_model(checkpoint.moe_layers, checkpoint.num_experts)
         self.mlp = expert_mlp(checkpoint.config, checkpoint.family.expert_layout)  # what an expert computes
         # The experts' dtype as from_pretrained would load them (not always model.dtype: load_dtypes).

@@ -35,6 +35,9 @@ class ModelConfig:
     # library, ~2 min on 2 cores, once: odmoe-launch's default, set in conf/config.yaml),
     # trained, trained_deepseek, trained_qwen3_next. null means tiny; write ./demo for a directory named demo.
     path: str | None = "tiny"
+    # A GGUF file inside `path` (a directory), as transformers' `gguf_file=`: `path` may also name the
+    # .gguf file itself (a shard `-00001-of-0000N.gguf` names the set). Needs the `gguf` extra.
+    gguf_file: str | None = None
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
     cache_dir: str | None = None  # where odmoe's own models are made (null: ~/.cache/odmoe/models)
     # Where main computes (embeddings, attention + KV cache, routers, shared experts, lm_head):

@@ -25,6 +25,7 @@ imported: 432-458 MiB resident measured for the demo's nodes) and keeps a margin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -68,7 +69,8 @@ class CheckpointSizes:
             disk += info.nbytes
             if not is_expert_key(key):
                 floating = info.dtype.is_floating_point and info.dtype.itemsize >= 2
-                non_expert += info.nbytes // info.dtype.itemsize * dtype.itemsize if floating else info.nbytes
+                # held at `dtype` whatever the file stores (a GGUF tensor's blocks are dequantized)
+                non_expert += math.prod(info.shape) * dtype.itemsize if floating else info.nbytes
         from odmoe.models.load_dtypes import expert_dtype
 
         return cls(

@@ -20,6 +20,11 @@ def validate(cfg: OdmoeConfig) -> None:
     resolve_aliases(cfg)
     if cfg.role.name not in ROLES:
         raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
+    gguf_file = cfg.model.gguf_file
+    if gguf_file and (not str(gguf_file).endswith(".gguf") or "/" in str(gguf_file)):
+        raise ValueError(
+            f"model.gguf_file={gguf_file!r} is not a .gguf file name (model.path is its directory)"
+        )
     if cfg.worker.replicas < 1:
         raise ValueError(f"worker.replicas must be at least 1, got {cfg.worker.replicas}")
     from odmoe.worker.expert_cache import CACHE_POLICIES, check_cache_spec

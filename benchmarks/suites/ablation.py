@@ -7,13 +7,12 @@ prefetch, 6 no shadow: load after routing. Each case is its own local cluster wi
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
+from odmoe.models.checkpoint import load_tokenizer
 
 CASES = {
     1: "token + KV alignment",
@@ -28,7 +27,7 @@ PROMPT_TOKENS = 32
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.ablation
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.repeats)]
     print(
         f"{'case':<26}{'decode tok/s':>13}{'± stdev':>9}{'recall':>8}{'in time':>8}"

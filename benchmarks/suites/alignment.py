@@ -8,13 +8,12 @@ depends on the hardware, so this is a sweep, not a constant.
 
 from __future__ import annotations
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
+from odmoe.models.checkpoint import load_tokenizer
 
 PROMPT_TOKENS = 32
 PANELS = [
@@ -26,7 +25,7 @@ PANELS = [
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.alignment
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.repeats)]
     print(f"{'token':>6}{'kv':>4}{'decode tok/s':>14}{'± stdev':>9}{'recall':>8}{'in time':>8}{'late ms':>9}")
     rows = []

@@ -25,21 +25,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.cache
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     prompts = [prompt_ids(tok, 200 + i, suite.prompt_tokens) for i in range(suite.prompts)]
     wanted = [reference_tokens(model_path, ids, suite.new_tokens) for ids in prompts]
     expert_bytes, experts = _expert_size(model_path)
@@ -79,7 +77,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
 def _expert_size(model_path: str) -> tuple[int, int]:
     """Bytes of one expert as the workers hold it, and how many routed experts the model has."""
-    ckpt = Checkpoint(model_path)
+    ckpt = open_checkpoint(model_path)
     dtype = expert_dtype(ckpt.config, resolve_dtype("auto", ckpt))
     one = ckpt.expert(ckpt.moe_layers[0], 0)
     return (one.gate_up.numel() + one.down.numel()) * dtype.itemsize, len(ckpt.moe_layers) * ckpt.num_experts

@@ -30,14 +30,13 @@ import numpy as np
 import torch
 import xxhash
 import zstandard
-from transformers import AutoTokenizer
 
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig, BenchLink
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.tools.model_names import resolve_model
 from odmoe.worker.bitfields import byte_view, join_into, split
 from odmoe.worker.compressed_tensor import DEFAULT_CHUNK_ELEMS, MemoryBytes, compress, exponent_compressor
@@ -80,7 +79,7 @@ def _subtitle(cfg: BenchConfig) -> str:
 
 
 def _experts(path: str) -> list[tuple[str, torch.Tensor]]:
-    ckpt = Checkpoint(path)
+    ckpt = open_checkpoint(path)
     out = []
     for layer in ckpt.moe_layers:
         for e in range(ckpt.num_experts):
@@ -281,13 +280,13 @@ def _print_coders(rows: dict, stages: dict) -> None:
 # -- 3. decode tokens/s --------------------------------------------------------------------------
 def decode(cfg: BenchConfig, model_path: str) -> dict:
     suite = cfg.compression
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = [prompt_ids(tokenizer, 200 + i, 32) for i in range(suite.repeats)]
     link_cfg = dataclasses.replace(cfg, link=BenchLink(suite.bandwidth_gbps, suite.latency_ms))
     results = {}
     with tempfile.TemporaryDirectory(prefix="odmoe-pack-") as pack_dir:
         if {"compressed", "disk"} & set(suite.systems):
-            write_pack(Checkpoint(model_path), pack_dir, getattr(torch, suite.dtype))
+            write_pack(open_checkpoint(model_path), pack_dir, getattr(torch, suite.dtype))
         for system in suite.systems:
             print(f"-- {system}", flush=True)
             if system == "lru_offloader":

@@ -52,7 +52,7 @@ import time
 
 import torch
 import zmq
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import odmoe
 from odmoe.benchmarks import plots
@@ -63,7 +63,7 @@ from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.wire_echo import busy
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import Checkpoint, load_tokenizer, open_checkpoint
 from odmoe.models.main_model import resolve_dtype
 from odmoe.transport.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
 
@@ -130,7 +130,7 @@ def _taskset(pinning: str | None, cpu: int) -> list[str]:
 
 def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None) -> dict:
     suite = cfg.dataplane
-    ckpt = Checkpoint(model_path)
+    ckpt = open_checkpoint(model_path)
     row = torch.randn(1, ckpt.config.hidden_size).to(resolve_dtype("auto", ckpt))
     print(f"-- wire: one decode layer's message, {row.numel() * row.element_size()} B row", flush=True)
     wire = measure_wire(suite, row, pinning)
@@ -359,7 +359,7 @@ def measure_codec(suite: DataplaneSuite, row: torch.Tensor) -> dict:
 # -- 3. layers -------------------------------------------------------------------------------------
 def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: str | None = None) -> dict:
     suite = cfg.dataplane
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     prompts = [prompt_ids(tok, 200 + i, suite.prompt_tokens) for i in range(suite.prompts)]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every node of a local cluster (cluster.torch_threads=1)

@@ -33,12 +33,13 @@ from pathlib import Path
 import httpx
 import torch
 import yaml
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 import odmoe
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
+from odmoe.models.checkpoint import load_tokenizer
 
 EVAL_DIR = Path(__file__).resolve().parent.parent / "eval"
 NODE_THREADS = 1  # conf/cluster/local.yaml: torch_threads of every local node
@@ -233,7 +234,7 @@ def scoring_throughput(cluster, model_path: str, prompts: int, batch: int) -> di
     request; then `batch` per request) against transformers' forward + log_softmax in one process."""
     from odmoe.benchmarks.workload import prompt_ids
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     ids = [prompt_ids(tok, i, 64 + 16 * (i % 5)) for i in range(prompts)]
     tokens = sum(len(x) for x in ids)
     url, auth = f"{cluster.http_url}/v1/completions", cluster.http_auth

@@ -30,15 +30,15 @@ from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.models.checkpoint import load_tokenizer
 
 PROMPT_TOKENS = 32
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.faults
-    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     prompts = [prompt_ids(tok, i, PROMPT_TOKENS) for i in range(max(suite.streams, 1))]
     wants = [reference_tokens(model_path, p, suite.new_tokens) for p in prompts]
     print(

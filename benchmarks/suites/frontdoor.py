@@ -21,6 +21,7 @@ from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
+from odmoe.models.checkpoint import load_tokenizer
 
 PATHS = ("grpc", "http_stream", "http_whole")
 
@@ -28,10 +29,9 @@ PATHS = ("grpc", "http_stream", "http_whole")
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     import httpx
     import openai
-    from transformers import AutoTokenizer
 
     suite = cfg.frontdoor
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
     samplings = [{}, {"temperature": 0.8, "seed": 7}] if suite.sampled else [{}]
     rows: dict[str, list[dict]] = {p: [] for p in PATHS}

@@ -43,14 +43,13 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoTokenizer
 
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.config import BenchConfig, GpuSuite, gpu_system
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import Checkpoint, load_tokenizer, open_checkpoint
 from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
 
 NO_CUDA = (
@@ -125,9 +124,9 @@ def cluster_words(g: GpuSuite, cache: bool | str = False, policy: str = "predict
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     g = cfg.gpu
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = [prompt_ids(tokenizer, 200 + i, g.prompt_tokens) for i in range(g.repeats)]
-    ckpt = Checkpoint(model_path)
+    ckpt = open_checkpoint(model_path)
     expert_bytes = ckpt.expert(ckpt.moe_layers[0], 0).nbytes
     bus = _bus_peak(g)
     systems: dict[str, dict] = {}

@@ -21,14 +21,12 @@ import sys
 import tempfile
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
 CLUSTER_SYSTEMS = {
@@ -53,9 +51,9 @@ def cells(cfg: BenchConfig, tokenizer) -> list[dict]:
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     grid = cells(cfg, tokenizer)
-    moe_layers = len(Checkpoint(model_path).moe_layers)
+    moe_layers = len(open_checkpoint(model_path).moe_layers)
     systems = {}
     for system in cfg.grid.systems:
         print(f"-- {system}", flush=True)

@@ -34,8 +34,6 @@ import math
 import shutil
 import statistics
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, cpu_per_token, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
@@ -44,7 +42,7 @@ from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.main.alignment import AlignmentSchedule
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.shadow.hedging import shadow_hedges
 
 
@@ -79,7 +77,7 @@ def _pinned(name: str) -> NodePlacement:
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.lookahead
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = [prompt_ids(tokenizer, 300 + i, suite.prompt_tokens) for i in range(suite.prompts)]
     systems = _systems(cfg)
     rows: list[dict] = []
@@ -283,7 +281,7 @@ def _print_bounds(rows: list[dict]) -> None:
 def _hedging(cfg: BenchConfig, model_path: str, tokenizer) -> list[dict]:
     """Recall with and without hedges per precision and margin, on main's trajectory (no clock)."""
     suite = cfg.lookahead
-    ckpt = Checkpoint(model_path)
+    ckpt = open_checkpoint(model_path)
     reference = load_reference(model_path)
     prompts = [prompt_ids(tokenizer, 400 + i, suite.prompt_tokens) for i in range(suite.replay_prompts)]
     eos = {tokenizer.eos_token_id}

@@ -18,7 +18,7 @@ import statistics
 import sys
 import time
 
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
@@ -28,7 +28,7 @@ from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES, prompt_ids
 from odmoe.lossy.miss_policy import MissConfig
 from odmoe.lossy.substitution import profile_path
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.shadow.shadow_model import load_shadow_model
 
 HELD_OUT_FROM = 500  # held-out windows are prompts 500.. (cluster prompts are 0..)
@@ -81,9 +81,9 @@ def agreement(tokens: list[list[int]], lossless: list[list[int]]) -> float:
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.lossy
     ensure_profile(model_path, suite.profile_tokens)
-    checkpoint = Checkpoint(model_path)
+    checkpoint = open_checkpoint(model_path)
     experts = checkpoint.num_experts
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     shadow = load_shadow_model(model_path, suite.shadow_precision)
     windows = [prompt_ids(tokenizer, HELD_OUT_FROM + i, suite.text_tokens) for i in range(suite.texts)]

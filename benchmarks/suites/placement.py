@@ -21,6 +21,7 @@ from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
+from odmoe.models.checkpoint import load_tokenizer
 
 WAYS = ("local", "ray")
 
@@ -29,10 +30,9 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     from odmoe.launch.ray_cluster import import_ray
 
     ray = import_ray()
-    from transformers import AutoTokenizer
 
     suite = cfg.placement
-    ids = prompt_ids(AutoTokenizer.from_pretrained(model_path), 0, suite.prompt_tokens)
+    ids = prompt_ids(load_tokenizer(model_path), 0, suite.prompt_tokens)
     words = cluster_words(cfg, f"model.path={model_path}", "server.http_port=0")
     began = time.perf_counter()
     own_ray, address = _ray_cluster(cfg) if not suite.ray_address else (None, suite.ray_address)

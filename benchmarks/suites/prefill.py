@@ -18,18 +18,17 @@ from __future__ import annotations
 
 import statistics
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, recall_per_token, run_cluster
 from odmoe.benchmarks.config import BenchConfig, prefill_configuration
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
+from odmoe.models.checkpoint import load_tokenizer
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.prefill
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = {n: prompt_ids(tokenizer, 0, n) for n in suite.lengths}  # one prompt, cut to each length
     report: dict = {"lengths": suite.lengths, "repeats": suite.repeats, "threads": suite.threads}
     if suite.prompt_kv:

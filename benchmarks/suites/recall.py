@@ -13,8 +13,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
@@ -29,7 +27,7 @@ from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.main.recall import RecallCounter
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.shadow.shadow_model import model_bytes
 
 PROMPT_TOKENS = 32
@@ -45,8 +43,8 @@ def score(trajectories, predictions: list[dict]) -> dict:
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.recall
-    ckpt = Checkpoint(model_path)
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    ckpt = open_checkpoint(model_path)
+    tokenizer = load_tokenizer(model_path)
     eos = tokenizer.eos_token_id
     prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.prompts)]
     reference = load_reference(model_path)
@@ -124,7 +122,7 @@ def _cross_check(cfg: BenchConfig, model_path: str, precision: str, prompts, tra
     )
     run = run_cluster(model_path, words, prompts, tokens)
     identical = all(ids == t.tokens[:tokens] for ids, t in zip(run.token_ids, trajs, strict=True))
-    ckpt = Checkpoint(model_path)
+    ckpt = open_checkpoint(model_path)
     shadow = load_shadow(model_path, precision)
     replayed = []
     for traj in trajs:

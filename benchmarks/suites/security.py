@@ -21,15 +21,15 @@ from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
+from odmoe.models.checkpoint import load_tokenizer
 
 MODES = ("on", "off")
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
-    from transformers import AutoTokenizer
 
     suite = cfg.security
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
     starts: dict[str, list[dict]] = {m: [] for m in MODES}

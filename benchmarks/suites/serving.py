@@ -31,13 +31,13 @@ import time
 
 import grpc
 import httpx
-from transformers import AutoTokenizer
 
 import odmoe
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.models.checkpoint import load_tokenizer
 
 SAMPLINGS = [{}, {"do_sample": True, "temperature": 0.8, "seed": 11}]  # greedy, seeded
 
@@ -46,7 +46,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     from odmoe.benchmarks import plots
 
     suite = cfg.serving
-    tok = AutoTokenizer.from_pretrained(model_path)
+    tok = load_tokenizer(model_path)
     prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
     wanted = _alone_references(model_path, prompts, suite.new_tokens)
     words = cluster_words(cfg, f"server.max_running={suite.max_running}", "server.max_waiting=1024")

@@ -19,7 +19,6 @@ import threading
 import time
 
 import psutil
-from transformers import AutoTokenizer
 
 import odmoe
 from odmoe.benchmarks import plots
@@ -27,13 +26,14 @@ from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import ClusterStartError
+from odmoe.models.checkpoint import load_tokenizer
 
 PROMPT_TOKENS = 16
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.soak
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.prompts)]
     wanted = [reference_tokens(model_path, p, suite.new_tokens) for p in prompts]
     words = [f"cluster.workers={suite.workers}", "cluster.group_size=2", *cfg.cluster.overrides]

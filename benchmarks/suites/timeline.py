@@ -18,14 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
 import odmoe
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
+from odmoe.models.checkpoint import load_tokenizer
 from odmoe.tools.trace import merge
 
 PROMPT_TOKENS = 32
@@ -34,7 +33,7 @@ IDLE_FLUSH_S = 1.5  # workers write their spans out after 1 s idle
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.timeline
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer = load_tokenizer(model_path)
     prompt = prompt_ids(tokenizer, 0, PROMPT_TOKENS)
     trace_dir = Path(tempfile.mkdtemp(prefix="odmoe-trace-"))
     try:

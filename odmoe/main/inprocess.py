@@ -16,7 +16,7 @@ import torch
 
 from odmoe.main.engine import Batching, MainEngine
 from odmoe.main.remote_experts import RemoteExperts
-from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.checkpoint import Checkpoint, load_tokenizer, open_checkpoint
 from odmoe.models.expert_math import expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import build_main_model
@@ -114,12 +114,11 @@ def engine_in_process(
 ) -> tuple[MainEngine, InProcessWorkers]:
     """Main's engine over in-process workers: no shadow, no sockets, the real decode loop. `device`
     is main's (the workers compute on the CPU: the answers reach main as bytes, as over a socket)."""
-    from transformers import AutoTokenizer
 
-    checkpoint = Checkpoint(path)
+    checkpoint = open_checkpoint(path)
     main = build_main_model(checkpoint, dtype, device)
     topology = Topology(workers, group_size).for_model(checkpoint.moe_layers)
     members = InProcessWorkers(checkpoint, topology, dtype)
     experts = RemoteExperts(members, checkpoint.num_experts, main.kernel)
-    engine = MainEngine(main, AutoTokenizer.from_pretrained(path), experts, batching=Batching(**batching))
+    engine = MainEngine(main, load_tokenizer(path), experts, batching=Batching(**batching))
     return engine, members

@@ -16,6 +16,10 @@ reads them. Block-wise FP8 checkpoints (DeepSeek-V3's release: `weight_scale_inv
 odmoe.models.fp8) are read as transformers reads them on a machine without FP8 kernels: main's
 tensors and `expert` dequantized exactly so; `quantized_expert` hands a worker an expert as stored.
 Other quantizations are refused.
+
+`open_checkpoint(path)` opens either kind: a `.gguf` file (odmoe.models.gguf_checkpoint, the same
+interface) or a safetensors directory; `load_tokenizer` / `load_config` give the tokenizer and the
+served config for the same path, from a GGUF file's metadata as transformers builds them.
 """
 
 from __future__ import annotations
@@ -57,6 +61,41 @@ SINGLE_FILE = "model.safetensors"
 
 class CheckpointError(ValueError):
     """The directory is missing or is not a usable safetensors checkpoint."""
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """The checkpoint at `path`: a GGUF file (`*.gguf`; a shard names the set) or a safetensors directory."""
+    if str(path).endswith(".gguf"):
+        from odmoe.models.gguf_checkpoint import GgufCheckpoint
+
+        return GgufCheckpoint(path)
+    return Checkpoint(path)
+
+
+def load_tokenizer(path: str | Path):
+    """`AutoTokenizer.from_pretrained` for the model at `path`; a GGUF file's tokenizer and chat
+    template come from its metadata, as transformers builds them (`gguf_file=`)."""
+    from transformers import AutoTokenizer
+
+    if str(path).endswith(".gguf"):
+        from odmoe.models.gguf_checkpoint import gguf_location
+
+        directory, name = gguf_location(path)  # a sharded set's first shard holds the tokenizer
+        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    return AutoTokenizer.from_pretrained(Path(path).expanduser())
+
+
+def load_config(path: str | Path) -> PretrainedConfig:
+    """The config odmoe serves from the model at `path` (a wrapper's text model; a GGUF file's as
+    `GgufCheckpoint` reads it), without reading a tensor."""
+    if str(path).endswith(".gguf"):
+        from odmoe.models.gguf_checkpoint import GgufCheckpoint
+
+        checkpoint = GgufCheckpoint(path)
+        checkpoint.close()
+        return checkpoint.config
+    config, _ = served_config(AutoConfig.from_pretrained(Path(path).expanduser()))
+    return config
 
 
 @dataclass(frozen=True)

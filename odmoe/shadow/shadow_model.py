@@ -39,7 +39,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.models.llama4.modeling_llama4 import Llama4Router
 
-from odmoe.models.checkpoint import Checkpoint, CheckpointError
+from odmoe.models.checkpoint import Checkpoint, CheckpointError, open_checkpoint
 from odmoe.models.families import is_expert_key, layer_of_key
 from odmoe.models.fp8 import SCALE_SUFFIX, dequantize, scale_key
 from odmoe.models.load_dtypes import loaded_dtypes, meta_skeleton
@@ -139,7 +139,7 @@ def resolve_precision(
         raise ValueError(f"shadow.precision={precision!r} is not one of {', '.join(PRECISIONS)}")
     if precision != "auto":
         return precision
-    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else Checkpoint(checkpoint)
+    checkpoint = checkpoint if isinstance(checkpoint, Checkpoint) else open_checkpoint(checkpoint)
     device_type = "cuda" if torch.device(device).type == "cuda" else "cpu"
     shapes = weight_shapes(meta_skeleton(checkpoint.config, torch.float32), checkpoint.family.expert_layout)
     itemsize = resolve_dtype("auto", checkpoint).itemsize  # the embedding is kept as stored
@@ -198,7 +198,7 @@ def weight_shapes(skeleton: nn.Module, layout: str) -> list[WeightShape]:
 
 def load_shadow_model(path: str, precision: str, device: str = "cpu", memory: str = "") -> PreTrainedModel:
     """The shadow's model (module contract). `memory`: `node.memory`, for `precision="auto"`."""
-    checkpoint = Checkpoint(path)
+    checkpoint = open_checkpoint(path)
     precision = resolve_precision(checkpoint, precision, device, memory)
     target = torch.device(device)
     if target.type == "cuda" and precision in CPU_ONLY:
@@ -443,7 +443,15 @@ def load_whole_shadow_model(path: str, precision: str, device: str = "cpu") -> P
         raise ValueError(
             f"shadow.precision={precision!r}: load_whole_shadow_model takes a resolved precision"
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES.get(precision, torch.float32))
+    dtype = _DTYPES.get(precision, torch.float32)
+    if str(path).endswith(".gguf"):  # transformers' own GGUF loader, with the config odmoe serves
+        from odmoe.models.gguf_checkpoint import gguf_location
+
+        directory, name = gguf_location(path)
+        config = open_checkpoint(path).config
+        model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config, dtype=dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     target = torch.device(device)
     if precision in QUANTIZED:
         for name, module in experts_modules_named(model):

@@ -8,8 +8,9 @@ host memory:
 - `CompressedExpert`: chunks in host memory ("compressed") or in a pack file on disk ("disk").
 - `CheckpointExpert`: nothing held; the checkpoint's safetensors are read on each load ("disk").
 - `QuantizedHostExpert`: an FP8 checkpoint's expert as stored, one byte a weight plus its block
-  scales ("fp8"), or gpt-oss's MXFP4 one, half a byte a weight plus a byte per 32 ("mxfp4"),
-  dequantized into the slot on the slot's device exactly as transformers dequantizes it.
+  scales ("fp8"), gpt-oss's MXFP4 one, half a byte a weight plus a byte per 32 ("mxfp4"), or a GGUF
+  file's rows of its `ffn_*_exps` blocks ("gguf": Q4_K ~0.56 bytes a weight), dequantized into the
+  slot exactly as transformers dequantizes it.
 
 Bytes moved is what a load costs on the emulated link: the stored (compressed) bytes for a
 compressed expert — moving fewer bytes is the point of compressing — the FP8 bytes and scales for
@@ -31,11 +32,12 @@ import torch
 
 from odmoe.models.checkpoint import Checkpoint, ExpertWeights
 from odmoe.models.fp8 import QuantizedExpert
+from odmoe.models.gguf_checkpoint import GgufExpert
 from odmoe.models.mxfp4 import Mxfp4Expert
 from odmoe.worker.bitfields import byte_view
 from odmoe.worker.compressed_tensor import CompressedTensor, chunk_starts, decompress, decompress_chunk
 
-FORMS = ("decompressed", "compressed", "fp8", "mxfp4", "disk")
+FORMS = ("decompressed", "compressed", "fp8", "mxfp4", "gguf", "disk")
 
 
 class HostExpert:
@@ -55,9 +57,9 @@ class HostExpert:
 
 
 class QuantizedHostExpert:
-    """An FP8 or MXFP4 expert as its checkpoint stores it (form "fp8" / "mxfp4")."""
+    """An FP8, MXFP4 or GGUF expert as its checkpoint stores it (form "fp8" / "mxfp4" / "gguf")."""
 
-    def __init__(self, expert: QuantizedExpert | Mxfp4Expert, dtype: torch.dtype):
+    def __init__(self, expert: QuantizedExpert | Mxfp4Expert | GgufExpert, dtype: torch.dtype):
         self.expert, self.dtype = expert, dtype  # dtype: the slot's, what transformers casts to
         self.form = expert.form
         self.host_bytes = self.stored_bytes = expert.nbytes
