@@ -115,6 +115,44 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
     return {f: str(make_model(_spec(f), root / f)) for f in (*FAMILY_NAMES, *FOCUSED_FAMILIES)}
 
 
+# GGUF test files (tests/test_gguf_*.py): K-quants hold 256 values a block, so every matrix's rows
+# must be whole blocks
+GGUF_SPEC = ModelSpec(
+    family="qwen3_moe", layers=2, hidden=256, intermediate=256, experts=4, top_k=2, vocab=1024
+)
+
+
+@pytest.fixture(scope="session")
+def gguf_sources(tmp_path_factory) -> dict:
+    """family -> odmoe's small model of that family in safetensors (GGUF_SPEC), made on first use."""
+    root = tmp_path_factory.mktemp("gguf-src")
+
+    class Sources(dict):
+        def __missing__(self, family: str):
+            self[family] = make_model(ModelSpec(**{**GGUF_SPEC.__dict__, "family": family}), root / family)
+            return self[family]
+
+    return Sources()
+
+
+@pytest.fixture(scope="session")
+def gguf_file(gguf_sources, tmp_path_factory):
+    """(family, type) -> the model as a GGUF file of that type, written once per session."""
+    from odmoe.tools.gguf_export import write_gguf
+
+    root, made = tmp_path_factory.mktemp("gguf"), {}
+
+    def file(family: str, qtype: str, shards: int = 1) -> str:
+        key = (family, qtype, shards)
+        if key not in made:
+            made[key] = str(
+                write_gguf(gguf_sources[family], root / f"{family}-{qtype}-{shards}", qtype, shards)
+            )
+        return made[key]
+
+    return file
+
+
 @pytest.fixture
 def reap_children():
     """Yields; afterwards asserts no child process of this test run is still alive, killing any."""

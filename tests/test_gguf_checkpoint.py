@@ -23,39 +23,14 @@ from odmoe.models.gguf_checkpoint import GgufCheckpoint, gguf_location
 from odmoe.tools.gguf_export import GGUF_TYPES, write_gguf
 from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.worker.expert_store import ExpertStore
+from tests.conftest import GGUF_SPEC as SPEC
 
 gguf = pytest.importorskip("gguf")
 
-# K-quants hold 256 values a block: every matrix's rows must be whole blocks
-SPEC = ModelSpec(family="qwen3_moe", layers=2, hidden=256, intermediate=256, experts=4, top_k=2, vocab=1024)
+
 # every type in the default run is checked by its dequantization alone (test_blocks_...); these go
 # through whole files in the default run, every type x family in -m extended
-DEFAULT_TYPES = {("qwen3_moe", "Q4_K_M"), ("qwen3_moe", "Q8_0"), ("qwen2_moe", "Q4_K"), ("qwen3_moe", "BF16")}
-
-
-@pytest.fixture(scope="session")
-def gguf_sources(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("gguf-src")
-    return {
-        f: make_model(ModelSpec(**{**SPEC.__dict__, "family": f}), root / f)
-        for f in ("qwen3_moe", "qwen2_moe")
-    }
-
-
-@pytest.fixture(scope="session")
-def gguf_file(gguf_sources, tmp_path_factory):
-    """(family, type) -> the model as a GGUF file of that type, written once per session."""
-    root, made = tmp_path_factory.mktemp("gguf"), {}
-
-    def file(family: str, qtype: str, shards: int = 1) -> str:
-        key = (family, qtype, shards)
-        if key not in made:
-            made[key] = str(
-                write_gguf(gguf_sources[family], root / f"{family}-{qtype}-{shards}", qtype, shards)
-            )
-        return made[key]
-
-    return file
+DEFAULT_TYPES = {("qwen3_moe", "Q4_K_M"), ("qwen2_moe", "Q4_K")}
 
 
 @functools.cache
@@ -168,6 +143,7 @@ def test_the_tokenizer_and_chat_template_come_from_the_file(gguf_sources, gguf_f
     assert got.apply_chat_template(chat, tokenize=False) == source.apply_chat_template(chat, tokenize=False)
 
 
+@pytest.mark.extended  # the default run's cluster test (tests/test_gguf_cluster.py) covers it
 def test_requests_in_process_equal_transformers(gguf_file):
     """Greedy and seeded requests together through main's decode loop, workers dequantizing the
     stored blocks, each equal to transformers' generate() on its own GGUF loading."""
