@@ -23,12 +23,16 @@ _BLOCK = {Q8_0: (32, 34), Q4_K: (QK_K, 144), Q5_K: (QK_K, 176), Q6_K: (QK_K, 210
 
 
 def dequantize(raw: torch.Tensor, ggml_type: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """`raw` uint8 bytes stored as `ggml_type` -> float32 [shape] (module contract)."""
+    """`raw` uint8 bytes stored as `ggml_type` -> float32 [shape] (module contract), on `raw`'s
+    device: a worker moves the stored bytes to its slot's device and dequantizes them there."""
     raw = raw.contiguous().view(-1)
+    if raw.device.type != "cpu" and ggml_type not in (F32, BF16, *_BLOCK):  # the package: numpy
+        return dequantize(raw.cpu(), ggml_type, shape).to(raw.device)
     if ggml_type == F32:
         return raw.view(torch.float32).view(shape).clone()
     if ggml_type == F16:  # numpy's conversion: a NaN keeps its payload as the package's does
-        return torch.from_numpy(raw.numpy().view(np.float16).astype(np.float32)).view(shape)
+        values = torch.from_numpy(raw.cpu().numpy().view(np.float16).astype(np.float32)).view(shape)
+        return values.to(raw.device)
     if ggml_type == BF16:  # the package: int16 -> int32 << 16, as float32
         return (raw.view(torch.int16).to(torch.int32) << 16).view(torch.float32).view(shape)
     if ggml_type in _BLOCK:
@@ -58,6 +62,11 @@ def _q8_0(blocks: torch.Tensor) -> torch.Tensor:
     return x * d
 
 
+def _shifts(values: list[int], like: torch.Tensor, groups: int) -> torch.Tensor:
+    """Right-shift amounts [1, 1, groups, 1] on `like`'s device."""
+    return torch.tensor(values, dtype=torch.uint8, device=like.device).view(1, 1, groups, 1)
+
+
 def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> ([n, 8], [n, 8]) (the package's unpacking)."""
     scales = scales.reshape(-1, 3, 4)
@@ -65,9 +74,6 @@ def _scale_min_k4(scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     sc = torch.cat([d & 0x3F, (m_d & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mins = torch.cat([m & 0x3F, (m_d >> 4) | ((m >> 2) & 0x30)], dim=-1)
     return sc, mins
-
-
-_NIBBLES = torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)
 
 
 def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +88,7 @@ def _k_scales(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, dm = _k_scales(blocks)
-    qs = blocks[:, 16:].reshape(n, -1, 1, 32) >> _NIBBLES  # [n, 4, 2, 32]: low nibbles, then high
+    qs = blocks[:, 16:].reshape(n, -1, 1, 32) >> _shifts([0, 4], blocks, 2)  # [n, 4, 2, 32]: low, then high
     q = (qs & 0x0F).reshape(n, -1, 32).float()  # [n, 8, 32]
     return (d * q - dm).view(n, QK_K)
 
@@ -91,9 +97,8 @@ def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
     n = blocks.shape[0]
     d, dm = _k_scales(blocks)
     qh, qs = blocks[:, 16:48], blocks[:, 48:]
-    low = (qs.reshape(n, -1, 1, 32) >> _NIBBLES) & 0x0F
-    bits = torch.arange(8, dtype=torch.uint8).view(1, 1, 8, 1)
-    high = (qh.reshape(n, -1, 1, 32) >> bits) & 0x01
+    low = (qs.reshape(n, -1, 1, 32) >> _shifts([0, 4], blocks, 2)) & 0x0F
+    high = (qh.reshape(n, -1, 1, 32) >> _shifts(list(range(8)), blocks, 8)) & 0x01
     q = (low.reshape(n, -1, 32) | (high.reshape(n, -1, 32) << 4)).float()
     return (d * q - dm).view(n, QK_K)
 
@@ -103,8 +108,7 @@ def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
     ql, qh = blocks[:, :128], blocks[:, 128:192]
     scales = blocks[:, 192:208].contiguous().view(torch.int8).float()  # [n, 16]
     d = (_f16(blocks, 208) * scales).view(n, QK_K // 16, 1)
-    low = ((ql.reshape(n, -1, 1, 64) >> _NIBBLES) & 0x0F).reshape(n, -1, 32)
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(1, 1, 4, 1)
-    high = ((qh.reshape(n, -1, 1, 32) >> shifts) & 0x03).reshape(n, -1, 32)
+    low = ((ql.reshape(n, -1, 1, 64) >> _shifts([0, 4], blocks, 2)) & 0x0F).reshape(n, -1, 32)
+    high = ((qh.reshape(n, -1, 1, 32) >> _shifts([0, 2, 4, 6], blocks, 4)) & 0x03).reshape(n, -1, 32)
     q = ((low | (high << 4)).view(torch.int8) - 32).reshape(n, QK_K // 16, -1).float()
     return (d * q).view(n, QK_K)

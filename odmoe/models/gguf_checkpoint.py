@@ -125,9 +125,10 @@ class GgufMatrix:
     def nbytes(self) -> int:
         return self.raw.numel()
 
-    def values(self) -> torch.Tensor:
-        """float32 [rows, cols], exactly as transformers dequantizes it."""
-        return dequantize(self.raw, self.ggml_type, self.shape)
+    def values(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """float32 [rows, cols] on `device` (the stored bytes moved there first), exactly as
+        transformers dequantizes it."""
+        return dequantize(self.raw.to(device), self.ggml_type, self.shape)
 
 
 @dataclass(frozen=True)
@@ -152,10 +153,10 @@ class GgufExpert:
     def load_into(self, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Dequantized into a slot's tensors (float32, then cast by the copy as transformers casts):
         gate rows first, as transformers fuses them."""
-        rows = self.gate.shape[0]
-        gate_up[:rows].copy_(self.gate.values())
-        gate_up[rows:].copy_(self.up.values())
-        down.copy_(self.down.values())
+        rows, device = self.gate.shape[0], down.device  # dequantized where the slot is: bytes move
+        gate_up[:rows].copy_(self.gate.values(device))
+        gate_up[rows:].copy_(self.up.values(device))
+        down.copy_(self.down.values(device))
 
 
 class GgufCheckpoint(Checkpoint):
