@@ -85,7 +85,7 @@ def test_odmoe_launch_answers_with_demo_and_local_cluster_with_the_schemas_tiny(
     assert ModelConfig().path == "tiny"
     seen = []  # the model LocalCluster would make (nothing is made or started here)
     monkeypatch.setattr(local_cluster, "resolve_model_path", lambda cfg: seen.append(cfg.model.path) or "")
-    monkeypatch.setattr(local_cluster, "Checkpoint", lambda path: None)
+    monkeypatch.setattr(local_cluster, "open_checkpoint", lambda path: None)
     cluster = local_cluster.LocalCluster(overrides=[f"model.cache_dir={tmp_path}"])
     cluster.stop()
     assert seen == ["tiny"] and cluster.cfg.model.path == "tiny"
