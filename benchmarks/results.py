@@ -53,9 +53,13 @@ class ResultsDir:
             f"{on if self.link_on else 'no emulated link'}, {new_tokens} new tokens"
         )
 
-    def write(self, stem: str, suite: str, data: dict) -> Path:
+    def write(self, stem: str, suite: str, data: dict, meta: dict | None = None) -> Path:
+        """`meta`: what a suite ran where it is not `bench.model` / `bench.cluster` / `bench.link`
+        (suite memory makes its own checkpoints and cluster shape)."""
         out = self.path(stem, "json")
-        out.write_text(json.dumps({"meta": self.meta(suite), **data}, indent=2, default=_plain))
+        out.write_text(
+            json.dumps({"meta": {**self.meta(suite), **(meta or {})}, **data}, indent=2, default=_plain)
+        )
         print(f"wrote {out}", flush=True)
         return out
 

@@ -86,7 +86,12 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         "identical": all(r["identical"] for r in rows) and all(d["identical"] for d in disk),
     }
     _print(report)
-    out.write("memory", "memory", report)
+    ran = {
+        "model": models,
+        "emulated_link": None,
+        "cluster": {"workers": 4, "group_size": 2, "systems": m.systems},
+    }
+    out.write("memory", "memory", report, meta=ran)  # not bench.model / bench.cluster: its own
     plots.memory(report, out.path("memory", "png"), f"{m.new_tokens} new tokens; 4 workers in 2 groups")
     return report
 
