@@ -198,7 +198,8 @@ def _worker_advice(sizes: CheckpointSizes, setup: WorkerSetup, memories, need: i
     workers = -(-workers // setup.group_size) * setup.group_size  # whole groups
     if workers <= setup.workers:
         return f"give the workers more memory, {disk}"
-    return f"cluster.workers={workers} (each then home for at most {room} experts), {disk}"
+    share = -(-total // workers)  # dealt evenly; the room each has is what makes `workers` enough
+    return f"cluster.workers={workers} (each then home for about {share} experts, room for {room}), {disk}"
 
 
 def plan_main(sizes: CheckpointSizes, memory: int | None, source: str, kv_cache: int = 0) -> NodeNeed:

@@ -63,6 +63,8 @@ def test_a_worker_that_fits_and_one_that_does_not():
     assert not short[1].fits and line.startswith("worker1 needs ")
     assert "cgroup v1 limit" in line and "home for 64 experts" in line
     assert "cluster.workers=4" in line and "worker.store=disk" in line  # what to change
+    # what each would then hold, not only its room (the line said "home for at most 63" for 32)
+    assert "each then home for about 32 experts, room for 63" in line, line
     disk = plan_workers(SIZES, WorkerSetup(workers=2, group_size=2, store="disk"), [(1 * GiB, "x")] * 2)
     assert all(n.fits for n in disk)  # the disk serves: only the slots are held
 
