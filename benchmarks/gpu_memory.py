@@ -21,33 +21,23 @@ import sys
 import time
 from pathlib import Path
 
+from odmoe.node_memory import process_memory
+
 GiB = 1 << 30
 
 ONE_PROCESS = """
 import json, sys, torch
-from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from odmoe.models.checkpoint import load_tokenizer
 path, device, n, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
 ids = load_tokenizer(path)(prompt, return_tensors="pt")["input_ids"].to(device)
 out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n)
-lines = Path("/proc/self/status").read_text().splitlines()
-status = {l.split(":")[0]: int(l.split()[1]) * 1024 for l in lines if l.endswith("kB")}
+from odmoe.node_memory import process_memory
 peak = torch.cuda.max_memory_allocated() if device.startswith("cuda") else 0
 tokens = out[0, ids.shape[1]:].tolist()
-print(json.dumps({"tokens": tokens, "host_peak": status["VmHWM"], "device_peak": peak}))
+print(json.dumps({"tokens": tokens, "host_peak": process_memory().peak, "device_peak": peak}))
 """
-
-
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        parts = value.split()
-        if len(parts) == 2 and parts[1] == "kB":
-            out[name] = int(parts[0]) * 1024
-    return out
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -86,12 +76,12 @@ def main(argv: list[str] | None = None) -> None:
         got = c.client.generate(args.prompt, max_new_tokens=args.new_tokens)
         nodes = {}
         for node in c.nodes:
-            s = _status(node.process.pid)
+            s = process_memory(node.process.pid)
             nodes[node.name] = {
-                "host_peak": s.get("VmHWM", 0),
-                "host_steady": s.get("VmRSS", 0),
-                "anonymous": s.get("RssAnon", 0),
-                "file_backed": s.get("RssFile", 0),
+                "host_peak": s.peak,
+                "host_steady": s.resident,
+                "anonymous": s.anonymous,
+                "file_backed": s.file_backed,
                 "ready_s": node.ready_s,
                 "device_peak": got.stats["device_peak_bytes"].get(node.name, 0),
             }

@@ -44,6 +44,7 @@ from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.launch.memory_cgroups import MemoryCgroups
 from odmoe.memory_plan import MARGIN_BYTES, PROCESS_BYTES
+from odmoe.node_memory import process_memory
 from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -137,19 +138,6 @@ def _reference(path: str, prompt: str, new_tokens: int) -> list[int]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def _status(pid: int) -> dict[str, int]:
-    out = {}
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            name, _, value = line.partition(":")
-            parts = value.split()
-            if len(parts) == 2 and parts[1] == "kB":
-                out[name] = int(parts[0]) * 1024
-    except OSError:
-        pass
-    return out
-
-
 def _psi(kind: str) -> float:
     """The kernel's cumulative "some" stall time in seconds for `kind` (memory / io), system-wide."""
     try:
@@ -176,12 +164,12 @@ def _cluster(path: str, words: list[str], m, limits: dict[str, int]) -> dict:
             psi_memory, psi_io = (_psi("memory") - psi[0]) / wall, (_psi("io") - psi[1]) / wall
             nodes = {}
             for node in c.nodes:
-                s = _status(node.process.pid)
+                s = process_memory(node.process.pid)
                 nodes[node.name] = {
-                    "peak": s.get("VmHWM", 0),
-                    "steady": s.get("VmRSS", 0),
-                    "anonymous": s.get("RssAnon", 0),
-                    "file_backed": s.get("RssFile", 0),
+                    "peak": s.peak,
+                    "steady": s.resident,
+                    "anonymous": s.anonymous,
+                    "file_backed": s.file_backed,
                     "ready_s": node.ready_s,
                 }
             for name, info in c.ready_info().items():
