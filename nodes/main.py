@@ -70,8 +70,10 @@ from odmoe.serving.text_check import TextCheck
 from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.memory import parse_bytes
 from odmoe.tools.trace import Tracer
+from odmoe.transport.beats import BeatWatch
 from odmoe.transport.heartbeat import Heartbeat
 from odmoe.transport.security import BearerToken, NodeSecurity
+from odmoe.validation import suspicion_settings
 
 log = logging.getLogger("odmoe.main")
 ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
@@ -121,6 +123,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             cfg.failover.probe_interval_s,
             self.security.curve,
             homes_by_room=cfg.cluster.homes == "room",
+            beats=BeatWatch(suspicion_settings(cfg)) if cfg.failover.beat_interval_s > 0 else None,
         )
         self.experts = RemoteExperts(
             members,

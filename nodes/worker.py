@@ -57,6 +57,7 @@ from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.memory import parse_bytes, peak_rss_bytes
 from odmoe.tools.trace import Tracer, now_us
 from odmoe.transport.announce import announce
+from odmoe.transport.beats import echo_for
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
 from odmoe.transport.messages import (
@@ -198,6 +199,7 @@ class WorkerNode:
         else:
             port = self.sock.bind_to_random_port(f"tcp://{cfg.cluster.host}")
         self.address = f"tcp://{cfg.cluster.host}:{port}"
+        self.beat_echo = echo_for(self.address)  # main's beats: UDP, this port number (a thread)
         self.main_addresses = cfg.cluster.main_addresses
         self.where = cfg.cluster.where
         self.predictions: zmq.Socket | None = None
@@ -381,6 +383,8 @@ class WorkerNode:
                     self.tracer.flush()  # idle: a good moment to write the timeline out
         finally:
             self.tracer.flush()
+            if self.beat_echo is not None:
+                self.beat_echo.close()
             self.sock.close(0)
             if self.predictions is not None:
                 self.predictions.close(0)

@@ -235,7 +235,16 @@ class AlignmentConfig:
 @dataclass
 class FailoverConfig:
     heartbeat_interval_s: float = 0.2  # ZeroMQ heartbeat on main's connections to workers and shadow
-    heartbeat_timeout_s: float = 1.0  # no traffic this long after a heartbeat: the peer is lost
+    # no traffic this long after a heartbeat: the peer is lost. The backstop behind the beats: on a
+    # lossy link TCP's retransmissions (200, 400, 800 ms...) hold heartbeats back for seconds
+    heartbeat_timeout_s: float = 4.0
+    # main beats each worker over UDP (the port number of its TCP port) this often and judges the
+    # answers' gaps with a phi-accrual suspicion (odmoe.transport.suspicion): a worker whose link drops
+    # everything is lost in ~0.9 s, a late answer on a lossy, jittery link is not a loss. 0: off
+    beat_interval_s: float = 0.1
+    suspicion_threshold: float = 8.0  # phi at which a silent worker is lost (1e-8 odds it is alive)
+    acceptable_pause_s: float = 0.5  # silence beyond the usual gap that costs no suspicion by itself
+    beat_min_std_s: float = 0.05  # the answers' gaps' deviation is never taken below this
     probe_interval_s: float = 1.0  # how often main re-pings where a lost worker may be back
     client_keepalive_s: float = 1.0  # gRPC keepalive: a frozen main is noticed in about twice this
 

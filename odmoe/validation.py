@@ -11,6 +11,13 @@ from __future__ import annotations
 from odmoe.config import FAULT_ACTIONS, PREFILL_PLACEMENTS, ROLES, SHADOW_MODES, OdmoeConfig, resolve_aliases
 from odmoe.main.alignment import make_plan
 from odmoe.shadow.speculation import Speculation
+from odmoe.transport.suspicion import SuspicionSettings
+
+
+def suspicion_settings(cfg: OdmoeConfig) -> SuspicionSettings:
+    """failover.*'s beats as the detector's settings (odmoe.transport.suspicion)."""
+    f = cfg.failover
+    return SuspicionSettings(f.beat_interval_s, f.suspicion_threshold, f.acceptable_pause_s, f.beat_min_std_s)
 
 
 def validate(cfg: OdmoeConfig) -> None:
@@ -39,6 +46,17 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")
     if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
         raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
+    if cfg.failover.beat_interval_s < 0:
+        raise ValueError(
+            f"failover.beat_interval_s must be >= 0 (0: off), got {cfg.failover.beat_interval_s:g}"
+        )
+    if cfg.failover.beat_interval_s > 0:
+        try:
+            suspicion_settings(cfg).check()
+        except ValueError as exc:
+            raise ValueError(
+                f"failover.suspicion_threshold, acceptable_pause_s, beat_min_std_s: {exc}"
+            ) from None
     if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
     if cfg.server.max_running < 1:

@@ -5,7 +5,11 @@ heartbeated DEALER. `wait(timeout)` returns what arrived and which workers were 
 lost worker's socket is closed at once, so its queued sends are dropped and a late answer from it
 can never arrive (calls are also named by step and expert, so nothing is ever combined twice).
 `mark_lost` is how RemoteExperts' per-call deadline (a process whose I/O thread lives but whose
-Python is stuck) reaches the same verdict.
+Python is stuck) reaches the same verdict. With a `BeatWatch` (odmoe/transport/beats.py) every live
+worker is also beaten over UDP and judged by a phi-accrual suspicion: a worker whose link drops
+everything while its process lives is lost within ~1 s, while a lossy, jittery link (whose TCP
+retransmissions can hold the heartbeats back for seconds) is not; the heartbeat's timeout is then
+the backstop for a TCP path that breaks while UDP passes.
 
 Coming back: `maintain()` (between requests and while idle) re-pings each lost worker's last
 address every `probe_interval_s` (a worker restarted on the same address, or resumed after a
@@ -27,6 +31,7 @@ import zmq
 
 from odmoe.placement import Topology
 from odmoe.tools.trace import now_us
+from odmoe.transport.beats import BeatWatch
 from odmoe.transport.codec import CodecError
 from odmoe.transport.heartbeat import Heartbeat, WatchedSocket
 from odmoe.transport.messages import LiveWorkers, Ping, Pong, from_frames, to_frames
@@ -67,12 +72,14 @@ class Membership:
         probe_interval_s: float = 1.0,
         curve: Curve | None = None,
         homes_by_room: bool = True,
+        beats: BeatWatch | None = None,
     ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
         self.topology, self.layers, self.heartbeat = topology, layers, heartbeat or Heartbeat()
         self.probe_interval_s, self.curve = probe_interval_s, curve
         self.homes_by_room = homes_by_room  # cluster.homes: deal homes by the workers' cache rooms
+        self.beats = beats  # owned: closed with the membership
         self.ctx = zmq.Context.instance()
         self.addresses = list(addresses)
         self.links: dict[int, WatchedSocket] = {i: self._connect(i, a) for i, a in enumerate(addresses)}
@@ -85,6 +92,7 @@ class Membership:
         self._poller_stale = True
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket, tuple[int, bool]] = {}  # socket -> (worker, is monitor)
+        self._beat_verdicts: dict[int, str] = {}  # worker -> why the beats say it is lost
 
     # -- who is alive ------------------------------------------------------------------------
     @property
@@ -124,6 +132,8 @@ class Membership:
         if link is None:
             return
         link.close()
+        if self.beats is not None:
+            self.beats.forget(f"worker{worker}")
         self.pongs.pop(worker, None)
         self._poller_stale = True
         self.events.append(MembershipEvent(worker, "lost", now_us(), reason))
@@ -135,6 +145,9 @@ class Membership:
             self._rebuild_poller()
         received, lost = [], []
         for sock, _ in self._poller.poll(max(timeout_ms, 0)):
+            if self.beats is not None and sock == self.beats.fileno():
+                lost += [w for w in self._beats_lost() if w not in lost]
+                continue
             worker, is_monitor = self._by_socket[sock]
             link = self.links.get(worker)
             if link is None:
@@ -152,8 +165,26 @@ class Membership:
                 continue
             received.append((worker, link.sock.recv_multipart(copy=False)))
         for worker in lost:
-            self.mark_lost(worker, self.refusals.get(worker) or "connection lost (heartbeat or reset)")
+            if worker in self._beat_verdicts:
+                self.mark_lost(worker, self._beat_verdicts.pop(worker))
+            else:
+                self.mark_lost(worker, self.refusals.get(worker) or "connection lost (heartbeat or reset)")
         return received, lost
+
+    def _beats_lost(self) -> list[int]:
+        """Live workers the beats say are lost (their reasons kept for mark_lost)."""
+        assert self.beats is not None
+        found = []
+        for name in self.beats.take_lost():
+            worker = int(name.removeprefix("worker"))
+            if worker in self.links:
+                self._beat_verdicts[worker] = self.beats.why(name)
+                found.append(worker)
+        return found
+
+    def _watch(self, worker: int) -> None:
+        if self.beats is not None:
+            self.beats.watch(f"worker{worker}", self.addresses[worker])
 
     def _rebuild_poller(self) -> None:
         self._poller = zmq.Poller()
@@ -162,6 +193,8 @@ class Membership:
             for sock, is_monitor in ((link.sock, False), (link.monitor, True)):
                 self._poller.register(sock, zmq.POLLIN)
                 self._by_socket[sock] = (worker, is_monitor)
+        if self.beats is not None:
+            self._poller.register(self.beats.fileno(), zmq.POLLIN)
         self._poller_stale = False
 
     # -- start-up ------------------------------------------------------------------------------
@@ -188,6 +221,7 @@ class Membership:
                     if problem := self._verify(worker, pong):
                         raise WorkerUnavailable(problem)
                     self.pongs[worker] = pong
+                    self._watch(worker)
         self.broadcast()
         return [self.pongs[i] for i in range(self.topology.workers)]
 
@@ -218,6 +252,9 @@ class Membership:
         for worker, link in list(self.links.items()):
             if link.lost():
                 self.mark_lost(worker, "connection lost while idle (heartbeat or reset)")
+        if self.beats is not None:
+            for worker in self._beats_lost():
+                self.mark_lost(worker, self._beat_verdicts.pop(worker))
         while True:
             try:
                 worker, address = self.announced.get_nowait()
@@ -265,6 +302,7 @@ class Membership:
             del self.probes[probe.index]
             link.lost()  # drain the connect events of the probe
             self.links[probe.index], self.pongs[probe.index] = link, pong
+            self._watch(probe.index)
             self._poller_stale = True
             self.events.append(MembershipEvent(probe.index, "rejoined", now_us(), link.address))
             log.info("worker %d (%s) is back; live: %s", probe.index, link.address, sorted(self.links))
@@ -292,3 +330,5 @@ class Membership:
         for link in [*self.links.values(), *(p.link for p in self.probes.values())]:
             link.close()
         self.links, self.probes = {}, {}
+        if self.beats is not None:
+            self.beats.close()
