@@ -16,9 +16,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from odmoe.models import gguf_blocks
 from odmoe.models.checkpoint import CheckpointError, load_tokenizer, open_checkpoint
 from odmoe.models.families import UnsupportedModelError
-from odmoe.models.gguf_blocks import dequantize
+from odmoe.models.gguf_blocks import dequantize, dequantize_into
 from odmoe.models.gguf_checkpoint import GgufCheckpoint, gguf_location
 from odmoe.tools.gguf_export import GGUF_TYPES, write_gguf
 from odmoe.tools.model_factory import ModelSpec, make_model
@@ -69,6 +70,28 @@ def test_blocks_dequantize_to_the_bit_as_the_gguf_package_does(kind):
     want = torch.from_numpy(gguf.dequantize(stored, kind).astype(np.float32).reshape(rows, cols))
     got = dequantize(torch.from_numpy(raw.copy()), int(kind), (rows, cols))
     assert got.dtype == torch.float32 and torch.equal(got.view(torch.int32), want.view(torch.int32))
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_dequantized_into_a_slot_in_chunks_is_the_package_to_the_bit(kind, monkeypatch):
+    """The worker's path: written in place chunk by chunk (a chunk boundary inside a row, a last short
+    chunk), from bytes at an odd offset, into float32 and bfloat16 slots (one cast, as transformers)."""
+    kind = gguf.GGMLQuantizationType[kind]
+    monkeypatch.setattr(gguf_blocks, "_CHUNK_VALUES", 3 * 256)
+    rng = np.random.default_rng(7 + int(kind))
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = 10, 3 * 256
+    raw = rng.integers(0, 256, size=rows * cols // block_values * block_bytes + 1, dtype=np.uint8)
+    stored = raw[1:].reshape(rows, -1)
+    want = torch.from_numpy(gguf.dequantize(stored, kind).astype(np.float32).reshape(rows, cols))
+    odd = torch.from_numpy(raw)[1:]  # storage offset 1: not a whole int32 word
+    for dtype in (torch.float32, torch.bfloat16):
+        slot = torch.full((rows, cols), 7.0, dtype=dtype)
+        dequantize_into(odd, int(kind), slot)
+        assert torch.equal(
+            slot.view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+            want.to(dtype).view(torch.int16 if dtype == torch.bfloat16 else torch.int32),
+        )
 
 
 # -- a whole file against transformers' loading of it ------------------------------------------------

@@ -48,7 +48,7 @@ import torch
 
 from odmoe.models.checkpoint import Checkpoint, CheckpointError, ExpertWeights
 from odmoe.models.families import UnsupportedModelError, family_of, is_expert_key, layer_of_key
-from odmoe.models.gguf_blocks import dequantize
+from odmoe.models.gguf_blocks import dequantize, dequantize_into
 from odmoe.models.safetensors_file import TensorInfo
 
 log = logging.getLogger("odmoe.models.gguf_checkpoint")
@@ -154,9 +154,9 @@ class GgufExpert:
         """Dequantized into a slot's tensors (float32, then cast by the copy as transformers casts):
         gate rows first, as transformers fuses them."""
         rows, device = self.gate.shape[0], down.device  # dequantized where the slot is: bytes move
-        gate_up[:rows].copy_(self.gate.values(device))
-        gate_up[rows:].copy_(self.up.values(device))
-        down.copy_(self.down.values(device))
+        dequantize_into(self.gate.raw.to(device), self.gate.ggml_type, gate_up[:rows])
+        dequantize_into(self.up.raw.to(device), self.up.ggml_type, gate_up[rows:])
+        dequantize_into(self.down.raw.to(device), self.down.ggml_type, down)
 
 
 class GgufCheckpoint(Checkpoint):
