@@ -6,8 +6,10 @@ Each node (main, shadow, worker0..N-1) runs in a namespace of its own (`odmoe-<n
 veth pair into a bridge (`odmoe-br`, 10.77.0.254/24) in this namespace, where the client runs. Both
 ends of every veth are shaped with `tc netem delay L rate B` (the paper's LAN: 1 Gbit/s, 0.1 ms);
 where the kernel has no sch_netem, `tbf rate B` shapes bandwidth alone and the report says the
-latency was not emulated. The script only creates and removes its own namespaces, veths and bridge
-(10.77.0.0/24), also after an error or Ctrl-C; it needs root and iproute2. It prints decode tokens/s
+latency was not emulated. `drop` and `heal` (iptables in a node's namespace) make a node's link
+lose a share of its packets, or all of them, and take that away again (tests/test_network_faults.py).
+The script only creates and removes its own namespaces, veths and bridge (10.77.0.0/24), also
+after an error or Ctrl-C; it needs root and iproute2. It prints decode tokens/s
 and TTFT of the same cluster on plain loopback and on the shaped LAN (tokens must be identical) and
 writes benchmarks/results/netns-lan.json.
 """
@@ -19,6 +21,7 @@ import json
 import shutil
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 from odmoe.benchmarks.cluster_runs import run_cluster
@@ -90,10 +93,36 @@ class Lan:
         self._run(*tbf)
         self.shaping.append(" ".join(tbf[len(prefix) :]).replace(f"dev {dev} ", "dev DEV "))
 
+    def drop(self, node: str, probability: float = 1.0, peer: str | None = None) -> None:
+        """Drop this share of the node's packets, both ways, on its link into the bridge (iptables in
+        its namespace: `statistic --mode random`, or every packet at 1.0 — a black hole while its
+        process lives); with `peer`, only its packets to and from that node (a partition between
+        the two). The client's traffic (the bridge's own address) is spared: the client's link is
+        not the node's. `heal` takes every drop of the node away."""
+        ns, dev = self.namespace(node), f"odm{self.nodes.index(node)}n"
+        share = ["-m", "statistic", "--mode", "random", "--probability", f"{probability:g}"]
+        match = share if probability < 1 else []
+        for chain, way, side in (("INPUT", "-i", "-s"), ("OUTPUT", "-o", "-d")):
+            whom = [side, self.address(peer)] if peer else ["!", side, f"{SUBNET}.254"]
+            rule = [chain, way, dev, *whom, *match, "-j", "DROP"]
+            self._run("ip", "netns", "exec", ns, "iptables", "-w", "-A", *rule)
+
+    def heal(self, node: str) -> None:
+        for chain in ("INPUT", "OUTPUT"):
+            self._run("ip", "netns", "exec", self.namespace(node), "iptables", "-w", "-F", chain)
+
     def _remove(self) -> None:
         for node in self.nodes:
             self._run("ip", "netns", "del", self.namespace(node), check=False)  # takes its veth pair along
         self._run("ip", "link", "del", BRIDGE, check=False)
+        # the kernel frees a namespace (and its veths) in the background, seconds later after a run
+        # with many sockets: wait, so a Lan made next does not find the names taken
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and any(
+            self._run("ip", "link", "show", f"odm{i}h", check=False).returncode == 0
+            for i in range(len(self.nodes))
+        ):
+            time.sleep(0.2)
 
     def __exit__(self, *exc) -> None:
         self._remove()

@@ -111,6 +111,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 self.checkpoint.moe_layers,
                 heartbeat,
                 self.security.curve,
+                self._shadow_beats(),
             )
             if not shadow.wait_up(cfg.worker.ready_timeout_s):
                 why = f" (CURVE handshake failed: {shadow.control.refused})" if shadow.control.refused else ""
@@ -220,11 +221,19 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             self._adopt_shadow(address, pub_address)
         self.experts.members.maintain()
 
+    def _shadow_beats(self) -> BeatWatch | None:
+        return BeatWatch(suspicion_settings(self.cfg)) if self.cfg.failover.beat_interval_s > 0 else None
+
     def _adopt_shadow(self, address: str, pub_address: str) -> None:
         shadow = self.experts.shadow
         if shadow is None:
             shadow = ShadowLink(
-                address, pub_address, self.checkpoint.moe_layers, self.heartbeat, self.security.curve
+                address,
+                pub_address,
+                self.checkpoint.moe_layers,
+                self.heartbeat,
+                self.security.curve,
+                self._shadow_beats(),
             )
             self.experts.shadow = shadow
         elif (shadow.address, shadow.pub_address) != (address, pub_address) or not shadow.up:
@@ -301,6 +310,11 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 for i in range(self.cfg.cluster.workers)
             ],
             "live_workers": sorted(members.live),
+            # the latest losses and returns (operators, and tests timing detection and rejoin)
+            "membership_events": [
+                {"worker": e.worker, "event": e.event, "at_us": e.at_us, "reason": e.reason}
+                for e in members.events[-20:]
+            ],
             "shadow": None if shadow is None else {"address": shadow.address, "up": shadow.control.connected},
             "placement": self._placement(),
         }

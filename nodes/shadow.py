@@ -26,10 +26,14 @@ it re-runs is published again (a later prediction for a step supersedes the earl
 
 Every control frame is untrusted: one that does not decode, a Begin whose prompt the model cannot
 take, an Align whose K/V rows do not fit the cache - each is dropped (the request it belongs to is
-abandoned) with a rate-limited log line, and the shadow serves the next Begin. With
+abandoned) with a rate-limited log line, and the shadow serves the next Begin. A Begin for a
+request it already runs replaces that run (main resuming the request after losing this shadow:
+its prompt then holds the tokens main fed since). Main's UDP beats are echoed on the control
+port's number (odmoe/transport/beats.py). With
 `cluster.main_addresses` set it announces itself to main on start, so a restarted shadow is used
 again. With security on (the default) both sockets are CURVE servers admitting only the cluster's
-keys: no one else can send it control messages or read a prediction.
+keys, each for its roles: only main's key may send control messages, only main's and the workers'
+may read predictions.
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from odmoe.shadow.speculation import Speculation
 from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.trace import Tracer, now_us
 from odmoe.transport.announce import announce
+from odmoe.transport.beats import echo_for
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
 from odmoe.transport.messages import (
@@ -172,9 +177,10 @@ class ShadowNode:
         self.zap = self.security.curve.authenticator(self.ctx) if self.security.curve else None
         self.control = self.ctx.socket(zmq.PULL)
         self.pub = self.ctx.socket(zmq.PUB)
-        for sock in (self.control, self.pub):
+        # control: main's key only; predictions: main's and the workers' (odmoe.transport.security)
+        for sock, socket in ((self.control, "shadow-control"), (self.pub, "shadow-predictions")):
             sock.setsockopt(zmq.LINGER, 0)
-            secure_server(sock, self.security.curve)  # predictions reach the cluster's own nodes only
+            secure_server(sock, self.security.curve, socket)
         host, port = cfg.cluster.host, cfg.cluster.shadow_port
         if port:
             self.control.bind(f"tcp://{host}:{port}")
@@ -184,6 +190,7 @@ class ShadowNode:
             port = self.control.bind_to_random_port(f"tcp://{host}")
             pub_port = self.pub.bind_to_random_port(f"tcp://{host}")
         self.address, self.pub_address = f"tcp://{host}:{port}", f"tcp://{host}:{pub_port}"
+        self.beat_echo = echo_for(self.address)  # main's beats: UDP, the control port's number
         self.rng = random.Random(self.scfg.seed)
         self.runs: dict[str, _Run] = {}  # the requests main runs, in the order they began
         self.stream = ""  # main's decode stream (the busy period's name)
@@ -327,6 +334,8 @@ class ShadowNode:
 
     def _begin(self, begin: BeginRequest) -> None:
         self._check_begin(begin)
+        if begin.request in self.runs:  # main resumes it after losing this shadow: start afresh
+            self._drop(begin.request)
         stream = begin.stream or begin.request
         if stream != self.stream:  # main's new busy period: what was kept for the old one is no use
             self.stream, self.choices = stream, {}
@@ -353,12 +362,15 @@ class ShadowNode:
 
     def _end(self, request: str) -> None:
         """Main is done with it: every prediction for it went out before this word (in order)."""
+        self._drop(request)
+        self.pub.send_multipart([b"main", *to_frames(ShadowEnded(request))])
+
+    def _drop(self, request: str) -> None:
         self.runs.pop(request, None)
         if self.batch is not None:
             self.batch.remove(request)
         for chosen in self.choices.values():
             chosen.pop(request, None)
-        self.pub.send_multipart([b"main", *to_frames(ShadowEnded(request))])
 
     def _align(self, run: _Run, align: Align, tensors: list[torch.Tensor]) -> None:
         if run.cache is None:  # random mode: an Align only paces it

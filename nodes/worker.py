@@ -27,11 +27,13 @@ Failover: main tells every live worker who is live (`LiveWorkers`); the worker d
 over those workers by main's own rule, and subscribes to the prediction topics of every group
 whose layers it stores (it may serve them when their own group is lost). With
 `cluster.main_addresses` set it announces itself to main on start, so a worker restarted on
-another port is taken back.
+another port is taken back. Main's UDP beats are echoed on this worker's port number, by a thread
+of its own (odmoe/transport/beats.py): busy in torch, it still answers; frozen or cut off, it does not.
 
-Security (odmoe/transport/security.py, on by default): the ROUTER is a CURVE server admitting only the
-cluster's public keys (a ZAP authenticator thread), and the prediction SUB talks only to the key
-"shadow"; a peer without the keys never completes a handshake, so none of its frames reach here.
+Security (odmoe/transport/security.py, on by default): the ROUTER is a CURVE server admitting only
+main's key (a ZAP authenticator thread; another worker's or the shadow's key is refused too), and
+the prediction SUB talks only to the key "shadow"; a peer without the key never completes a
+handshake, so none of its frames reach here.
 """
 
 from __future__ import annotations
@@ -192,7 +194,7 @@ class WorkerNode:
         self.zap = self.security.curve.authenticator(self.ctx) if self.security.curve else None
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        secure_server(self.sock, self.security.curve)  # only the cluster's keys get a handshake
+        secure_server(self.sock, self.security.curve, "worker")  # main's key only
         port = cfg.cluster.worker_port
         if port:
             self.sock.bind(f"tcp://{cfg.cluster.host}:{port}")

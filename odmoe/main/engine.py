@@ -509,6 +509,8 @@ class MainEngine:
         if run.shadow is None:
             return
         iteration = run.iteration + 1
+        if run.shadow.resumable(run.request_id):  # reachable again after it was lost: from here on
+            run.shadow.resume(run.request_id, iteration, run.new_ids[: iteration - 1])
         wrong, predicted = run.ctx.traffic.wrong_predictions(iteration - 1)
         run.plan.observe(iteration - 1, wrong, predicted)
         send_token, send_kv = run.plan.aligns(iteration)

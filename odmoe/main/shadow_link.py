@@ -9,13 +9,22 @@ notes, per request, how many MoE layers ahead of main each prediction arrived, a
 late departure per iteration. `collect(request, ...)` gives one request's predictions by its own
 (iteration, layer), for the paper's recall, once the shadow has said it is done with it.
 
-Losing the shadow costs speed, never tokens: the control connection is heartbeated, every send is
-non-blocking (dropped when the shadow is gone or too far behind), and a request that begins while
-the shadow is unreachable runs without it (`active` is False: no predictions, loads after
-routing). With security on (a `Curve` identity) both connections only complete a CURVE handshake
-with the holder of the cluster's "shadow" key. A shadow that comes back on the same address is
-used from the next request; one restarted elsewhere announces itself and main `replace`s the
-link. Prediction frames are untrusted and dropped when they do not decode or name a layer that does not exist.
+Losing the shadow costs speed, never tokens: the control connection is heartbeated, and with a
+`BeatWatch` (odmoe/transport/beats.py) the shadow is beaten over UDP too, so a link that drops
+everything is noticed in ~1 s; every send is non-blocking (dropped when the shadow is gone or too
+far behind), and a request that begins while the shadow is unreachable runs without it (`active`
+is False: no predictions, loads after routing). With security on (a `Curve` identity) both
+connections only complete a CURVE handshake with the holder of the cluster's "shadow" key.
+
+Coming back: when the shadow is reachable again (its beats answer, or its connection is back), a
+running request that lost it is `resume`d at main's next iteration n: the link reconnects both
+sockets afresh (a TCP connection that lived through a partition may sit in a retransmission
+backoff of many seconds, and hold stale messages) and sends a new Begin whose prompt is the
+request's prompt and the n-1 tokens main fed since, so the shadow re-prefills and predicts from
+iteration n on; from then on the request's iterations are shifted by `offset` on the wire (the
+shadow's iteration 1 is main's n; ticks, which name predictions, stay main's). A shadow restarted
+elsewhere announces itself and main `replace`s the link; its requests resume the same way.
+Prediction frames are untrusted and dropped when they do not decode or name a layer that does not exist.
 """
 
 from __future__ import annotations
@@ -28,9 +37,10 @@ import torch
 import zmq
 
 from odmoe.tools.trace import now_us
+from odmoe.transport.beats import BeatWatch
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
-from odmoe.transport.heartbeat import Heartbeat, WatchedSocket
+from odmoe.transport.heartbeat import CONNECT_TIMEOUT_MS, Heartbeat, WatchedSocket
 from odmoe.transport.messages import (
     Align,
     BeginRequest,
@@ -64,7 +74,11 @@ class _Request:
 
     stream: str
     first_tick: int  # main's tick of its decode iteration 1
-    active: bool  # it runs with the shadow (the shadow was up when it began)
+    active: bool  # it runs with the shadow (the shadow was up when it began, or since it resumed)
+    prompt_ids: list[int] = field(default_factory=list)
+    max_new_tokens: int = 0
+    offset: int = 0  # resumed at main's iteration offset+1: the shadow's iteration i is main's i+offset
+    resumes: int = 0
     ended: bool = False  # the shadow said it works on it no more (ShadowEnded)
     seen: ShadowObservations = field(default_factory=ShadowObservations)
 
@@ -80,8 +94,14 @@ class ShadowLink:
         moe_layers: list[int],
         heartbeat: Heartbeat | None = None,
         curve: Curve | None = None,
+        beats: BeatWatch | None = None,
     ):
         self.ctx = zmq.Context.instance()
+        self.beats = beats  # UDP beats to the shadow's control port (None: heartbeats alone)
+        self.beat_lost = False  # its beats say it is unreachable
+        self.stale = False  # lost since the sockets were made: a resume reconnects them first
+        self.fresh = False  # sockets just made: sends queue until the handshake completes
+        self.lost_at_us = 0.0  # when it was last lost (stats: while the running requests ran)
         self.curve = curve  # security on: both connections are CURVE clients of the key "shadow"
         self.heartbeat = heartbeat or Heartbeat()
         self.order = {layer: i for i, layer in enumerate(moe_layers)}
@@ -103,24 +123,63 @@ class ShadowLink:
         )
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.setsockopt(zmq.LINGER, 0)
+        self.sub.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         secure_client(self.sub, self.curve, "shadow")
         self.sub.setsockopt(zmq.SUBSCRIBE, b"")
         self.sub.connect(pub_address)
         self.address, self.pub_address = control_address, pub_address
-        self.lost_at_us = 0.0
+        if self.beats is not None:
+            self.beats.watch("shadow", control_address)
+        self.beat_lost = False
 
     def replace(self, control_address: str, pub_address: str) -> None:
-        """A shadow (re)started at these addresses: talk to it from the next request on."""
+        """A shadow (re)started at these addresses: talk to it from now on (running requests that
+        lost the old one resume with it)."""
         self.close()
         self._connect(control_address, pub_address)
+        self.stale, self.fresh = False, True
 
     @property
     def up(self) -> bool:
-        """Connected, as far as the heartbeat knows (drains the connection's events)."""
+        """Reachable, as far as the heartbeat and the beats know (drains their events)."""
         if self.control.lost():
-            self.lost_at_us = now_us()
-            log.warning("shadow (%s) lost: requests run without predictions until it is back", self.address)
-        return self.control.connected
+            self._lost("its connection dropped")
+        if self.beats is not None:
+            if self.beats.take_lost():
+                self.beat_lost = True
+                self._lost(self.beats.why("shadow"))
+            if self.beats.take_back():
+                self.beat_lost = False
+                log.info("shadow (%s) answers beats again: running requests resume with it", self.address)
+        return not self.beat_lost and (self.control.connected or self.fresh)
+
+    def _lost(self, why: str) -> None:
+        self.lost_at_us, self.stale, self.fresh = now_us(), True, False
+        log.warning(
+            "shadow (%s) lost (%s): requests run without predictions until it is back", self.address, why
+        )
+
+    def resumable(self, request: str) -> bool:
+        """The request runs without the shadow, and the shadow is reachable now."""
+        r = self.requests.get(request)
+        return r is not None and not r.active and r.max_new_tokens > 0 and self.up
+
+    def resume(self, request: str, iteration: int, fed_ids: list[int]) -> None:
+        """Main's iteration `iteration` of `request` runs next, after feeding `fed_ids` (its
+        iterations 1..iteration-1): the shadow takes the request up again from there."""
+        r = self.requests[request]
+        if self.stale:  # fresh connections: no retransmission backoff, no stale queue
+            self.close()
+            self._connect(self.address, self.pub_address)
+            self.stale, self.fresh = False, True
+        r.offset, r.active, r.ended, r.resumes = iteration - 1, True, False, r.resumes + 1
+        ids = [*r.prompt_ids, *fed_ids]
+        left = r.max_new_tokens - r.offset
+        if left < 1:  # nothing left to predict
+            r.active = False
+            return
+        self._send(to_frames(BeginRequest(request, ids, left, r.stream, r.tick(iteration))))
+        log.info("request %s: the shadow resumes it at iteration %d", request, iteration)
 
     def wait_up(self, timeout_s: float) -> bool:
         """At start-up: wait for the connection, so the first request already has the shadow."""
@@ -145,7 +204,7 @@ class ShadowLink:
         if not self.requests:
             self.lost_at_us = 0.0  # stats report a loss seen while these requests ran only
         active = self.up
-        self.requests[request] = _Request(stream, first_tick, active)
+        self.requests[request] = _Request(stream, first_tick, active, list(prompt_ids), max_new_tokens)
         if active:
             self._send(to_frames(BeginRequest(request, prompt_ids, max_new_tokens, stream, first_tick)))
 
@@ -166,8 +225,14 @@ class ShadowLink:
                 other.active = False
             return
         tensors = [keys, values] if keys is not None else []
+        shifted_next = next_align - r.offset if next_align > 0 else next_align
         message = Align(
-            request, iteration, token, keys is not None, sent_at_us=now_us(), next_align=next_align
+            request,
+            iteration - r.offset,
+            token,
+            keys is not None,
+            sent_at_us=now_us(),
+            next_align=max(shifted_next, 0),
         )
         self._send(to_frames(message, tensors), copy=False)
 
@@ -281,15 +346,16 @@ class ShadowLink:
                 r = self.requests.get(message.request)
                 if r is None:
                     continue
-                seen = r.seen
-                seen.late_departure_s[message.iteration] = message.late_departure_s
-                seen.alignment_wait_s[message.iteration] = message.alignment_wait_s
-                seen.ahead[message.iteration] = message.ahead
+                seen, iteration = r.seen, message.iteration + r.offset  # main's iteration
+                seen.late_departure_s[iteration] = message.late_departure_s
+                seen.alignment_wait_s[iteration] = message.alignment_wait_s
+                seen.ahead[iteration] = message.ahead
                 seen.rollbacks = max(seen.rollbacks, message.rollbacks)
                 seen.device_peak_bytes = max(seen.device_peak_bytes, message.device_peak_bytes)
                 if message.iteration > 1:
-                    seen.forward_s[message.iteration - 1] = message.previous_forward_s
+                    seen.forward_s[iteration - 1] = message.previous_forward_s
 
     def close(self) -> None:
         self.control.close()
         self.sub.close(0)
+        self.fresh = False

@@ -29,6 +29,9 @@ HANDSHAKE_FAILED = {
 }
 
 
+CONNECT_TIMEOUT_MS = 1000
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     interval_s: float = 0.2  # a ZMTP PING this often on an idle connection
@@ -53,6 +56,9 @@ class WatchedSocket:
             self.sock.setsockopt(zmq.SNDHWM, sndhwm)
         self.sock.setsockopt(zmq.HEARTBEAT_IVL, max(int(heartbeat.interval_s * 1000), 1))
         self.sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, max(int(heartbeat.timeout_s * 1000), 1))
+        # a connect that gets no answer is given up after this and tried afresh (reconnect_ivl, 0.1 s):
+        # else the kernel's SYN backoff (1, 2, 4, 8... s) delays a peer's return after a black hole
+        self.sock.setsockopt(zmq.CONNECT_TIMEOUT, CONNECT_TIMEOUT_MS)
         secure_client(self.sock, curve, server)
         events = zmq.EVENT_DISCONNECTED | zmq.EVENT_HANDSHAKE_SUCCEEDED
         for event in HANDSHAKE_FAILED:
