@@ -115,3 +115,57 @@ def test_two_requests_of_one_stream_each_get_their_own_choice_by_their_own_itera
     finally:
         link.close()
         shadow.close()
+
+
+def test_a_request_that_lost_the_shadow_resumes_with_it_once_its_beats_answer_again():
+    """Its beats stop (the link went black): the request runs on without it. They answer again: the
+    request resumes at main's next iteration with a Begin holding the tokens main fed since, and its
+    Aligns and reports are shifted by that offset on the wire (it failed before: never used again)."""
+    from odmoe.transport.beats import BeatEcho, BeatWatch
+    from odmoe.transport.messages import Align, ShadowIteration
+    from odmoe.transport.suspicion import SuspicionSettings
+
+    shadow = _FakeShadow()
+    port = int(shadow.control_address.rsplit(":", 1)[1])
+    echo = BeatEcho("127.0.0.1", port)
+    beats = BeatWatch(SuspicionSettings(interval_s=0.05))
+    link = ShadowLink(shadow.control_address, shadow.pub_address, moe_layers=[0, 1], beats=beats)
+    try:
+        assert link.wait_up(5.0)
+        link.begin("r", [1, 2, 3], 40)
+        assert isinstance(shadow.received(), BeginRequest)
+        time.sleep(0.3)  # answers learnt
+        link.align("r", 1, 7, None, None)
+        assert shadow.received().iteration == 1
+        echo.close()  # black: beats go unanswered
+        deadline = time.monotonic() + 3
+        while link.up:
+            assert time.monotonic() < deadline, "the shadow was never lost"
+            time.sleep(0.02)
+        link.align("r", 2, 8, None, None)  # the request runs on without it
+        assert not link.was_active("r") and not link.resumable("r") and link.lost_at_us > 0
+        echo = BeatEcho("127.0.0.1", port)  # the link heals
+        deadline = time.monotonic() + 3
+        while not link.resumable("r"):
+            assert time.monotonic() < deadline, "the shadow never came back"
+            time.sleep(0.02)
+        fed = list(range(10, 21))  # main's iterations 1..11 fed these
+        link.resume("r", 12, fed)
+        begin = shadow.received()
+        assert isinstance(begin, BeginRequest)
+        assert begin.prompt_ids == [1, 2, 3, *fed] and begin.first_tick == 12 and begin.max_new_tokens == 29
+        link.align("r", 12, 21, None, None, next_align=14)
+        align = shadow.received()
+        assert isinstance(align, Align) and (align.iteration, align.token, align.next_align) == (1, 21, 3)
+        shadow.publish(ShadowIteration("r", 2, late_departure_s=0.5))
+        deadline = time.monotonic() + 5
+        while 13 not in link.observations("r").late_departure_s:
+            assert time.monotonic() < deadline, "the report never arrived as main's iteration 13"
+            shadow.publish(ShadowIteration("r", 2, late_departure_s=0.5))
+            link.ended("r")  # drains
+            time.sleep(0.02)
+    finally:
+        link.close()
+        beats.close()
+        echo.close()
+        shadow.close()
