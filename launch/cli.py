@@ -7,6 +7,8 @@
     odmoe-launch role=main model.path=DIR cluster=lan_example
     odmoe-launch role=ray model.path=DIR cluster.workers=4          # placed on a running Ray cluster
     odmoe-launch role=plan model.path=DIR cluster.workers=4         # each node's memory need, nothing loaded
+    odmoe-launch role=seed model.path=DIR cluster.share_port=50053  # serve DIR's bytes to nodes that pull
+    odmoe-launch role=worker worker.index=1 model.pull_from=HOST:50053 ...  # pull this worker's share first
 
 Every word is a Hydra override except `--prompt TEXT`, `--prompt-file FILE` and `--prompt -`: they
 are taken out of the command line before Hydra parses it, and the text is set on the config as it
@@ -143,7 +145,7 @@ def _launch(raw: DictConfig) -> None:
             "sends (security.enabled=false, security.insecure_lan=true)",
             ", ".join(exposed),
         )
-    from odmoe.launch.roles import run_local, run_main, run_plan, run_ray, run_shadow, run_worker
+    from odmoe.launch.roles import run_local, run_main, run_plan, run_ray, run_seed, run_shadow, run_worker
 
     roles = {
         "local": run_local,
@@ -152,6 +154,7 @@ def _launch(raw: DictConfig) -> None:
         "shadow": run_shadow,
         "ray": run_ray,
         "plan": run_plan,
+        "seed": run_seed,
     }
     overrides = list(HydraConfig.get().overrides.task)
     code = roles[cfg.role.name](cfg, overrides)

@@ -25,9 +25,12 @@ BAD_INPUT = 2
 
 
 def _serve(name: str, node_class, cfg: OdmoeConfig) -> int:
+    from odmoe.launch.pull import model_path_for
+    from odmoe.models.share_pull import ShareError
+
     try:
-        node = node_class(cfg, resolve_model_path(cfg))
-    except (CheckpointError, UnsupportedModelError, SecurityError, MemoryPlanError) as exc:
+        node = node_class(cfg, model_path_for(cfg, cfg.role.name))
+    except (CheckpointError, UnsupportedModelError, SecurityError, MemoryPlanError, ShareError) as exc:
         log.error("%s: %s", name, exc)
         return BAD_INPUT
     node.serve(cfg.ready_file)
@@ -49,13 +52,27 @@ def run_shadow(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 
 def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    from odmoe.launch.pull import model_path_for, serve_checkpoint
     from odmoe.main.remote_experts import WorkerUnavailable
+    from odmoe.models.share_pull import ShareError
     from odmoe.nodes.main import MainNode, PortInUse
 
     try:
-        node = MainNode(cfg, resolve_model_path(cfg))
+        model_path = model_path_for(cfg, "main")
+        # the checkpoint served first: nodes pull their shares while main connects to them
+        share = serve_checkpoint(cfg, model_path) if not cfg.model.pull_from else None
+        node = MainNode(cfg, model_path)
         node.serve(cfg.ready_file)
-    except (CheckpointError, UnsupportedModelError, PortInUse, SecurityError, MemoryPlanError) as exc:
+        if share is not None:
+            share[0].stop(grace=1)
+    except (
+        CheckpointError,
+        UnsupportedModelError,
+        PortInUse,
+        SecurityError,
+        MemoryPlanError,
+        ShareError,
+    ) as exc:
         log.error("main: %s", exc)
         return BAD_INPUT
     except WorkerUnavailable as exc:
@@ -72,6 +89,17 @@ def run_plan(cfg: OdmoeConfig, overrides: list[str]) -> int:
         return plan(cfg, resolve_model_path(cfg))
     except (CheckpointError, UnsupportedModelError, ValueError) as exc:
         print(f"odmoe-launch: {exc}", file=sys.stderr)
+        return BAD_INPUT
+
+
+def run_seed(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    """Serve model.path's bytes on cluster.share_port to nodes that pull their share (odmoe.launch.pull)."""
+    from odmoe.launch.pull import run_seed as seed
+
+    try:
+        return seed(cfg, resolve_model_path(cfg))
+    except (CheckpointError, OSError, SecurityError, ValueError) as exc:
+        log.error("seed: %s", exc)
         return BAD_INPUT
 
 

@@ -17,13 +17,14 @@ from odmoe.placement import Topology
 
 log = logging.getLogger("odmoe.config")
 
-ROLES = ("local", "main", "worker", "shadow", "ray", "plan")
+ROLES = ("local", "main", "worker", "shadow", "ray", "plan", "seed")
 
 
 @dataclass
 class RoleConfig:
     # local (every node on this machine) | main | worker | shadow | ray | plan (print each node's
-    # memory need for model.path and the cluster shape, loading nothing)
+    # memory need for model.path and the cluster shape, loading nothing) | seed (serve model.path's
+    # bytes on cluster.share_port to nodes that pull their share, nothing else)
     name: str = "local"
 
 
@@ -40,6 +41,14 @@ class ModelConfig:
     gguf_file: str | None = None
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
     cache_dir: str | None = None  # where odmoe's own models are made (null: ~/.cache/odmoe/models)
+    # A box that lacks the checkpoint pulls its share from this Share service (host:port: a main or
+    # seed serving cluster.share_port) into pull_dir ("": ~/.cache/odmoe/pulled/<host>_<port>) and runs
+    # from there: a worker the experts of the layers it stores, main the non-expert tensors, the
+    # shadow all of them; every range checked against the source's sha256 index, resumable, and a
+    # second start pulls nothing (odmoe.models.share_pull). "" = model.path is on this box.
+    pull_from: str = ""
+    pull_dir: str = ""
+    pull_rate_mbps: float = 0.0  # cap on the pull's rate, megabits/s (0: none), so serving is not starved
     # Where main computes (embeddings, attention + KV cache, routers, shared experts, lm_head):
     # cpu | cuda | cuda:<i>. The shadow's is shadow.device, each worker's worker.device.
     device: str = "cpu"
@@ -60,6 +69,9 @@ class ClusterConfig:
     group_size: int = 2  # workers per group: a group serves every N-th MoE layer (N = workers / group_size)
     host: str = "127.0.0.1"  # where main's gRPC server and the workers bind
     main_port: int = 0  # 0: any free port (the local launcher learns it from the ready file)
+    # main (and role=seed) serve model.path's bytes here to nodes with model.pull_from (-1: not served;
+    # 0: any free port, written to the ready file as share_address). The cluster's TLS and token apply.
+    share_port: int = -1
     worker_port: int = 0  # role=worker: port this worker binds (0: any free port)
     # LAN use: main connects to these, index i = worker i ("tcp://10.0.0.7:5600"); filled by the
     # local launcher with the ports its workers bound.

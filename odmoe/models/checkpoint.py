@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, PretrainedConfig
 
+from odmoe.models.checkpoint_index import SHARE_STATE
 from odmoe.models.families import (
     Family,
     UnsupportedModelError,
@@ -57,6 +58,14 @@ log = logging.getLogger("odmoe.models.checkpoint")
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+
+
+def _pulled_tensors(path: Path) -> frozenset[str] | None:
+    """The tensors a pulled share holds (odmoe.models.share_pull's record), None for a whole checkpoint."""
+    record = path / SHARE_STATE
+    if not record.is_file():
+        return None
+    return frozenset(json.loads(record.read_text()).get("tensors", {}))
 
 
 class CheckpointError(ValueError):
@@ -133,6 +142,7 @@ class Checkpoint:
         if self.wrapper is not None:
             weight_map = self._text_model_only(weight_map, saved.model_type)
         self.weight_map = self._without_extra_layers(weight_map)
+        self.pulled = _pulled_tensors(self.path)  # a pulled share: only these hold bytes (None: all do)
         self.moe_layers = sorted({layer_of_key(k) for k in self.weight_map if is_expert_key(k)} - {None})
         if not self.moe_layers:
             raise UnsupportedModelError(f"{self.path} holds no routed-expert tensors")
@@ -191,9 +201,16 @@ class Checkpoint:
             )
         return {k: v for k, v in weight_map.items() if (layer_of_key(k) or 0) < layers}
 
-    def _handle(self, key: str) -> SafetensorsFile:
+    def _handle(self, key: str, reading: bool = True) -> SafetensorsFile:
+        """`key`'s file; `reading` its bytes (not only its header entry): refused for a tensor a
+        pulled share does not hold."""
         if key not in self.weight_map:
             raise CheckpointError(f"tensor {key} is not in {self.path}")
+        if reading and self.pulled is not None and self.disk_key.get(key, key) not in self.pulled:
+            raise CheckpointError(
+                f"tensor {key} was not pulled to {self.path} (this box holds its share of the checkpoint "
+                "only: odmoe.models.share_pull); its bytes there are a hole, never read"
+            )
         shard = self.weight_map[key]
         if shard not in self._handles:
             self._handles[shard] = SafetensorsFile(self.path / shard)
@@ -204,7 +221,7 @@ class Checkpoint:
 
     def tensor_info(self, key: str) -> TensorInfo:
         """A tensor's dtype, shape and bytes on disk, from its file's header (nothing read)."""
-        return self._handle(key).info(self.disk_key.get(key, key))
+        return self._handle(key, reading=False).info(self.disk_key.get(key, key))
 
     def _read_into(self, key: str, row: int | None, out: torch.Tensor) -> None:
         """`key` (or its `row`-th slice) into `out`, converted to `out`'s dtype as `.to()` does."""

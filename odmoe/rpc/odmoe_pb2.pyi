@@ -143,3 +143,29 @@ class JoinReply(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     detail: str
     def __init__(self, detail: _Optional[str] = ...) -> None: ...
+
+class ShareIndexRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ShareIndexReply(_message.Message):
+    __slots__ = ("index_json",)
+    INDEX_JSON_FIELD_NUMBER: _ClassVar[int]
+    index_json: str
+    def __init__(self, index_json: _Optional[str] = ...) -> None: ...
+
+class ShareReadRequest(_message.Message):
+    __slots__ = ("file", "offset", "length")
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    file: str
+    offset: int
+    length: int
+    def __init__(self, file: _Optional[str] = ..., offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ShareChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...

@@ -184,3 +184,125 @@ class Inference:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ShareStub:
+    """A checkpoint's bytes for nodes that lack them (odmoe/transport/share_server.py): its index (every
+    file's and safetensors tensor's sha256), then byte ranges, so a node pulls only its share.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Index = channel.unary_unary(
+                '/odmoe.rpc.Share/Index',
+                request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareIndexRequest.SerializeToString,
+                response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareIndexReply.FromString,
+                _registered_method=True)
+        self.Read = channel.unary_stream(
+                '/odmoe.rpc.Share/Read',
+                request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareReadRequest.SerializeToString,
+                response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareChunk.FromString,
+                _registered_method=True)
+
+
+class ShareServicer:
+    """A checkpoint's bytes for nodes that lack them (odmoe/transport/share_server.py): its index (every
+    file's and safetensors tensor's sha256), then byte ranges, so a node pulls only its share.
+    """
+
+    def Index(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Read(self, request, context):
+        """The range's bytes in chunks of at most 1 MiB.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ShareServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Index': grpc.unary_unary_rpc_method_handler(
+                    servicer.Index,
+                    request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareIndexRequest.FromString,
+                    response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareIndexReply.SerializeToString,
+            ),
+            'Read': grpc.unary_stream_rpc_method_handler(
+                    servicer.Read,
+                    request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareReadRequest.FromString,
+                    response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ShareChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'odmoe.rpc.Share', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('odmoe.rpc.Share', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Share:
+    """A checkpoint's bytes for nodes that lack them (odmoe/transport/share_server.py): its index (every
+    file's and safetensors tensor's sha256), then byte ranges, so a node pulls only its share.
+    """
+
+    @staticmethod
+    def Index(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odmoe.rpc.Share/Index',
+            odmoe_dot_rpc_dot_odmoe__pb2.ShareIndexRequest.SerializeToString,
+            odmoe_dot_rpc_dot_odmoe__pb2.ShareIndexReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Read(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/odmoe.rpc.Share/Read',
+            odmoe_dot_rpc_dot_odmoe__pb2.ShareReadRequest.SerializeToString,
+            odmoe_dot_rpc_dot_odmoe__pb2.ShareChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

@@ -1,0 +1,229 @@
+"""A node that lacks the checkpoint pulls only its share of it from a box that has it.
+
+Contract: `pull_share(stub, dest, choose, ...)` asks the source's `Share` service (odmoe.transport.
+share_server) for its index, then makes `dest` a copy of the checkpoint in which only the chosen
+tensors hold bytes:
+- every file that is not safetensors (config, tokenizer, index JSON...) is pulled whole;
+- every safetensors file is made at its full size as a sparse file, its header pulled, so the
+  layout and every reader of it are the checkpoint's own; `choose(index, dest)` (called once the
+  headers are there, so it may open `dest` as a checkpoint) names the tensors to fill, and only
+  their byte ranges are pulled. Unfilled ranges are holes: no disk used, and
+  odmoe.models.checkpoint refuses to read a tensor that is not recorded as pulled, so a hole is
+  never read as zeros.
+- every file, header and tensor is checked against the index's sha256 before it counts; the record
+  (`SHARE_STATE` in `dest`) lists what is verified, written after each tensor, so an interrupted
+  pull resumes where it stopped (by tensor) and a second start with everything there pulls nothing.
+  A source whose index changed (another checkpoint at the same address) keeps only the tensors
+  whose bytes and place are the same.
+- `rate_bytes_s` caps the pull's rate (0: none) so it does not starve serving traffic; progress
+  (bytes of bytes, rate, ETA) is logged every `progress_s`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from odmoe.models.checkpoint_index import SHARE_STATE, CheckpointIndex, FileEntry, TensorEntry
+from odmoe.rpc import odmoe_pb2
+
+log = logging.getLogger("odmoe.models.share_pull")
+
+
+class ShareError(RuntimeError):
+    """A pulled range does not match the index (or the source ended early): nothing wrong is kept."""
+
+
+@dataclass(frozen=True)
+class PullReport:
+    pulled_bytes: int  # moved this time
+    share_bytes: int  # what this node holds of the checkpoint (files + headers + chosen tensors)
+    checkpoint_bytes: int  # the whole checkpoint's
+    tensors_pulled: int
+    seconds: float
+
+    def line(self) -> str:
+        return (
+            f"pulled {self.pulled_bytes / 2**20:.1f} MiB in {self.seconds:.1f} s; this box holds "
+            f"{self.share_bytes / 2**20:.1f} of the checkpoint's {self.checkpoint_bytes / 2**20:.1f} MiB "
+            f"({100 * self.share_bytes / max(self.checkpoint_bytes, 1):.1f} %)"
+        )
+
+
+class _Progress:
+    def __init__(self, total: int, every_s: float, rate_bytes_s: float):
+        self.total, self.every_s, self.rate = total, every_s, rate_bytes_s
+        self.done = 0
+        self.start = self.last = time.perf_counter()
+
+    def add(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if self.rate > 0:  # the budget: never ahead of rate x elapsed
+            ahead = self.done / self.rate - (now - self.start)
+            if ahead > 0:
+                time.sleep(ahead)
+                now = time.perf_counter()
+        if now - self.last >= self.every_s:
+            self.last = now
+            rate = self.done / max(now - self.start, 1e-9)
+            eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+            log.info(
+                "pulling the checkpoint's share: %.0f of %.0f MiB (%.0f %%, %.1f MiB/s, ETA %.0f s)",
+                self.done / 2**20,
+                self.total / 2**20,
+                100 * self.done / max(self.total, 1),
+                rate / 2**20,
+                eta,
+            )
+
+
+class _State:
+    """What `dest` holds, verified: {file: sha256} and {tensor: [file, start, end, sha256]}."""
+
+    def __init__(self, dest: Path):
+        self.path = dest / SHARE_STATE
+        data = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.files: dict[str, str] = data.get("files", {})
+        self.tensors: dict[str, list] = data.get("tensors", {})
+        self.digest: str = data.get("index", "")
+        self.pulled_total: int = data.get("pulled_bytes_total", 0)
+
+    def save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(
+            json.dumps(
+                {
+                    "index": self.digest,
+                    "files": self.files,
+                    "tensors": self.tensors,
+                    "pulled_bytes_total": self.pulled_total,
+                },
+                sort_keys=True,
+            )
+        )
+        tmp.replace(self.path)
+
+
+def _record(t: TensorEntry) -> list:
+    return [t.file, t.start, t.end, t.sha256]
+
+
+def pull_share(
+    stub,
+    dest: str | Path,
+    choose: Callable[[CheckpointIndex, Path], set[str]] | None = None,
+    rate_bytes_s: float = 0.0,
+    progress_s: float = 2.0,
+    metadata=None,
+) -> PullReport:
+    """Make `dest` hold the chosen tensors of the source's checkpoint (module contract); `choose`
+    None: every tensor. `stub` is an `odmoe_pb2_grpc.ShareStub`."""
+    dest = Path(dest)
+    dest.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    index = CheckpointIndex.from_json(stub.Index(odmoe_pb2.ShareIndexRequest(), metadata=metadata).index_json)
+    state = _State(dest)
+    by_name = {t.name: t for t in index.tensors}
+    # tensors kept from an earlier pull: the same bytes in the same place
+    state.tensors = {n: r for n, r in state.tensors.items() if n in by_name and r == _record(by_name[n])}
+    state.digest = index.digest
+    pulled = 0
+    reader = _Reader(stub, metadata)
+    header_total = sum(f.size if not f.header_end else f.header_end for f in index.files)
+    progress = _Progress(header_total, progress_s, rate_bytes_s)
+    for f in index.files:
+        pulled += _file(reader, dest, f, state, progress)
+    state.save()
+    wanted = set(by_name) if choose is None else choose(index, dest)
+    unknown = wanted - set(by_name)
+    if unknown:
+        raise ShareError(f"the source's index has no tensor(s) {sorted(unknown)[:3]}")
+    todo = [
+        by_name[n]
+        for n in sorted(wanted, key=lambda n: (by_name[n].file, by_name[n].start))
+        if n not in state.tensors
+    ]
+    progress.total = progress.done + sum(t.nbytes for t in todo)
+    fds: dict[str, int] = {}
+    try:
+        last_save = time.perf_counter()
+        for t in todo:
+            fd = fds.get(t.file) or fds.setdefault(t.file, os.open(dest / t.file, os.O_WRONLY))
+            digest = hashlib.sha256()
+            at = t.start
+            for data in reader.read(t.file, t.start, t.nbytes):
+                os.pwrite(fd, data, at)
+                digest.update(data)
+                at += len(data)
+                progress.add(len(data))
+            if at != t.end or digest.hexdigest() != t.sha256:
+                raise ShareError(f"{t.file}: tensor {t.name} pulled does not match the index's sha256")
+            pulled += t.nbytes
+            state.pulled_total += t.nbytes
+            state.tensors[t.name] = _record(t)
+            if time.perf_counter() - last_save >= 1.0:  # resumable by tensor, without a write per tensor
+                state.save()
+                last_save = time.perf_counter()
+    finally:
+        for fd in fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        state.save()
+    share = sum(f.size if not f.header_end else f.header_end for f in index.files) + sum(
+        by_name[n].nbytes for n in state.tensors
+    )
+    report = PullReport(pulled, share, index.total_bytes, len(todo), time.perf_counter() - start)
+    log.info("%s: %s", dest, report.line())
+    return report
+
+
+class _Reader:
+    def __init__(self, stub, metadata):
+        self.stub, self.metadata = stub, metadata
+
+    def read(self, file: str, offset: int, length: int):
+        request = odmoe_pb2.ShareReadRequest(file=file, offset=offset, length=length)
+        got = 0
+        for chunk in self.stub.Read(request, metadata=self.metadata):
+            got += len(chunk.data)
+            yield chunk.data
+        if got != length:
+            raise ShareError(f"{file}: the source sent {got} of {length} bytes at {offset}")
+
+
+def _file(reader: _Reader, dest: Path, f: FileEntry, state: _State, progress: _Progress) -> int:
+    """One file of the index in place at `dest` (whole, or a sparse safetensors file with its
+    header); returns the bytes pulled."""
+    path = dest / f.name
+    if not f.header_end:  # a small file, pulled whole
+        if state.files.get(f.name) == f.sha256 and path.is_file() and path.stat().st_size == f.size:
+            return 0
+        data = b"".join(reader.read(f.name, 0, f.size))
+        if hashlib.sha256(data).hexdigest() != f.sha256:
+            raise ShareError(f"{f.name} pulled does not match the index's sha256")
+        tmp = path.with_name(path.name + ".part")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        state.files[f.name] = f.sha256
+        progress.add(len(data))
+        return len(data)
+    if state.files.get(f.name) == f.header_sha256 and path.is_file() and path.stat().st_size == f.size:
+        return 0
+    # another layout (or none yet): a new sparse file; its tensors recorded before no longer hold
+    state.tensors = {n: r for n, r in state.tensors.items() if r[0] != f.name}
+    header = b"".join(reader.read(f.name, 0, f.header_end))
+    if hashlib.sha256(header).hexdigest() != f.header_sha256:
+        raise ShareError(f"{f.name}: its header pulled does not match the index's sha256")
+    with open(path, "wb") as out:
+        out.truncate(f.size)
+        out.write(header)
+    state.files[f.name] = f.header_sha256
+    progress.add(len(header))
+    return len(header)
