@@ -7,8 +7,10 @@
     odmoe-launch role=main model.path=DIR cluster=lan_example
     odmoe-launch role=ray model.path=DIR cluster.workers=4          # placed on a running Ray cluster
     odmoe-launch role=plan model.path=DIR cluster.workers=4         # each node's memory need, nothing loaded
-    odmoe-launch role=seed model.path=DIR cluster.share_port=50053  # serve DIR's bytes to nodes that pull
+    odmoe-launch role=seed model.path=DIR cluster.join_port=50053  # serve DIR's bytes to nodes that pull
     odmoe-launch role=worker worker.index=1 model.pull_from=HOST:50053 ...  # pull this worker's share first
+    odmoe-launch role=main model.path=DIR cluster.workers=2 cluster.join_port=50053  # prints a join line
+    odmoe-launch join=odmoe://SECRET@HOST:50053/FINGERPRINT        # a box joins by that line
 
 Every word is a Hydra override except `--prompt TEXT`, `--prompt-file FILE` and `--prompt -`: they
 are taken out of the command line before Hydra parses it, and the text is set on the config as it
@@ -157,6 +159,10 @@ def _launch(raw: DictConfig) -> None:
         "seed": run_seed,
     }
     overrides = list(HydraConfig.get().overrides.task)
+    if cfg.join:  # a box joining by main's link: main names its role
+        from odmoe.launch.join import run_join
+
+        sys.exit(run_join(cfg, overrides))
     code = roles[cfg.role.name](cfg, overrides)
     if code:  # returning (not exiting) on success lets a -m multirun go on to its next job
         sys.exit(code)

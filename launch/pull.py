@@ -6,7 +6,7 @@ Contract:
   that directory: a worker the experts of the layers it stores (odmoe.placement's `stored_layers`: its
   group's with worker.only_own_layers, else all), main the non-expert tensors, the shadow every
   tensor (it computes the whole model at its own precision).
-- `serve_checkpoint(cfg, model_path)` starts the Share service on `cluster.share_port` (None when
+- `serve_checkpoint(cfg, model_path)` starts the Share service on `cluster.join_port` (None when
   -1), with the cluster's TLS and token; `run_seed` serves until SIGINT/SIGTERM, writing its address
   to the ready file.
 """
@@ -85,18 +85,34 @@ def model_path_for(cfg: OdmoeConfig, role: str) -> str:
     return str(dest)
 
 
-def serve_checkpoint(cfg: OdmoeConfig, model_path: str):
-    """(server, bound port, servicer) of the Share service on cluster.share_port, None when -1."""
-    if cfg.cluster.share_port < 0:
+def serve_checkpoint(
+    cfg: OdmoeConfig,
+    model_path: str,
+    secrets: ServerSecrets | None = None,
+    also=None,
+    token_check=None,
+):
+    """(server, bound port, servicer) of the Share service on cluster.join_port, None when -1;
+    `secrets` default to security.key_dir's; `also` / `token_check` as odmoe.transport.share_server's."""
+    if cfg.cluster.join_port < 0:
         return None
     index = build_index(model_path, _cache_root(cfg) / "share-index")
-    secrets = ServerSecrets.from_key_dir(cfg.security.key_dir) if cfg.security.enabled else None
-    return serve_share(model_path, index, cfg.cluster.host, cfg.cluster.share_port, secrets)
+    if secrets is None and cfg.security.enabled:
+        secrets = ServerSecrets.from_key_dir(cfg.security.key_dir)
+    return serve_share(
+        model_path,
+        index,
+        cfg.cluster.host,
+        cfg.cluster.join_port,
+        secrets,
+        also=also,
+        token_check=token_check,
+    )
 
 
 def run_seed(cfg: OdmoeConfig, model_path: str) -> int:
-    if cfg.cluster.share_port < 0:
-        raise ValueError("role=seed needs cluster.share_port (0: any free port)")
+    if cfg.cluster.join_port < 0:
+        raise ValueError("role=seed needs cluster.join_port (0: any free port)")
     served = serve_checkpoint(cfg, model_path)
     assert served is not None
     server, port, servicer = served

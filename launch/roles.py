@@ -52,19 +52,25 @@ def run_shadow(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 
 def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    from odmoe.launch.pull import model_path_for, serve_checkpoint
+    from odmoe.launch.join import open_door, rendezvous
+    from odmoe.launch.pull import model_path_for
+    from odmoe.launch.settings import compose
     from odmoe.main.remote_experts import WorkerUnavailable
     from odmoe.models.share_pull import ShareError
     from odmoe.nodes.main import MainNode, PortInUse
 
     try:
         model_path = model_path_for(cfg, "main")
-        # the checkpoint served first: nodes pull their shares while main connects to them
-        share = serve_checkpoint(cfg, model_path) if not cfg.model.pull_from else None
+        # the door first (the checkpoint's bytes, admission by the join link): nodes pull their
+        # shares and join while main waits for them and connects
+        door, admissions = open_door(cfg, overrides, model_path) if not cfg.model.pull_from else (None, None)
+        if admissions is not None:
+            joined = rendezvous(admissions)
+            cfg = compose(["role=main", *overrides, *joined, f"security.key_dir={admissions.keys.root}"])
         node = MainNode(cfg, model_path)
         node.serve(cfg.ready_file)
-        if share is not None:
-            share[0].stop(grace=1)
+        if door is not None:
+            door.stop(grace=1)
     except (
         CheckpointError,
         UnsupportedModelError,
@@ -93,7 +99,7 @@ def run_plan(cfg: OdmoeConfig, overrides: list[str]) -> int:
 
 
 def run_seed(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    """Serve model.path's bytes on cluster.share_port to nodes that pull their share (odmoe.launch.pull)."""
+    """Serve model.path's bytes on cluster.join_port to nodes that pull their share (odmoe.launch.pull)."""
     from odmoe.launch.pull import run_seed as seed
 
     try:

@@ -24,7 +24,7 @@ ROLES = ("local", "main", "worker", "shadow", "ray", "plan", "seed")
 class RoleConfig:
     # local (every node on this machine) | main | worker | shadow | ray | plan (print each node's
     # memory need for model.path and the cluster shape, loading nothing) | seed (serve model.path's
-    # bytes on cluster.share_port to nodes that pull their share, nothing else)
+    # bytes on cluster.join_port to nodes that pull their share, nothing else)
     name: str = "local"
 
 
@@ -42,7 +42,7 @@ class ModelConfig:
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
     cache_dir: str | None = None  # where odmoe's own models are made (null: ~/.cache/odmoe/models)
     # A box that lacks the checkpoint pulls its share from this Share service (host:port: a main or
-    # seed serving cluster.share_port) into pull_dir ("": ~/.cache/odmoe/pulled/<host>_<port>) and runs
+    # seed serving cluster.join_port) into pull_dir ("": ~/.cache/odmoe/pulled/<host>_<port>) and runs
     # from there: a worker the experts of the layers it stores, main the non-expert tensors, the
     # shadow all of them; every range checked against the source's sha256 index, resumable, and a
     # second start pulls nothing (odmoe.models.share_pull). "" = model.path is on this box.
@@ -69,9 +69,10 @@ class ClusterConfig:
     group_size: int = 2  # workers per group: a group serves every N-th MoE layer (N = workers / group_size)
     host: str = "127.0.0.1"  # where main's gRPC server and the workers bind
     main_port: int = 0  # 0: any free port (the local launcher learns it from the ready file)
-    # main (and role=seed) serve model.path's bytes here to nodes with model.pull_from (-1: not served;
-    # 0: any free port, written to the ready file as share_address). The cluster's TLS and token apply.
-    share_port: int = -1
+    # main (and role=seed) serve here the checkpoint's bytes to nodes with model.pull_from and, with
+    # security on, the join link's admission (odmoe-launch join=LINK): -1 off; 0 any free port (the
+    # ready file's join_address). The cluster's TLS and token apply (admission's first two calls aside).
+    join_port: int = -1
     worker_port: int = 0  # role=worker: port this worker binds (0: any free port)
     # LAN use: main connects to these, index i = worker i ("tcp://10.0.0.7:5600"); filled by the
     # local launcher with the ports its workers bound.
@@ -377,6 +378,10 @@ class OdmoeConfig:
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32  # role=local: how many tokens to generate for prompt
     ready_file: str | None = None  # a node writes {"address": ...} here once it serves
+    # odmoe-launch join=odmoe://SECRET@HOST:PORT/FINGERPRINT (the line main prints): this box checks
+    # main's certificate against the fingerprint, proves the secret, is handed its role, keys and
+    # settings, pulls its share of the checkpoint and serves (role=worker|shadow asks for one).
+    join: str = ""
     # every node appends its timeline spans here (odmoe.tools.trace); off when null
     trace_dir: str | None = None
     log_level: str = "INFO"  # every node's logging level (DEBUG, INFO, WARNING, ...)

@@ -90,11 +90,19 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"worker.decompress_threads must be at least 1, got {cfg.worker.decompress_threads}")
     if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:
         raise ValueError(f"worker.index={cfg.worker.index} is outside 0..{cfg.cluster.workers - 1}")
-    if cfg.role.name == "main" and len(cfg.cluster.worker_addresses) != cfg.cluster.workers:
+    joining = cfg.cluster.join_port >= 0 and not cfg.cluster.worker_addresses  # they come by the link
+    if cfg.role.name == "main" and not joining and len(cfg.cluster.worker_addresses) != cfg.cluster.workers:
         raise ValueError(
             f"role=main needs cluster.worker_addresses with {cfg.cluster.workers} entries, "
             f"got {len(cfg.cluster.worker_addresses)}"
         )
+    if joining and cfg.role.name == "main" and not cfg.security.enabled:
+        raise ValueError(
+            "cluster.join_port without cluster.worker_addresses admits nodes by the join link, which needs "
+            "security.enabled=true (its certificate's fingerprint and secret are what a box checks)"
+        )
+    if cfg.join and not cfg.security.enabled:
+        raise ValueError("join=LINK needs security.enabled=true: the link is checked by TLS and a secret")
     check_device("model.device", cfg.model.device)
     check_device("shadow.device", cfg.shadow.device)
     check_device("worker.device", cfg.worker.device, allow_auto=True)

@@ -160,7 +160,7 @@ def test_nodes_without_the_checkpoint_pull_their_share_and_serve_the_same_tokens
     seed = subprocess.Popen(
         [
             sys.executable, "-m", "odmoe.launch.cli", "role=seed", f"model.path={model}",
-            "cluster.share_port=0", f"security.key_dir={keys.root}", f"ready_file={ready}",
+            "cluster.join_port=0", f"security.key_dir={keys.root}", f"ready_file={ready}",
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

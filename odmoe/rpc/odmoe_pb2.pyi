@@ -169,3 +169,70 @@ class ShareChunk(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     data: bytes
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class ChallengeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChallengeReply(_message.Message):
+    __slots__ = ("nonce",)
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+
+class AdmitRequest(_message.Message):
+    __slots__ = ("nonce", "proof", "role", "name", "host")
+    NONCE_FIELD_NUMBER: _ClassVar[int]
+    PROOF_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    nonce: bytes
+    proof: bytes
+    role: str
+    name: str
+    host: str
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., role: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+
+class AdmitReply(_message.Message):
+    __slots__ = ("name", "role", "index", "public_keys", "secret_key", "cert_pem", "token", "words")
+    class PublicKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEYS_FIELD_NUMBER: _ClassVar[int]
+    SECRET_KEY_FIELD_NUMBER: _ClassVar[int]
+    CERT_PEM_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    WORDS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    role: str
+    index: int
+    public_keys: _containers.ScalarMap[str, bytes]
+    secret_key: bytes
+    cert_pem: bytes
+    token: str
+    words: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., role: _Optional[str] = ..., index: _Optional[int] = ..., public_keys: _Optional[_Mapping[str, bytes]] = ..., secret_key: _Optional[bytes] = ..., cert_pem: _Optional[bytes] = ..., token: _Optional[str] = ..., words: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReadyRequest(_message.Message):
+    __slots__ = ("name", "address", "pub_address")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PUB_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    address: str
+    pub_address: str
+    def __init__(self, name: _Optional[str] = ..., address: _Optional[str] = ..., pub_address: _Optional[str] = ...) -> None: ...
+
+class ReadyReply(_message.Message):
+    __slots__ = ("detail",)
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    detail: str
+    def __init__(self, detail: _Optional[str] = ...) -> None: ...

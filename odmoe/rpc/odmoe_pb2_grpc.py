@@ -186,6 +186,173 @@ class Inference:
             _registered_method=True)
 
 
+class AdmissionStub:
+    """Admission by the join link (odmoe/main/admission.py): a box proves it holds the link's secret (an
+    HMAC over a single-use nonce), is handed its role, index, keys and settings, then says where it
+    serves. Challenge and Admit need no token (the box has none yet); Ready does.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Challenge = channel.unary_unary(
+                '/odmoe.rpc.Admission/Challenge',
+                request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ChallengeRequest.SerializeToString,
+                response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ChallengeReply.FromString,
+                _registered_method=True)
+        self.Admit = channel.unary_unary(
+                '/odmoe.rpc.Admission/Admit',
+                request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.AdmitRequest.SerializeToString,
+                response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.AdmitReply.FromString,
+                _registered_method=True)
+        self.Ready = channel.unary_unary(
+                '/odmoe.rpc.Admission/Ready',
+                request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyRequest.SerializeToString,
+                response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyReply.FromString,
+                _registered_method=True)
+
+
+class AdmissionServicer:
+    """Admission by the join link (odmoe/main/admission.py): a box proves it holds the link's secret (an
+    HMAC over a single-use nonce), is handed its role, index, keys and settings, then says where it
+    serves. Challenge and Admit need no token (the box has none yet); Ready does.
+    """
+
+    def Challenge(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Admit(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ready(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_AdmissionServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Challenge': grpc.unary_unary_rpc_method_handler(
+                    servicer.Challenge,
+                    request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ChallengeRequest.FromString,
+                    response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ChallengeReply.SerializeToString,
+            ),
+            'Admit': grpc.unary_unary_rpc_method_handler(
+                    servicer.Admit,
+                    request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.AdmitRequest.FromString,
+                    response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.AdmitReply.SerializeToString,
+            ),
+            'Ready': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ready,
+                    request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyRequest.FromString,
+                    response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'odmoe.rpc.Admission', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('odmoe.rpc.Admission', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Admission:
+    """Admission by the join link (odmoe/main/admission.py): a box proves it holds the link's secret (an
+    HMAC over a single-use nonce), is handed its role, index, keys and settings, then says where it
+    serves. Challenge and Admit need no token (the box has none yet); Ready does.
+    """
+
+    @staticmethod
+    def Challenge(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odmoe.rpc.Admission/Challenge',
+            odmoe_dot_rpc_dot_odmoe__pb2.ChallengeRequest.SerializeToString,
+            odmoe_dot_rpc_dot_odmoe__pb2.ChallengeReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Admit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odmoe.rpc.Admission/Admit',
+            odmoe_dot_rpc_dot_odmoe__pb2.AdmitRequest.SerializeToString,
+            odmoe_dot_rpc_dot_odmoe__pb2.AdmitReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ready(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odmoe.rpc.Admission/Ready',
+            odmoe_dot_rpc_dot_odmoe__pb2.ReadyRequest.SerializeToString,
+            odmoe_dot_rpc_dot_odmoe__pb2.ReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class ShareStub:
     """A checkpoint's bytes for nodes that lack them (odmoe/transport/share_server.py): its index (every
     file's and safetensors tensor's sha256), then byte ranges, so a node pulls only its share.

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
 
@@ -71,13 +72,23 @@ class ShareServer(odmoe_pb2_grpc.ShareServicer):
 
 
 def serve_share(
-    directory: str | Path, index: CheckpointIndex, host: str, port: int, secrets: ServerSecrets | None
+    directory: str | Path,
+    index: CheckpointIndex,
+    host: str,
+    port: int,
+    secrets: ServerSecrets | None,
+    also: Callable[[grpc.Server], None] | None = None,
+    token_check: grpc.ServerInterceptor | None = None,
 ) -> tuple[grpc.Server, int, ShareServer]:
-    """Start the Share service on host:port (0: any free port); returns (server, bound port, servicer)."""
-    interceptors: list[grpc.ServerInterceptor] = [BearerToken(secrets)] if secrets else []
+    """Start the Share service on host:port (0: any free port); returns (server, bound port, servicer).
+    `also` adds other services to the same server (main's admission); `token_check` replaces
+    `BearerToken` as the token's interceptor (one that lets a joining box's first calls through)."""
+    interceptors: list[grpc.ServerInterceptor] = [token_check or BearerToken(secrets)] if secrets else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8), interceptors=interceptors)
     servicer = ShareServer(directory, index)
     odmoe_pb2_grpc.add_ShareServicer_to_server(servicer, server)
+    if also is not None:
+        also(server)
     address = f"{host}:{port}"
     bound = (
         server.add_secure_port(address, secrets.grpc_credentials())

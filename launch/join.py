@@ -1,0 +1,276 @@
+"""The join link, end to end: main admitting boxes, and a box joining by one line.
+
+Contract:
+- Main (`role=main` with `cluster.join_port` and no `cluster.worker_addresses`): `open_door` serves
+  the Share service and the Admission service (odmoe.main.admission) on `cluster.join_port` before
+  anything else, makes the key directory when it does not exist yet (`security.key_dir`, default
+  ~/.config/odmoe/keys: the nodes' keys stay on main's box and are handed out at admission), prints
+  `odmoe-launch join=odmoe://...` and writes it to KEY_DIR/join-link (0600); `rendezvous` waits for
+  the shadow (when there is one) and every worker to be admitted and serving, and returns main's
+  config words naming their addresses.
+- A box (`odmoe-launch join=LINK [role=worker|shadow]`): `run_join` checks the certificate main
+  serves against the link's fingerprint before sending anything, proves the secret over a fresh
+  nonce, writes what it is handed (its keypair, the public keys, certificate, token) as a key
+  directory under ~/.cache/odmoe/joined/<host>_<port>/ with the usual modes, remembers its name (a
+  restart asks for it back), starts its node with main's words plus its own (its own win), pulling
+  its share of the checkpoint first (model.pull_from), and tells main where it serves. Every
+  refusal is one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+from odmoe.config import OdmoeConfig
+from odmoe.main.admission import Admissions, TokenUnlessJoining, join_link
+from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.transport.join_link import admission_proof, fingerprint_of, parse_link
+from odmoe.transport.security import ClientCredentials, KeyDir, ServerSecrets, init_key_dir
+
+log = logging.getLogger("odmoe.launch.join")
+DEFAULT_KEY_DIR = "~/.config/odmoe/keys"
+# main's own words that are not a joining node's (where main runs, what it serves, its keys)
+NOT_SHARED = (
+    "role=",
+    "model.path=",
+    "model.gguf_file=",
+    "model.pull_from=",
+    "model.pull_dir=",
+    "model.cache_dir=",
+    "ready_file=",
+    "join=",
+    "cluster.worker_addresses=",
+    "cluster.shadow_address=",
+    "cluster.shadow_pub_address=",
+    "cluster.host=",
+    "cluster.main_port=",
+    "cluster.join_port=",
+    "cluster.main_addresses=",
+    "security.",
+    "server.",
+    "node.",
+    "worker.index=",
+    "hydra.",
+)
+
+
+class JoinRefused(RuntimeError):
+    """One line saying why this box cannot join."""
+
+
+def reachable_host(bind: str, towards: str = "192.0.2.1") -> str:
+    """The address others reach this box by: `bind` unless it is a wildcard, else the address of
+    the interface that routes towards `towards` (no packet is sent)."""
+    if bind not in ("0.0.0.0", "::", ""):
+        return bind
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        try:
+            s.connect((towards, 9))
+            return s.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+# -- main's side -------------------------------------------------------------------------------
+def key_dir_for_join(cfg: OdmoeConfig, host: str) -> KeyDir:
+    keys = KeyDir(Path(cfg.security.key_dir or DEFAULT_KEY_DIR).expanduser())
+    if not keys.token.exists():
+        init_key_dir(keys.root, cfg.cluster.workers, (host,))
+        log.info(
+            "made the cluster's keys in %s (they stay on this box; nodes get theirs by the link)", keys.root
+        )
+    return keys
+
+
+def admissions_for(
+    cfg: OdmoeConfig, overrides: list[str], keys: KeyDir, host: str, where: dict[str, int]
+) -> Admissions:
+    """The Admission service; `where["port"]` is the join port, known once the server is bound."""
+    shared = [w for w in overrides if not w.lstrip("+~").startswith(NOT_SHARED)]
+    base = [
+        *shared,
+        f"cluster.workers={cfg.cluster.workers}",
+        f"cluster.group_size={cfg.cluster.group_size}",
+        f"shadow.enabled={str(cfg.shadow.enabled).lower()}",
+    ]
+    if cfg.model.gguf_file:
+        base.append(f"model.gguf_file={cfg.model.gguf_file}")
+    if cfg.cluster.main_port:  # a restarted node finds main again by itself
+        base.append(f"cluster.main_addresses=[{host}:{cfg.cluster.main_port}]")
+
+    def words(name: str, role: str, index: int) -> list[str]:
+        own = [f"worker.index={index}"] if role == "worker" else []
+        return [*base, f"model.pull_from={host}:{where['port']}", *own]
+
+    return Admissions(keys, keys.root / "join_secret", cfg.cluster.workers, cfg.shadow.enabled, words)
+
+
+def open_door(cfg: OdmoeConfig, overrides: list[str], model_path: str):
+    """(server or None, Admissions or None): the Share service on cluster.join_port, and admission
+    when main takes its nodes by the link (module contract)."""
+    from odmoe.launch.pull import serve_checkpoint
+
+    joining = cfg.cluster.join_port >= 0 and not cfg.cluster.worker_addresses and cfg.security.enabled
+    if not joining:
+        served = serve_checkpoint(cfg, model_path)
+        return (served[0] if served else None), None
+    host = reachable_host(cfg.cluster.host)
+    keys = key_dir_for_join(cfg, host)
+    where: dict[str, int] = {}
+    admissions = admissions_for(cfg, overrides, keys, host, where)
+    secrets = ServerSecrets.from_key_dir(keys.root)
+    served = serve_checkpoint(
+        cfg,
+        model_path,
+        secrets=secrets,
+        also=lambda server: odmoe_pb2_grpc.add_AdmissionServicer_to_server(admissions, server),
+        token_check=TokenUnlessJoining(secrets),
+    )
+    assert served is not None
+    where["port"] = served[1]
+    link = join_link(keys, keys.root / "join_secret", host, served[1])
+    line = f"odmoe-launch join={link}"
+    path = keys.root / "join-link"
+    path.write_text(line + "\n")
+    path.chmod(0o600)
+    print(f"odmoe: on every other box run (also in {path}):\n    {line}", flush=True)
+    return served[0], admissions
+
+
+def rendezvous(admissions: Admissions) -> list[str]:
+    """main's words naming every admitted node's address, once all serve (logs who is missing)."""
+    while True:
+        try:
+            workers, shadow = admissions.wait_ready(timeout_s=30)
+            break
+        except TimeoutError as exc:
+            log.info("waiting for nodes to join: %s", exc)
+    words = [f"cluster.worker_addresses=[{','.join(workers)}]", "cluster.join_port=-1"]
+    if shadow is not None:
+        words += [f"cluster.shadow_address={shadow[0]}", f"cluster.shadow_pub_address={shadow[1]}"]
+    return words
+
+
+# -- a joining box -----------------------------------------------------------------------------
+def _home(link_host: str, port: int) -> Path:
+    return Path("~/.cache/odmoe/joined").expanduser() / f"{link_host}_{port}"
+
+
+def _write_keys(root: Path, reply) -> KeyDir:
+    keys = KeyDir(root)
+    for folder, mode in (
+        (keys.root, 0o700),
+        (keys.public, 0o755),
+        (keys.private, 0o700),
+        (keys.cert.parent, 0o755),
+    ):
+        folder.mkdir(parents=True, exist_ok=True)
+        folder.chmod(mode)
+    for name, text in reply.public_keys.items():
+        keys.public_key(name).write_bytes(text)
+    for path, data, mode in (
+        (keys.secret_key(reply.name), reply.secret_key, 0o600),
+        (keys.token, (reply.token + "\n").encode(), 0o600),
+        (keys.cert, reply.cert_pem, 0o644),
+    ):
+        tmp = path.with_name(path.name + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as out:
+            out.write(data)
+        tmp.chmod(mode)
+        tmp.replace(path)
+    return keys
+
+
+def admit(link_text: str, role: str, host: str, home: Path | None = None):
+    """Check main's certificate, prove the secret, and return (reply, home): the module contract's
+    first half, without starting a node (tests call it alone)."""
+    try:
+        link = parse_link(link_text)
+    except ValueError as exc:
+        raise JoinRefused(str(exc)) from None
+    try:
+        pem = ssl.get_server_certificate((link.host, link.port), timeout=10)
+    except OSError as exc:
+        raise JoinRefused(f"cannot reach main at {link.address}: {exc}") from None
+    served = fingerprint_of(pem)
+    if served != link.fingerprint:
+        raise JoinRefused(
+            f"main at {link.address} presents certificate {served[:16]}..., the link names "
+            f"{link.fingerprint[:16]}...: not the cluster the link is for; nothing was sent"
+        )
+    home = home or _home(link.host, link.port)
+    identity = home / "identity.json"
+    name = json.loads(identity.read_text())["name"] if identity.is_file() else ""
+    credentials = ClientCredentials(token="", cert_pem=pem.encode())
+    with credentials.channel(link.address) as channel:
+        stub = odmoe_pb2_grpc.AdmissionStub(channel)
+        try:
+            nonce = stub.Challenge(odmoe_pb2.ChallengeRequest(), timeout=10).nonce
+            proof = admission_proof(link.secret, nonce, role, name, host)
+            reply = stub.Admit(
+                odmoe_pb2.AdmitRequest(nonce=nonce, proof=proof, role=role, name=name, host=host), timeout=10
+            )
+        except grpc.RpcError as exc:
+            raise JoinRefused(f"main at {link.address} refused this box: {exc.details()}") from None
+    home.mkdir(parents=True, exist_ok=True)
+    identity.write_text(json.dumps({"name": reply.name}))
+    return reply, home, link
+
+
+def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
+    host = reachable_host(cfg.cluster.host, parse_link(cfg.join).host if _valid(cfg.join) else "192.0.2.1")
+    role = cfg.role.name if cfg.role.name in ("worker", "shadow") else ""
+    try:
+        reply, home, link = admit(cfg.join, role, host)
+    except JoinRefused as exc:
+        print(f"odmoe-launch: {exc}", file=sys.stderr)
+        return 2
+    keys = _write_keys(home / "keys", reply)
+    ready = home / f"{reply.name}.ready.json"
+    ready.unlink(missing_ok=True)
+    own = [w for w in overrides if not w.startswith(("join=", "role=", "ready_file="))]
+    argv = [
+        sys.executable, "-m", "odmoe.launch.cli", f"role={reply.role}", *reply.words,
+        f"security.key_dir={keys.root}", f"cluster.host={host}", *own, f"ready_file={ready}",
+    ]  # fmt: skip
+    print(f"odmoe: admitted as {reply.name}; starting it (keys in {keys.root})", flush=True)
+    child = subprocess.Popen(argv)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda s, _f: child.send_signal(s))
+    while not ready.exists():
+        if child.poll() is not None:
+            return child.returncode or 1
+        time.sleep(0.1)
+    info = json.loads(ready.read_text())
+    if cfg.ready_file:  # whoever started this launcher learns what the node wrote
+        Path(cfg.ready_file).write_text(json.dumps({**info, "name": reply.name}))
+    credentials = ClientCredentials(token=reply.token, cert_pem=reply.cert_pem)
+    with credentials.channel(link.address) as channel:
+        odmoe_pb2_grpc.AdmissionStub(channel).Ready(
+            odmoe_pb2.ReadyRequest(
+                name=reply.name, address=info["address"], pub_address=info.get("pub_address", "")
+            ),
+            metadata=credentials.metadata,
+            timeout=10,
+        )
+    return child.wait()
+
+
+def _valid(text: str) -> bool:
+    try:
+        parse_link(text)
+        return True
+    except ValueError:
+        return False

@@ -1,0 +1,172 @@
+"""Main's side of the join link: admitting boxes, handing each its role, keys and settings.
+
+Contract:
+- `Admissions(keys, secret_file, workers, shadow, words_for)` is the `Admission` gRPC service.
+  `Challenge` hands out a random nonce (single use, `NONCE_TTL_S`); `Admit` checks the box's
+  HMAC over it with the secret in `secret_file` (read at each call: rewriting the file rotates the
+  secret, and links carrying the old one are refused), then names the box: a restarted box asking
+  for its earlier name gets it back; otherwise the shadow first (when the cluster has one and none
+  is admitted), then the lowest free worker index; a full cluster, a revoked name (`keys.revoked`
+  holds a file for it: `odmoe-keys revoke`), a wrong secret, an unknown or reused nonce (a replay)
+  are each refused with PERMISSION_DENIED (FAILED_PRECONDITION for a full cluster) and one line
+  saying why. The reply carries the node's CURVE keypair from main's key directory, every public
+  key, the TLS certificate, the token and `words_for(name, role, index)`: the settings it runs
+  with. The channel is TLS whose certificate the box checked against the link's fingerprint.
+- `Ready(name, address, pub_address)` (token required) records where an admitted node serves;
+  `wait_ready(timeout_s)` blocks until the shadow (when there is one) and every worker have, and
+  returns their addresses for main's configuration.
+- `secret_file` is made (0600, random) when missing; `join_link(...)` formats main's line.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+
+from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.transport.join_link import JoinLink, admission_proof, fingerprint_of
+from odmoe.transport.security import BearerToken, KeyDir, read_secret, read_token
+
+log = logging.getLogger("odmoe.main.admission")
+NONCE_TTL_S = 60.0
+OPEN_METHODS = frozenset({"/odmoe.rpc.Admission/Challenge", "/odmoe.rpc.Admission/Admit"})
+
+
+class TokenUnlessJoining(BearerToken):
+    """The token on every call but the two a box makes before it has one."""
+
+    def intercept_service(self, continuation, details):
+        if details.method in OPEN_METHODS:
+            return continuation(details)
+        return super().intercept_service(continuation, details)
+
+
+def join_secret(path: Path) -> str:
+    """The link's secret, made on first use (0600, as every secret here)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = path.open("x")
+        path.chmod(0o600)
+        with fd:
+            fd.write(secrets.token_urlsafe(24) + "\n")
+    return read_secret(path, "join secret").decode().strip()
+
+
+def join_link(keys: KeyDir, secret_file: Path, host: str, port: int) -> JoinLink:
+    return JoinLink(join_secret(secret_file), host, port, fingerprint_of(keys.cert.read_bytes()))
+
+
+class Admissions(odmoe_pb2_grpc.AdmissionServicer):
+    def __init__(
+        self,
+        keys: KeyDir,
+        secret_file: Path,
+        workers: int,
+        shadow: bool,
+        words_for: Callable[[str, str, int], list[str]],
+    ):
+        self.keys, self.secret_file, self.workers, self.shadow = keys, secret_file, workers, shadow
+        self.words_for = words_for
+        join_secret(secret_file)
+        self._nonces: dict[bytes, float] = {}
+        self._lock = threading.Lock()
+        self.admitted: dict[str, str] = {}  # name -> the host it said it serves on
+        self.ready: dict[str, tuple[str, str]] = {}  # name -> (address, pub_address)
+        self._changed = threading.Condition(self._lock)
+
+    # -- the RPCs ----------------------------------------------------------------------------
+    def Challenge(self, request, context):
+        nonce = secrets.token_bytes(32)
+        now = time.monotonic()
+        with self._lock:
+            self._nonces = {n: t for n, t in self._nonces.items() if t > now}
+            self._nonces[nonce] = now + NONCE_TTL_S
+        return odmoe_pb2.ChallengeReply(nonce=nonce)
+
+    def Admit(self, request, context):
+        with self._lock:
+            expiry = self._nonces.pop(request.nonce, None)
+        if expiry is None or expiry < time.monotonic():
+            self._refuse(
+                context, "this admission's nonce is unknown or was already used (a replay?): ask again"
+            )
+        want = admission_proof(
+            join_secret(self.secret_file), request.nonce, request.role, request.name, request.host
+        )
+        if not hmac.compare_digest(want, request.proof):
+            self._refuse(context, "wrong join secret: the link is not this cluster's (or was rotated)")
+        with self._lock:
+            name, why = self._assign(request.role, request.name)
+            if name is None:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+            if self._revoked(name):
+                self._refuse(
+                    context, f"{name}'s admission was revoked (odmoe-keys revoke): ask for a new name"
+                )
+            self.admitted[name] = request.host
+        role, index = ("shadow", 0) if name == "shadow" else ("worker", int(name.removeprefix("worker")))
+        log.info("admitted %s as %s (serving on %s)", context.peer(), name, request.host or "?")
+        return odmoe_pb2.AdmitReply(
+            name=name,
+            role=role,
+            index=index,
+            public_keys={p.stem: p.read_bytes() for p in sorted(self.keys.public.glob("*.key"))},
+            secret_key=read_secret(self.keys.secret_key(name), "node secret key"),
+            cert_pem=self.keys.cert.read_bytes(),
+            token=read_token(self.keys.token),
+            words=self.words_for(name, role, index),
+        )
+
+    def Ready(self, request, context):
+        with self._changed:
+            if request.name not in self.admitted:
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.name} was not admitted")
+            self.ready[request.name] = (request.address, request.pub_address)
+            self._changed.notify_all()
+        log.info("%s serves on %s", request.name, request.address)
+        return odmoe_pb2.ReadyReply(detail=f"{request.name} at {request.address} noted")
+
+    # -- main's side -------------------------------------------------------------------------
+    def expected(self) -> list[str]:
+        return (["shadow"] if self.shadow else []) + [f"worker{i}" for i in range(self.workers)]
+
+    def wait_ready(self, timeout_s: float | None = None) -> tuple[list[str], tuple[str, str] | None]:
+        """(worker addresses by index, (shadow address, pub address) or None) once all are ready."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._changed:
+            while missing := [n for n in self.expected() if n not in self.ready]:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(f"{', '.join(missing)} did not join within {timeout_s:.0f} s")
+                self._changed.wait(timeout=min(left, 5.0) if left is not None else 5.0)
+        workers = [self.ready[f"worker{i}"][0] for i in range(self.workers)]
+        return workers, self.ready["shadow"] if self.shadow else None
+
+    def _assign(self, role: str, name: str) -> tuple[str | None, str]:
+        names = self.expected()
+        if name:
+            if name not in names:
+                return None, f"{name} is not a node of this cluster ({', '.join(names)})"
+            return name, ""  # a restarted box: its own name back
+        free = [n for n in names if n not in self.admitted]
+        if role:
+            free = [n for n in free if (n == "shadow") == (role == "shadow")]
+        if not free:
+            return None, f"the cluster is full: {', '.join(names)} are admitted"
+        return free[0], ""
+
+    def _revoked(self, name: str) -> bool:
+        revoked = self.keys.root / "revoked"  # odmoe-keys revoke keeps a revoked node's key there
+        return revoked.is_dir() and any(p.name.startswith(f"{name}.") for p in revoked.iterdir())
+
+    @staticmethod
+    def _refuse(context, why: str) -> None:
+        log.warning("refused an admission from %s: %s", context.peer(), why)
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, why)

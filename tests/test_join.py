@@ -1,0 +1,209 @@
+"""Issue 48, point 1: the join link — admission over TLS checked by the link's fingerprint, a secret
+proved over a single-use nonce, roles handed out, and each refusal in one line.
+
+The admission service runs on a real gRPC server with the cluster's TLS on 127.0.0.1; the boxes'
+side is `odmoe.launch.join.admit`, as `odmoe-launch join=LINK` runs it. The cluster test starts main
+with `cluster.join_port` and three `odmoe-launch join=LINK` processes (the shadow and two workers),
+each with its own HOME and no checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import grpc
+import pytest
+
+from odmoe.launch.join import JoinRefused, admissions_for, admit
+from odmoe.launch.settings import compose
+from odmoe.main.admission import TokenUnlessJoining, join_link
+from odmoe.models.checkpoint_index import build_index
+from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
+from odmoe.tools.model_names import resolve_model
+from odmoe.transport.join_link import JoinLink, admission_proof, parse_link
+from odmoe.transport.security import ServerSecrets, init_key_dir
+from odmoe.transport.share_server import serve_share
+from tests.test_cluster_fidelity import reference
+
+
+def test_a_link_round_trips_and_a_bad_one_says_what_it_should_be():
+    link = JoinLink("s" * 24, "192.168.1.10", 50053, "ab" * 32)
+    assert parse_link(str(link)) == link
+    for bad in (
+        "odmoe://short@h:1/" + "ab" * 32,
+        "http://x",
+        str(link)[:-1],
+        str(link).replace("50053", "x"),
+    ):
+        with pytest.raises(ValueError, match="not a join link"):
+            parse_link(bad)
+
+
+def test_the_proof_binds_the_nonce_and_what_is_asked():
+    base = admission_proof("secret", b"n" * 32, "worker", "", "10.0.0.2")
+    assert base == admission_proof("secret", b"n" * 32, "worker", "", "10.0.0.2")
+    for other in (
+        admission_proof("secret", b"m" * 32, "worker", "", "10.0.0.2"),
+        admission_proof("secret", b"n" * 32, "shadow", "", "10.0.0.2"),
+        admission_proof("secret", b"n" * 32, "worker", "worker0", "10.0.0.2"),
+        admission_proof("secret", b"n" * 32, "worker", "", "10.0.0.3"),
+        admission_proof("other!", b"n" * 32, "worker", "", "10.0.0.2"),
+    ):
+        assert other != base
+
+
+@pytest.fixture
+def door(tmp_path):
+    """Main's door as `role=main cluster.join_port=0` opens it: Share + Admission, TLS, the token."""
+    keys = init_key_dir(tmp_path / "keys", 2)
+    cfg = compose(["role=main", "cluster.workers=2", "cluster.group_size=1", "cluster.join_port=0",
+                   f"security.key_dir={keys.root}"])  # fmt: skip
+    where: dict[str, int] = {}
+    admissions = admissions_for(cfg, ["worker.only_own_layers=true"], keys, "127.0.0.1", where)
+    secrets = ServerSecrets.from_key_dir(keys.root)
+    model = resolve_model("tiny")
+    server, port, _ = serve_share(
+        model, build_index(model), "127.0.0.1", 0, secrets,
+        also=lambda s: odmoe_pb2_grpc.add_AdmissionServicer_to_server(admissions, s),
+        token_check=TokenUnlessJoining(secrets),
+    )  # fmt: skip
+    where["port"] = port
+    link = join_link(keys, keys.root / "join_secret", "127.0.0.1", port)
+    yield link, admissions, keys, tmp_path
+    server.stop(grace=0)
+
+
+def test_boxes_are_handed_the_shadow_then_each_worker_then_the_cluster_is_full(door):
+    link, admissions, keys, tmp = door
+    names = []
+    for box in range(3):
+        reply, _, _ = admit(str(link), "", f"10.0.0.{box}", home=tmp / f"box{box}")
+        names.append(reply.name)
+        assert reply.secret_key == keys.secret_key(reply.name).read_bytes()
+        assert set(reply.public_keys) == {"main", "shadow", "worker0", "worker1"}
+        assert f"model.pull_from=127.0.0.1:{link.port}" in reply.words
+        assert "worker.only_own_layers=true" in reply.words  # main's own settings travel
+        assert ("worker.index=" + reply.name[-1] in reply.words) == reply.name.startswith("worker")
+    assert names == ["shadow", "worker0", "worker1"]
+    with pytest.raises(JoinRefused, match="the cluster is full"):
+        admit(str(link), "", "10.0.0.9", home=tmp / "box9")
+    again, _, _ = admit(str(link), "", "10.0.0.1", home=tmp / "box1")  # a restart: its name back
+    assert again.name == "worker0"
+
+
+def test_a_wrong_secret_a_wrong_fingerprint_and_a_rotated_secret_are_refused(door):
+    link, admissions, keys, tmp = door
+    wrong = JoinLink("x" * 32, link.host, link.port, link.fingerprint)
+    with pytest.raises(JoinRefused, match="wrong join secret"):
+        admit(str(wrong), "", "10.0.0.1", home=tmp / "a")
+    other_cert = init_key_dir(tmp / "other", 1)  # another cluster's certificate
+    from odmoe.transport.join_link import fingerprint_of
+
+    forged = JoinLink(link.secret, link.host, link.port, fingerprint_of(other_cert.cert.read_bytes()))
+    with pytest.raises(JoinRefused, match="not the cluster the link is for; nothing was sent"):
+        admit(str(forged), "", "10.0.0.1", home=tmp / "b")
+    assert admissions.admitted == {}
+    (keys.root / "join_secret").write_text("a-new-secret-after-rotation\n")
+    with pytest.raises(JoinRefused, match="wrong join secret"):
+        admit(str(link), "", "10.0.0.1", home=tmp / "c")
+    assert admissions.admitted == {}
+
+
+def test_a_replayed_admission_is_refused(door):
+    link, admissions, keys, tmp = door
+    from odmoe.transport.security import ClientCredentials
+
+    credentials = ClientCredentials(token="", cert_pem=keys.cert.read_bytes())
+    with credentials.channel(link.address) as channel:
+        stub = odmoe_pb2_grpc.AdmissionStub(channel)
+        nonce = stub.Challenge(odmoe_pb2.ChallengeRequest()).nonce
+        request = odmoe_pb2.AdmitRequest(
+            nonce=nonce, proof=admission_proof(link.secret, nonce, "", "", "10.0.0.1"), host="10.0.0.1"
+        )
+        assert stub.Admit(request).name == "shadow"
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Admit(request)  # the same message again, as an eavesdropper would send it
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "already used (a replay?)" in refused.value.details()
+        with pytest.raises(grpc.RpcError) as no_token:  # Ready needs the token the box was handed
+            stub.Ready(odmoe_pb2.ReadyRequest(name="shadow", address="tcp://10.0.0.1:1"))
+        assert no_token.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_revoked_node_is_refused(door):
+    link, admissions, keys, tmp = door
+    reply, home, _ = admit(str(link), "worker", "10.0.0.1", home=tmp / "box")
+    assert reply.name == "worker0"
+    (keys.root / "revoked").mkdir(exist_ok=True)
+    (keys.root / "revoked" / "worker0.key").write_bytes(keys.public_key("worker0").read_bytes())
+    with pytest.raises(JoinRefused, match="worker0's admission was revoked"):
+        admit(str(link), "worker", "10.0.0.1", home=home)  # it restarts, asking for its name
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # main + three joining boxes, each pulling its share: ~1-3 min here
+def test_a_cluster_joined_only_by_the_link_serves_the_same_tokens(tmp_path, reap_children):
+    """Main holds the checkpoint and makes its keys; the shadow and two workers start from nothing
+    but the link (own HOME each: no keys, no checkpoint, no cache), pull their shares and serve."""
+    model = resolve_model("tiny")
+    key_dir = tmp_path / "main-keys"
+    ready = tmp_path / "main.json"
+    env = dict(os.environ)
+    main = subprocess.Popen(
+        [sys.executable, "-m", "odmoe.launch.cli", "role=main", f"model.path={model}", "cluster.workers=2",
+         "cluster.group_size=1", "worker.only_own_layers=true", "cluster.join_port=0", "server.http=false",
+         f"security.key_dir={key_dir}", f"ready_file={ready}"],
+        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "main.log", "wb"), env=env,
+    )  # fmt: skip
+    boxes = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (key_dir / "join-link").exists():
+            assert main.poll() is None and time.monotonic() < deadline, (tmp_path / "main.log").read_text()
+            time.sleep(0.1)
+        line = (key_dir / "join-link").read_text().split()[-1]  # odmoe-launch join=LINK
+        for box in range(3):
+            home = tmp_path / f"box{box}"
+            home.mkdir()
+            boxes.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "odmoe.launch.cli", line],
+                    stdout=subprocess.DEVNULL,
+                    stderr=open(home / "log", "wb"),
+                    env={**env, "HOME": str(home)},
+                )  # fmt: skip
+            )
+        while not ready.exists():
+            assert main.poll() is None and time.monotonic() < deadline + 120, (
+                tmp_path / "main.log"
+            ).read_text()
+            time.sleep(0.1)
+        from odmoe import Client
+
+        address = json.loads(ready.read_text())["address"]
+        with Client(address, credentials=str(key_dir)) as client:
+            got = client.generate("def fibonacci(n):", max_new_tokens=12)
+        want, _ = reference(model, "def fibonacci(n):", new_tokens=12)
+        assert list(got.token_ids) == want
+        joined = {
+            json.loads(
+                (tmp_path / f"box{b}" / ".cache/odmoe/joined").glob("*/identity.json").__next__().read_text()
+            )["name"]
+            for b in range(3)
+        }
+        assert joined == {"shadow", "worker0", "worker1"}
+        for b in range(3):  # no box had the checkpoint: each pulled what it holds
+            assert list((tmp_path / f"box{b}" / ".cache/odmoe/pulled").glob("*/odmoe-share.json"))
+    finally:
+        for p in [*boxes, main]:
+            p.terminate()
+        for p in [*boxes, main]:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    shutil.rmtree(tmp_path / "box0", ignore_errors=True)
