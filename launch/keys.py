@@ -2,7 +2,19 @@
 
     odmoe-keys init DIR --workers 4 --host 192.168.1.10   # node keys, TLS certificate, client token
     odmoe-keys add DIR worker4                             # one more node's keypair
+    odmoe-keys revoke DIR worker2                          # take worker2's key off the allow-list
     odmoe-keys show DIR                                    # what is there and which box needs what
+
+A key's name is its role: `main` (every main, standbys included), `shadow`, `worker<i>`. Each node
+socket admits only the roles that talk to it (a worker's ROUTER: main; the shadow's control socket:
+main; the shadow's predictions: main and the workers), so a worker's key cannot act as main or as
+the shadow, nor the shadow's as a worker.
+
+`revoke` moves public/NODE.key to revoked/ (kept: `show` lists it, and the key stays refused even if
+a copy comes back into public/) and deletes private/NODE.key_secret; `add DIR NODE` afterwards makes
+a NEW keypair for the name. Running nodes re-read public/ and revoked/ at their next CURVE handshake,
+so no restart is needed: remove public/NODE.key on every box (or copy public/ and revoked/ to every
+box again) and that key is refused from then on (a connection it already holds stays until it drops).
 
 `--host` names every address clients reach main by (repeat it; the HTTPS API checks it, gRPC
 clients check the certificate's own name instead). Secrets are written 0600 under a 0700 folder.
@@ -22,6 +34,8 @@ from odmoe.transport.security import (
     init_key_dir,
     load_keypair,
     read_token,
+    revoke_node_key,
+    revoked_nodes,
 )
 
 BAD_INPUT = 2
@@ -34,9 +48,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     init.add_argument("dir", type=Path)
     init.add_argument("--workers", type=int, required=True, help="how many worker keys (worker0..N-1)")
     init.add_argument("--host", action="append", default=[], help="an address of main (repeatable)")
-    add = sub.add_parser("add", help="add one node's keypair (e.g. worker4) to DIR")
+    add = sub.add_parser("add", help="add one node's new keypair (e.g. worker4) to DIR")
     add.add_argument("dir", type=Path)
-    add.add_argument("name")
+    add.add_argument("name", help="main, shadow or worker<i>: the key's role")
+    revoke = sub.add_parser(
+        "revoke",
+        help="take NODE's key off the allow-list (kept in DIR/revoked/; running nodes refuse it "
+        "from their next handshake once public/NODE.key is gone from their box)",
+    )
+    revoke.add_argument("dir", type=Path)
+    revoke.add_argument("name", metavar="NODE")
     show = sub.add_parser("show", help="list DIR's keys and check their permissions")
     show.add_argument("dir", type=Path)
     return p.parse_args(argv)
@@ -47,9 +68,15 @@ def show(keys: KeyDir) -> str:
     for name in nodes:
         load_keypair(keys.secret_key(name))  # raises on a bad mode or format
     read_token(keys.token)
+    revoked = revoked_nodes(keys)
     return "\n".join(
         [
             f"{keys.root}: nodes {', '.join(nodes)}",
+            *(
+                [f"  revoked:         {', '.join(revoked)}   (revoked/: refused by every node)"]
+                if revoked
+                else []
+            ),
             "  every box:       public/  tls/cert.pem  token",
             "  node box only:   private/<that node>.key_secret   (main: private/main.key_secret)",
             "  main boxes only: tls/key.pem",
@@ -69,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "add":
             add_node_key(KeyDir(args.dir), args.name)
             print(f"added {args.name}: copy {KeyDir(args.dir).public_key(args.name)} to every box")
+        elif args.command == "revoke":
+            keys = KeyDir(args.dir)
+            kept = revoke_node_key(keys, args.name)
+            print(
+                f"revoked {args.name}: its public key is now {kept}. Delete public/{args.name}.key on "
+                "every box (or copy public/ and revoked/ there again): running nodes refuse the key "
+                f"from their next handshake. `odmoe-keys add {args.dir} {args.name}` makes a new keypair."
+            )
         else:
             print(show(KeyDir(args.dir)))
     except (SecurityError, OSError) as exc:

@@ -1,9 +1,12 @@
 """Only the cluster's own nodes and its users get in (odmoe/transport/security.py).
 
-Unit tests of the key files; then a real local cluster (security on, as by default) probed from
-outside with real sockets: a peer without the keys gets nothing from any ZeroMQ socket, a client
-without the token is refused, a worker holding another key is refused by main at start-up by
-name, and the cluster's own client still gets the reference tokens.
+Unit tests of the key files; real CURVE sockets in this process with each node's ZAP admission
+(which role's key each server socket takes, revocation without a restart); then a real local cluster
+(security on, as by default) probed from outside with real sockets: a peer without the keys gets
+nothing from any ZeroMQ socket, a node's key is refused on the sockets its role does not talk to, a
+revoked key is refused while the cluster goes on serving, a client without the token is refused, a
+worker holding another key is refused by main at start-up by name, and the cluster's own client
+still gets the reference tokens.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pytest
 import zmq
 import zmq.auth
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from zmq.utils.monitor import recv_monitor_message
 
 from odmoe import LocalCluster
 from odmoe.launch.local_cluster import ClusterStartError, NodePlacement
@@ -26,15 +30,21 @@ from odmoe.launch.settings import compose
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.transport.messages import Ping, to_frames
 from odmoe.transport.security import (
+    SERVER_SOCKETS,
     ClientCredentials,
     Curve,
     KeyDir,
     SecurityError,
+    add_node_key,
     check_certificate,
     init_key_dir,
     load_keypair,
     load_public_key,
     read_token,
+    refusal,
+    revoke_node_key,
+    role_of,
+    secure_server,
 )
 from tests.test_cluster_fidelity import reference
 
@@ -129,6 +139,164 @@ def test_node_refuses_world_readable_secret(tmp_path):
     assert "worker0.key_secret is accessible by others (mode 0604)" in out.stderr
 
 
+# -- keys bound to roles: real CURVE sockets, this process ------------------------------------------
+# Who connects to which server socket, as the nodes do it: main's DEALER to each worker, main's PUSH
+# and SUB to the shadow, each worker's SUB to the shadow. Everything else must be refused.
+ADMITTED = {
+    ("worker", "main"),
+    ("shadow-control", "main"),
+    ("shadow-predictions", "main"),
+    ("shadow-predictions", "worker1"),
+}
+SERVER_OF = {"worker": "worker0", "shadow-control": "shadow", "shadow-predictions": "shadow"}
+CLIENT_KIND = {"worker": zmq.DEALER, "shadow-control": zmq.PUSH, "shadow-predictions": zmq.SUB}
+
+
+def test_role_rule(tmp_path):
+    assert [role_of(n) for n in ("main", "shadow", "worker0", "worker12")] == [
+        "main",
+        "shadow",
+        "worker",
+        "worker",
+    ]
+    assert [role_of(n) for n in ("main1", "worker", "worker01", "workers1", "box3")] == [None] * 5
+    assert refusal("worker", "main", revoked=False) is None
+    assert "only" in refusal("worker", "worker1", revoked=False)
+    assert "revoked" in refusal("shadow-predictions", "worker1", revoked=True)
+    assert "not in public/" in refusal("shadow-predictions", None, revoked=False)
+    assert "has no role" in refusal("shadow-predictions", "box3", revoked=False)
+    keys = init_key_dir(tmp_path / "k", workers=1)
+    with pytest.raises(SecurityError, match="not a node name"):
+        add_node_key(keys, "box3")
+    with pytest.raises(SecurityError, match="exists already: .* revoke"):
+        add_node_key(keys, "worker0")
+
+
+def handshake(
+    ctx: zmq.Context, kind: int, address: str, keypair: tuple[bytes, bytes], server_key: bytes
+) -> str:
+    """Connect a CURVE client holding `keypair` to `address`: "admitted", "refused" (the server's
+    ZAP handler said no) or "no answer" within 5 s. What a node's own socket would meet."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_publickey, sock.curve_secretkey = keypair
+    sock.curve_serverkey = server_key
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    sock.connect(address)
+    try:
+        if not monitor.poll(5000):
+            return "no answer"
+        event = recv_monitor_message(monitor)["event"]
+        return "admitted" if event == zmq.EVENT_HANDSHAKE_SUCCEEDED else "refused"
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def _keypair(keys: KeyDir, node: str) -> tuple[bytes, bytes]:
+    return load_keypair(keys.secret_key(node))
+
+
+@pytest.fixture
+def node_sockets(tmp_path):
+    """Each kind of node server socket, bound on 127.0.0.1 with its node's key and ZAP handler, as
+    nodes/worker.py and nodes/shadow.py make them (a context each, as each node is a process of its
+    own): (keys, a client context, socket kind -> address)."""
+    keys = init_key_dir(tmp_path / "k", workers=2)
+    contexts = {node: zmq.Context() for node in ("worker0", "shadow")}
+    auths = [Curve.load(keys.root, node).authenticator(ctx) for node, ctx in contexts.items()]
+    socks, addresses = [], {}
+    for socket, node in SERVER_OF.items():
+        kind = {"worker": zmq.ROUTER, "shadow-control": zmq.PULL, "shadow-predictions": zmq.PUB}[socket]
+        sock = contexts[node].socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        secure_server(sock, Curve.load(keys.root, node), socket)
+        addresses[socket] = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+        socks.append(sock)
+    clients = zmq.Context()
+    yield keys, clients, addresses
+    for sock in socks:
+        sock.close(0)
+    for auth in auths:
+        auth.stop()
+    for ctx in (*contexts.values(), clients):
+        ctx.term()
+
+
+def test_each_node_socket_admits_the_keys_of_its_roles_only(node_sockets, caplog):
+    keys, ctx, addresses = node_sockets
+    assert set(addresses) == set(SERVER_SOCKETS)
+    caplog.set_level("WARNING", logger="odmoe.transport.security")
+    for socket, address in addresses.items():
+        server_key = load_public_key(keys.public_key(SERVER_OF[socket]))
+        for client in ("main", "shadow", "worker1"):
+            want = "admitted" if (socket, client) in ADMITTED else "refused"
+            got = handshake(ctx, CLIENT_KIND[socket], address, _keypair(keys, client), server_key)
+            assert got == want, (client, socket)
+        # a key the cluster never made: refused everywhere
+        assert handshake(ctx, CLIENT_KIND[socket], address, zmq.curve_keypair(), server_key) == "refused"
+    # refused twice more: still one line each, naming the key's node and the socket
+    for _ in range(2):
+        handshake(ctx, zmq.DEALER, addresses["worker"], _keypair(keys, "worker1"), _server(keys, "worker0"))
+    lines = [r.getMessage() for r in caplog.records]
+    refused_worker1 = [line for line in lines if "from worker1 on a worker's ROUTER" in line]
+    assert len(refused_worker1) == 1, lines
+    assert refused_worker1[0].startswith("worker0: refused a CURVE handshake from worker1")
+    assert "admits main only" in refused_worker1[0]
+    assert any("from shadow on the shadow's prediction PUB" in line for line in lines), lines
+    assert any("from worker1 on the shadow's control PULL" in line for line in lines), lines
+
+
+def _server(keys: KeyDir, node: str) -> bytes:
+    return load_public_key(keys.public_key(node))
+
+
+def _keys_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "odmoe.launch.keys", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def test_a_revoked_key_is_refused_without_a_restart_and_add_makes_a_new_one(node_sockets, caplog):
+    keys, ctx, addresses = node_sockets
+    caplog.set_level("WARNING", logger="odmoe.transport.security")
+    predictions, shadow = addresses["shadow-predictions"], _server(keys, "shadow")
+    old = _keypair(keys, "worker1")
+    assert handshake(ctx, zmq.SUB, predictions, old, shadow) == "admitted"
+    out = _keys_cli("revoke", str(keys.root), "worker1")
+    assert out.returncode == 0, out.stderr
+    assert not keys.public_key("worker1").exists() and not keys.secret_key("worker1").exists()
+    assert handshake(ctx, zmq.SUB, predictions, old, shadow) == "refused"  # the same running socket
+    assert any(
+        "from worker1 on the shadow's prediction PUB: worker1's key was revoked" in r.getMessage()
+        for r in caplog.records
+    ), [r.getMessage() for r in caplog.records]
+    shown = _keys_cli("show", str(keys.root))
+    assert shown.returncode == 0 and "revoked:         worker1" in shown.stdout, shown.stdout
+    assert _keys_cli("revoke", str(keys.root), "worker1").returncode == 2  # nothing left to revoke
+    # a new keypair for the name: admitted; the old one stays refused, even copied back into public/
+    out = _keys_cli("add", str(keys.root), "worker1")
+    assert out.returncode == 0, out.stderr
+    new = _keypair(keys, "worker1")
+    assert new != old
+    assert handshake(ctx, zmq.SUB, predictions, new, shadow) == "admitted"
+    (keys.public / "worker1-again.key").write_bytes((keys.revoked / "worker1.key").read_bytes())
+    assert handshake(ctx, zmq.SUB, predictions, old, shadow) == "refused"
+    # revoked twice: both keys kept, both listed
+    revoke_node_key(keys, "worker1")
+    assert sorted(p.name for p in keys.revoked.iterdir()) == ["worker1.1.key", "worker1.key"]
+    assert handshake(ctx, zmq.SUB, predictions, new, shadow) == "refused"
+    assert "worker1, worker1" in _keys_cli("show", str(keys.root)).stdout
+    # revoking main: no socket takes main's old key any more
+    main = _keypair(keys, "main")
+    assert handshake(ctx, zmq.DEALER, addresses["worker"], main, _server(keys, "worker0")) == "admitted"
+    revoke_node_key(keys, "main")
+    assert handshake(ctx, zmq.DEALER, addresses["worker"], main, _server(keys, "worker0")) == "refused"
+
+
 # -- a real cluster, probed from outside ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
@@ -176,6 +344,68 @@ def test_peer_without_keys_gets_nothing(cluster, tmp_path, reap_children):
         sock.close(0)
     want, _ = reference(cluster.model_path, PROMPT, new_tokens=8)
     assert result.token_ids == want
+
+
+# (server socket, whose key connects): each a node key on a socket its role never talks to
+WRONG_ROLE = {
+    "worker-key-as-main-to-a-worker": ("worker", "worker1"),
+    "shadow-key-to-a-worker": ("worker", "shadow"),
+    "worker-key-to-the-shadow-control": ("shadow-control", "worker0"),
+    "shadow-key-to-its-own-control": ("shadow-control", "shadow"),
+}
+
+
+def _address(cluster, socket: str) -> str:
+    if socket == "worker":
+        return cluster.worker_addresses[0]
+    return cluster.shadow_info["address" if socket == "shadow-control" else "pub_address"]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("case", list(WRONG_ROLE))
+def test_a_node_key_is_refused_on_a_socket_its_role_does_not_use(cluster, case, reap_children):
+    socket, client = WRONG_ROLE[case]
+    keys, server = KeyDir(cluster.key_dir), SERVER_OF[socket]
+    ctx = zmq.Context.instance()
+    address, server_key = _address(cluster, socket), _server(keys, server)
+    assert handshake(ctx, CLIENT_KIND[socket], address, _keypair(keys, client), server_key) == "refused"
+    # the same socket takes main's key (a standby main's too: all mains hold it)
+    assert handshake(ctx, CLIENT_KIND[socket], address, _keypair(keys, "main"), server_key) == "admitted"
+    line = f"{server}: refused a CURVE handshake from {client} on {SERVER_SOCKETS[socket].what}"
+    deadline = time.monotonic() + 5
+    while line not in cluster.node(server).log_file.read_text() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert cluster.node(server).log_file.read_text().count(line) == 1, cluster.node(server).log_tail()
+    if socket == "worker":  # and a call sent on the refused connection never reaches the worker
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.curve_publickey, sock.curve_secretkey = _keypair(keys, client)
+        sock.curve_serverkey = server_key
+        sock.connect(address)
+        sock.send_multipart(to_frames(Ping(shadow_pub="")))
+        assert not sock.poll(1000), "a worker answered a ping from a key that is not main's"
+        sock.close(0)
+
+
+@pytest.mark.integration
+def test_a_revoked_key_is_refused_while_the_cluster_serves_the_same_tokens(cluster, reap_children):
+    """A worker key added to the running cluster's key directory is admitted to the predictions at
+    once; revoked, it is refused from the next handshake on, with one line in the shadow's log, and
+    the cluster goes on serving the reference tokens. No node restarts."""
+    keys, ctx = KeyDir(cluster.key_dir), zmq.Context.instance()
+    predictions, shadow = cluster.shadow_info["pub_address"], _server(keys, "shadow")
+    spare = f"worker{len(cluster.worker_addresses)}"
+    assert _keys_cli("add", str(keys.root), spare).returncode == 0
+    key = _keypair(keys, spare)
+    assert handshake(ctx, zmq.SUB, predictions, key, shadow) == "admitted"  # no restart needed
+    want, _ = reference(cluster.model_path, PROMPT, new_tokens=8)
+    assert cluster.client.generate(PROMPT, max_new_tokens=8).token_ids == want
+    out = _keys_cli("revoke", str(keys.root), spare)
+    assert out.returncode == 0, out.stderr
+    assert handshake(ctx, zmq.SUB, predictions, key, shadow) == "refused"
+    assert cluster.client.generate(PROMPT, max_new_tokens=8).token_ids == want
+    line = f"refused a CURVE handshake from {spare} on the shadow's prediction PUB: {spare}'s key was revoked"
+    assert cluster.node("shadow").log_file.read_text().count(line) == 1, cluster.node("shadow").log_tail()
 
 
 @pytest.mark.integration

@@ -9,10 +9,23 @@ Contract. A key directory (`odmoe-keys init DIR`, or LocalCluster's scratch copy
     DIR/token                       the client bearer token, 0600 (clients; workers and the shadow
                                     use it for main's Join RPC)
 
+    DIR/revoked/<node>[.<n>].key    keys taken off the allow-list (`odmoe-keys revoke`): never admitted
+
 Node names are `main` (every main, standbys included: they are interchangeable), `shadow`,
-`worker<i>`. Every ZeroMQ server socket (a worker's ROUTER, the shadow's PULL and PUB) is a CURVE
-server whose ZAP authenticator admits only the keys in DIR/public; every client socket names its
-server's public key, so a box that answers with another key never completes a handshake. gRPC is
+`worker<i>`; the name is the key's role. Every ZeroMQ server socket is a CURVE server whose ZAP
+authenticator admits a key only for the roles that socket serves (`SERVER_SOCKETS`):
+
+    a worker's ROUTER             main           (expert calls, pings, LiveWorkers, Release)
+    the shadow's control PULL     main           (Begin, Align, End)
+    the shadow's prediction PUB   main, workers  (each subscribes to its groups' predictions)
+
+so a worker's key cannot call another worker as main or drive the shadow, and the shadow's key
+cannot act as main or a worker. The allow-list (`AllowList`) is DIR/public less DIR/revoked, re-read
+at the next handshake whenever either folder changes: a key added or revoked takes effect on the
+running nodes without a restart (connections already made stay until they drop). A refused
+handshake is logged once per key and socket, naming the key's node and the socket. Every client
+socket names its server's public key, so a box that answers with another key never completes a
+handshake. gRPC is
 TLS with the certificate pinned (clients trust only DIR/tls/cert.pem and check the name
 `odmoe-cluster` whatever address they dial) plus `authorization: Bearer <token>` on every call,
 health checks included; the HTTP API takes the same token over HTTPS.
@@ -28,10 +41,13 @@ import datetime
 import hmac
 import ipaddress
 import logging
+import os
+import re
 import secrets
 import shutil
 import ssl
 import stat
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,6 +90,10 @@ class KeyDir:
     def token(self) -> Path:
         return self.root / "token"
 
+    @property
+    def revoked(self) -> Path:
+        return self.root / "revoked"
+
     def public_key(self, node: str) -> Path:
         return self.public / f"{node}.key"
 
@@ -105,12 +125,47 @@ def init_key_dir(root: str | Path, workers: int, hosts: tuple[str, ...] = ()) ->
 
 
 def add_node_key(keys: KeyDir, name: str) -> None:
-    """A CURVE keypair for node `name`: public half into the allow-list, secret half 0600."""
-    if keys.secret_key(name).exists():
-        raise SecurityError(f"{keys.secret_key(name)} exists already")
+    """A new CURVE keypair for node `name`: public half into the allow-list, secret half 0600."""
+    if role_of(name) is None:
+        raise SecurityError(f"{name!r} is not a node name: {NAME_RULE}")
+    for existing in (keys.secret_key(name), keys.public_key(name)):
+        if existing.exists():
+            raise SecurityError(
+                f"{existing} exists already: to give {name} a new key, `odmoe-keys revoke` the old one first"
+            )
+    keys.private.mkdir(mode=0o700, parents=True, exist_ok=True)
+    keys.public.mkdir(parents=True, exist_ok=True)
     public_file, secret_file = zmq.auth.create_certificates(str(keys.private), name)
     Path(secret_file).chmod(0o600)
     shutil.move(public_file, keys.public_key(name))
+
+
+def revoke_node_key(keys: KeyDir, name: str) -> Path:
+    """Take node `name`'s key off the allow-list: public/<name>.key moves to revoked/ (kept there, so
+    `odmoe-keys show` lists it and a copy put back in public/ is still refused) and its secret, if
+    this directory holds it, is deleted, so `add_node_key` then makes a new keypair for the name.
+    Returns where the public key went. The move is one rename: a node re-reading public/ meanwhile
+    sees the key or not, never half of it."""
+    public = keys.public_key(name)
+    if not public.exists():
+        raise SecurityError(f"{public} is missing: {name!r} holds no admitted key (revoked already?)")
+    keys.revoked.mkdir(exist_ok=True)
+    target, n = keys.revoked / f"{name}.key", 1
+    while target.exists():  # revoked before: keep every key the name ever had
+        target, n = keys.revoked / f"{name}.{n}.key", n + 1
+    os.replace(public, target)
+    keys.secret_key(name).unlink(missing_ok=True)
+    return target
+
+
+def revoked_nodes(keys: KeyDir) -> list[str]:
+    """The names whose keys were revoked, once per key, in name order."""
+    return sorted(_node_of_file(p.name) for p in keys.revoked.glob("*.key"))
+
+
+def _node_of_file(filename: str) -> str:
+    """`worker1.key` / `worker1.2.key` -> `worker1`."""
+    return re.sub(r"(\.\d+)?\.key$", "", filename)
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
@@ -226,6 +281,133 @@ def check_certificate(path: Path) -> bytes:
     return pem
 
 
+# -- roles: which key may connect to which socket -----------------------------------------------------
+NAME_RULE = "node names are main (every main, standbys included), shadow and worker<i>"
+
+
+@dataclass(frozen=True)
+class ServerSocket:
+    what: str  # for log lines: which socket refused
+    admits: tuple[str, ...]  # the roles whose keys may connect to it
+
+
+# Every ZeroMQ server socket of a node, by its ZAP domain, with the only roles that connect to it
+# (odmoe.main.membership: main's DEALER to each worker; odmoe.main.shadow_link: main's PUSH and SUB
+# to the shadow; nodes/worker.py: each worker's SUB to the shadow). Nothing else connects to a node.
+SERVER_SOCKETS: dict[str, ServerSocket] = {
+    "worker": ServerSocket("a worker's ROUTER (main's expert calls)", ("main",)),
+    "shadow-control": ServerSocket("the shadow's control PULL (main's Begin/Align/End)", ("main",)),
+    "shadow-predictions": ServerSocket("the shadow's prediction PUB", ("main", "worker")),
+}
+
+
+def role_of(node: str) -> str | None:
+    """A key's role from its node name (`main`, `shadow`, `worker<i>`); None for any other name."""
+    if node in ("main", "shadow"):
+        return node
+    if re.fullmatch(r"worker(0|[1-9]\d*)", node):
+        return "worker"
+    return None
+
+
+def refusal(socket: str, node: str | None, revoked: bool) -> str | None:
+    """Why `socket` refuses the key of `node` (None: a key the allow-list does not know), or None
+    when it admits it. Pure: the ZAP handler's whole decision."""
+    served = SERVER_SOCKETS[socket]
+    if node is None:
+        return "a key not in public/: not one of this cluster's nodes"
+    if revoked:
+        return f"{node}'s key was revoked (odmoe-keys revoke)"
+    role = role_of(node)
+    if role is None:
+        return f"{node}'s key has no role ({NAME_RULE})"
+    if role not in served.admits:
+        return f"{node}'s key has the role {role}, and this socket admits {' and '.join(served.admits)} only"
+    return None
+
+
+class AllowList:
+    """Node name by CURVE public key: the keys in DIR/public less any in DIR/revoked. Re-read whenever
+    a `.key` file in either folder appears, goes or changes (checked at each lookup, i.e. at each
+    handshake: a directory listing and a few stat calls), so keys added or revoked take effect without
+    a restart. A file that does not parse is skipped with a warning (it may be half copied)."""
+
+    def __init__(self, keys: KeyDir):
+        self.keys = keys
+        self._signature: tuple = ()
+        self._lock = threading.Lock()
+        self.admitted: dict[bytes, str] = {}  # z85 key -> node
+        self.revoked: dict[bytes, str] = {}
+        self._load()
+
+    def lookup(self, key: bytes) -> tuple[str | None, bool]:
+        """(the node `key` belongs to, or None; whether that key was revoked)."""
+        with self._lock:  # the ZAP thread, and tests
+            if self._scan() != self._signature:
+                self._load()
+            if key in self.revoked:
+                return self.revoked[key], True
+            return self.admitted.get(key), False
+
+    def _scan(self) -> tuple:
+        found = []
+        for folder in (self.keys.public, self.keys.revoked):
+            try:
+                with os.scandir(folder) as entries:
+                    for e in entries:
+                        if e.name.endswith(".key"):
+                            st = e.stat()
+                            found.append((folder.name, e.name, st.st_mtime_ns, st.st_size, st.st_ino))
+            except FileNotFoundError:
+                pass
+        return tuple(sorted(found))
+
+    def _load(self) -> None:
+        signature = self._scan()
+        admitted, revoked = {}, {}
+        for folder, into in ((self.keys.revoked, revoked), (self.keys.public, admitted)):
+            for path in sorted(folder.glob("*.key")):
+                try:
+                    into[load_public_key(path)] = _node_of_file(path.name)
+                except (SecurityError, OSError) as exc:
+                    log.warning("allow-list: %s skipped: %s", path, exc)
+        if self._signature:
+            log.info(
+                "allow-list re-read from %s: %d keys admitted, %d revoked",
+                self.keys.public,
+                len(admitted),
+                len(revoked),
+            )
+        self.admitted, self.revoked, self._signature = admitted, revoked, signature
+
+
+class RoleAdmission:
+    """The ZAP credentials provider: admits a key on a socket only for that socket's roles, and logs
+    each refusal once per (key, socket) (a refused client reconnects every 100 ms)."""
+
+    MAX_LOGGED = 1024  # a LAN scanner with fresh keys must not grow this without bound
+
+    def __init__(self, allow: AllowList, node: str):
+        self.allow, self.node = allow, node
+        self._logged: set[tuple[bytes, str, str]] = set()
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        try:
+            node, revoked = self.allow.lookup(key)
+            why = refusal(domain, node, revoked) if domain in SERVER_SOCKETS else "no such socket"
+        except Exception as exc:  # never let the ZAP thread die: every handshake would hang
+            node, why = None, f"the allow-list could not be read ({exc})"
+        if why is None:
+            return True
+        seen = (key, domain, why)
+        if seen not in self._logged and len(self._logged) < self.MAX_LOGGED:
+            self._logged.add(seen)
+            who = node if node is not None else f"key {key[:8].decode(errors='replace')}..."
+            where = SERVER_SOCKETS[domain].what if domain in SERVER_SOCKETS else domain
+            log.warning("%s: refused a CURVE handshake from %s on %s: %s", self.node, who, where, why)
+        return False
+
+
 # -- CurveZMQ -----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Curve:
@@ -250,10 +432,14 @@ class Curve:
     def server_key(self, node: str) -> bytes:
         return load_public_key(self.keys.public_key(node))
 
-    def serve(self, sock: zmq.Socket) -> None:
-        """Make `sock` a CURVE server (before bind): only allow-listed keys complete a handshake."""
+    def serve(self, sock: zmq.Socket, socket: str) -> None:
+        """Make `sock` a CURVE server (before bind) of kind `socket` (a key of SERVER_SOCKETS): only
+        allow-listed keys of the roles that socket serves complete a handshake."""
+        if socket not in SERVER_SOCKETS:
+            raise ValueError(f"no server socket {socket!r}: one of {', '.join(SERVER_SOCKETS)}")
         sock.curve_secretkey, sock.curve_publickey = self.secret, self.public
         sock.curve_server = True
+        sock.zap_domain = socket.encode()  # the ZAP handler's `domain`: which roles to admit
 
     def connect_to(self, sock: zmq.Socket, node: str) -> None:
         """Make `sock` a CURVE client of `node` (before connect): it talks only to that key."""
@@ -261,16 +447,20 @@ class Curve:
         sock.curve_serverkey = self.server_key(node)
 
     def authenticator(self, ctx: zmq.Context) -> ThreadAuthenticator:
-        """The process's ZAP handler: admits the keys in public/ (read once, at start)."""
+        """The process's ZAP handler: each server socket admits the allow-listed keys of its roles
+        (`RoleAdmission`), the allow-list re-read whenever public/ or revoked/ changes."""
         auth = ThreadAuthenticator(ctx, log=logging.getLogger("odmoe.zap"))
         auth.start()
-        auth.configure_curve(domain="*", location=str(self.keys.public))
+        admission = RoleAdmission(AllowList(self.keys), self.name)
+        for socket in SERVER_SOCKETS:
+            auth.configure_curve_callback(domain=socket, credentials_provider=admission)
         return auth
 
 
-def secure_server(sock: zmq.Socket, curve: Curve | None) -> None:
+def secure_server(sock: zmq.Socket, curve: Curve | None, socket: str) -> None:
+    """`socket`: which server socket this is (SERVER_SOCKETS), so which roles it admits."""
     if curve is not None:
-        curve.serve(sock)
+        curve.serve(sock, socket)
 
 
 def secure_client(sock: zmq.Socket, curve: Curve | None, server: str) -> None:
