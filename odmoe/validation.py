@@ -172,7 +172,10 @@ def exposed_hosts(cfg: OdmoeConfig) -> list[str]:
 def _validate_security(cfg: OdmoeConfig) -> None:
     sec = cfg.security
     if sec.enabled:
-        if cfg.role.name not in ("local", "ray", "plan") and not sec.key_dir:  # make their own, or none
+        # local, ray, plan make their own keys or need none; a box joining by the link is handed
+        # them; main taking its nodes by the link makes its own (odmoe.launch.join)
+        by_link = cfg.join or (cfg.cluster.join_port >= 0 and not cfg.cluster.worker_addresses)
+        if cfg.role.name not in ("local", "ray", "plan") and not sec.key_dir and not by_link:
             raise ValueError(
                 f"role={cfg.role.name} with security on needs security.key_dir=DIR (make it once with "
                 "`odmoe-keys init DIR --workers N`, see README: Several machines on a LAN), or "
