@@ -13,8 +13,9 @@ the shadow, nor the shadow's as a worker.
 `revoke` moves public/NODE.key to revoked/ (kept: `show` lists it, and the key stays refused even if
 a copy comes back into public/) and deletes private/NODE.key_secret; `add DIR NODE` afterwards makes
 a NEW keypair for the name. Running nodes re-read public/ and revoked/ at their next CURVE handshake,
-so no restart is needed: remove public/NODE.key on every box (or copy public/ and revoked/ to every
-box again) and that key is refused from then on (a connection it already holds stays until it drops).
+so no restart is needed: move public/NODE.key into revoked/ on every other box too, and that key is
+refused from then on, and main stops connecting to it once that node is lost (a connection it
+already holds stays until it drops). docs/failures-and-security.md has the steps.
 
 `--host` names every address clients reach main by (repeat it; the HTTPS API checks it, gRPC
 clients check the certificate's own name instead). Secrets are written 0600 under a 0700 folder.
@@ -53,8 +54,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     add.add_argument("name", help="main, shadow or worker<i>: the key's role")
     revoke = sub.add_parser(
         "revoke",
-        help="take NODE's key off the allow-list (kept in DIR/revoked/; running nodes refuse it "
-        "from their next handshake once public/NODE.key is gone from their box)",
+        help="take NODE's key off the allow-list (moved to DIR/revoked/; running nodes refuse it "
+        "from their next handshake once public/NODE.key is moved there on their box too)",
     )
     revoke.add_argument("dir", type=Path)
     revoke.add_argument("name", metavar="NODE")
@@ -100,9 +101,9 @@ def main(argv: list[str] | None = None) -> int:
             keys = KeyDir(args.dir)
             kept = revoke_node_key(keys, args.name)
             print(
-                f"revoked {args.name}: its public key is now {kept}. Delete public/{args.name}.key on "
-                "every box (or copy public/ and revoked/ there again): running nodes refuse the key "
-                f"from their next handshake. `odmoe-keys add {args.dir} {args.name}` makes a new keypair."
+                f"revoked {args.name}: its public key is now {kept}. On every other box move "
+                f"public/{args.name}.key into revoked/ too: running nodes refuse the key from their "
+                f"next handshake. `odmoe-keys add {args.dir} {args.name}` makes a new keypair."
             )
         else:
             print(show(KeyDir(args.dir)))

@@ -12,6 +12,7 @@ still gets the reference tokens.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -297,6 +298,49 @@ def test_a_revoked_key_is_refused_without_a_restart_and_add_makes_a_new_one(node
     assert handshake(ctx, zmq.DEALER, addresses["worker"], main, _server(keys, "worker0")) == "refused"
 
 
+def _connects(ctx: zmq.Context, curve: Curve, node: str, address: str) -> bool:
+    """Whether `curve`'s client socket to `node`, made as main makes its connections, completes a
+    handshake within a second."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    curve.connect_to(sock, node)
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    sock.connect(address)
+    try:
+        return bool(monitor.poll(1000))
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+        sock.close(0)
+
+
+def test_main_stops_connecting_to_a_revoked_worker_and_reaches_its_new_key(node_sockets, caplog):
+    """Main re-reads a worker's key at each connection (its probes of a lost worker): once revoked it
+    never connects to that key again, and never fails for it either; the name's new key is used."""
+    keys, ctx, addresses = node_sockets
+    caplog.set_level("WARNING", logger="odmoe.transport.security")
+    main = Curve.load(keys.root, "main")
+    assert _connects(ctx, main, "worker0", addresses["worker"])
+    with pytest.raises(SecurityError, match="worker9.key is missing"):  # never known: a set-up mistake
+        main.server_key("worker9")
+    old, old_secret = load_public_key(keys.public_key("worker0")), keys.secret_key("worker0").read_bytes()
+    revoke_node_key(keys, "worker0")
+    for _ in range(2):  # as main's probes of a lost worker do, every second
+        assert not _connects(ctx, main, "worker0", addresses["worker"])
+    lines = [r.getMessage() for r in caplog.records if "worker0's key is revoked" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("main: worker0's key is revoked or gone"), lines
+    shutil.copy(keys.revoked / "worker0.key", keys.public_key("worker0"))  # the old key copied back
+    assert main.server_key("worker0") != old
+    keys.secret_key("worker0").touch(mode=0o600)
+    keys.secret_key("worker0").write_bytes(old_secret)  # a box that kept its copy of the secret
+    with pytest.raises(SecurityError, match="was revoked .*odmoe-keys add DIR worker0"):
+        Curve.load(keys.root, "worker0")
+    keys.public_key("worker0").unlink()
+    keys.secret_key("worker0").unlink()
+    add_node_key(keys, "worker0")
+    assert main.server_key("worker0") == load_public_key(keys.public_key("worker0")) != old
+
+
 # -- a real cluster, probed from outside ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def cluster():
@@ -481,3 +525,28 @@ def test_worker_with_wrong_key_is_refused_by_name(tmp_path, reap_children):
     message = str(err.value)
     assert "main exited" in message or "main" in message.splitlines()[0]
     assert "worker 1 (tcp://127.0.0.1:" in message and "failed the CURVE handshake" in message, message
+
+
+@pytest.mark.extended  # a cluster of its own (~1 min here): CI runs it
+def test_a_revoked_worker_is_dropped_then_its_new_key_taken_back(reap_children):
+    """The whole replacement of a lost box: revoke worker1's key while it serves, it dies; main goes
+    on with worker0 (its probes of worker1 meet a revoked key: no connection, no failure), tokens
+    equal to the reference; a new key for the name, the node restarted with it, taken back."""
+    with LocalCluster(workers=2, group_size=2) as cluster:
+        keys = KeyDir(cluster.key_dir)
+        want, _ = reference(cluster.model_path, PROMPT, new_tokens=12)
+        assert cluster.client.generate(PROMPT, max_new_tokens=12).token_ids == want
+        assert _keys_cli("revoke", str(keys.root), "worker1").returncode == 0
+        cluster.kill("worker1")
+        got = cluster.client.generate(PROMPT, max_new_tokens=12)
+        assert got.token_ids == want
+        time.sleep(2.5)  # main probes the lost worker every second, with the key it reads then
+        assert cluster.node("main").process.poll() is None
+        assert cluster.client.info()["live_workers"] == [0]
+        assert cluster.client.generate(PROMPT, max_new_tokens=12).token_ids == want
+        log_text = cluster.node("main").log_file.read_text()
+        assert log_text.count("main: worker1's key is revoked or gone") == 1, cluster.node("main").log_tail()
+        assert _keys_cli("add", str(keys.root), "worker1").returncode == 0
+        cluster.restart("worker1")  # announces itself; main reads worker1's new key and takes it back
+        assert cluster.client.info()["live_workers"] == [0, 1]
+        assert cluster.client.generate(PROMPT, max_new_tokens=12).token_ids == want

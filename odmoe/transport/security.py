@@ -24,8 +24,9 @@ cannot act as main or a worker. The allow-list (`AllowList`) is DIR/public less 
 at the next handshake whenever either folder changes: a key added or revoked takes effect on the
 running nodes without a restart (connections already made stay until they drop). A refused
 handshake is logged once per key and socket, naming the key's node and the socket. Every client
-socket names its server's public key, so a box that answers with another key never completes a
-handshake. gRPC is
+socket names its server's public key, read at each connection, so a box that answers with another
+key never completes a handshake, and a revoked server key is never connected to again (main's
+probes of a lost worker go on without failing; the name's new key is reached once it is added). gRPC is
 TLS with the certificate pinned (clients trust only DIR/tls/cert.pem and check the name
 `odmoe-cluster` whatever address they dial) plus `authorization: Bearer <token>` on every call,
 health checks included; the HTTP API takes the same token over HTTPS.
@@ -48,7 +49,7 @@ import shutil
 import ssl
 import stat
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -161,6 +162,17 @@ def revoke_node_key(keys: KeyDir, name: str) -> Path:
 def revoked_nodes(keys: KeyDir) -> list[str]:
     """The names whose keys were revoked, once per key, in name order."""
     return sorted(_node_of_file(p.name) for p in keys.revoked.glob("*.key"))
+
+
+def _revoked_keys(keys: KeyDir) -> dict[bytes, str]:
+    """z85 key -> node, for every key in DIR/revoked that parses."""
+    found = {}
+    for path in sorted(keys.revoked.glob("*.key")):
+        try:
+            found[load_public_key(path)] = _node_of_file(path.name)
+        except (SecurityError, OSError) as exc:
+            log.warning("revoked/: %s skipped: %s", path, exc)
+    return found
 
 
 def _node_of_file(filename: str) -> str:
@@ -364,13 +376,12 @@ class AllowList:
 
     def _load(self) -> None:
         signature = self._scan()
-        admitted, revoked = {}, {}
-        for folder, into in ((self.keys.revoked, revoked), (self.keys.public, admitted)):
-            for path in sorted(folder.glob("*.key")):
-                try:
-                    into[load_public_key(path)] = _node_of_file(path.name)
-                except (SecurityError, OSError) as exc:
-                    log.warning("allow-list: %s skipped: %s", path, exc)
+        admitted, revoked = {}, _revoked_keys(self.keys)
+        for path in sorted(self.keys.public.glob("*.key")):
+            try:
+                admitted[load_public_key(path)] = _node_of_file(path.name)
+            except (SecurityError, OSError) as exc:
+                log.warning("allow-list: %s skipped: %s", path, exc)
         if self._signature:
             log.info(
                 "allow-list re-read from %s: %d keys admitted, %d revoked",
@@ -417,11 +428,19 @@ class Curve:
     public: bytes
     secret: bytes
     keys: KeyDir
+    # node -> the server key last read for it; and the nodes whose missing key was logged
+    _known: dict[str, bytes] = field(default_factory=dict, compare=False, repr=False)
+    _gone: set[str] = field(default_factory=set, compare=False, repr=False)
 
     @classmethod
     def load(cls, key_dir: str | Path, name: str) -> Curve:
         keys = KeyDir(Path(key_dir))
         public, secret = load_keypair(keys.secret_key(name))
+        if public in _revoked_keys(keys):
+            raise SecurityError(
+                f"{keys.secret_key(name)} was revoked (odmoe-keys revoke): this node needs a new key "
+                f"(`odmoe-keys add DIR {name}` on the box that keeps the key directory)"
+            )
         if not keys.public_key(name).exists() or load_public_key(keys.public_key(name)) != public:
             raise SecurityError(
                 f"{keys.secret_key(name)} does not match {keys.public_key(name)}: this is not the key "
@@ -430,7 +449,32 @@ class Curve:
         return cls(name, public, secret, keys)
 
     def server_key(self, node: str) -> bytes:
-        return load_public_key(self.keys.public_key(node))
+        """`node`'s public key, read at each connection (so a name given a new key by `odmoe-keys
+        revoke` + `add` is reached with the new one). A revoked key, or a key this process read before
+        that has since left public/, gives a key nobody holds instead: the connection never completes
+        a handshake, so a revoked node is never connected to again, and whoever keeps reconnecting
+        (main probing a lost worker) goes on without failing. A key neither seen before nor revoked
+        is a set-up mistake: SecurityError, naming the file."""
+        path = self.keys.public_key(node)
+        revoked = _revoked_keys(self.keys)
+        if path.exists():
+            key = load_public_key(path)
+            if key not in revoked:
+                self._known[node] = key
+                self._gone.discard(node)
+                return key
+        elif node not in self._known and node not in revoked.values():
+            load_public_key(path)  # raises: missing, copy it
+        if node not in self._gone:
+            self._gone.add(node)
+            log.warning(
+                "%s: %s's key is revoked or gone from %s: not connecting to %s until it has a new key",
+                self.name,
+                node,
+                self.keys.public,
+                node,
+            )
+        return zmq.curve_keypair()[0]  # its secret is dropped here: no box can answer as it
 
     def serve(self, sock: zmq.Socket, socket: str) -> None:
         """Make `sock` a CURVE server (before bind) of kind `socket` (a key of SERVER_SOCKETS): only
