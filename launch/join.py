@@ -230,7 +230,10 @@ def admit(link_text: str, role: str, host: str, home: Path | None = None):
 
 
 def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    host = reachable_host(cfg.cluster.host, parse_link(cfg.join).host if _valid(cfg.join) else "192.0.2.1")
+    # the address main will dial: the one given (cluster.host=...), else this box's towards main
+    chosen = any(w.startswith("cluster.host=") for w in overrides)
+    towards = parse_link(cfg.join).host if _valid(cfg.join) else "192.0.2.1"
+    host = reachable_host(cfg.cluster.host if chosen else "0.0.0.0", towards)
     role = cfg.role.name if cfg.role.name in ("worker", "shadow") else ""
     try:
         reply, home, link = admit(cfg.join, role, host)

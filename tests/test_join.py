@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -144,66 +144,169 @@ def test_a_revoked_node_is_refused(door):
         admit(str(link), "worker", "10.0.0.1", home=home)  # it restarts, asking for its name
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_box(line: str, home: Path, env: dict) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "odmoe.launch.cli", line],
+        stdout=subprocess.DEVNULL, stderr=open(home / "log", "ab"), env={**env, "HOME": str(home)},
+        start_new_session=True,  # the box: this launcher and the node it starts, killed together
+    )  # fmt: skip
+
+
+def _name_of(home: Path) -> str:
+    return json.loads(next(home.glob(".cache/odmoe/joined/*/identity.json")).read_text())["name"]
+
+
 @pytest.mark.integration
-@pytest.mark.extended  # main + three joining boxes, each pulling its share: ~1-3 min here
+@pytest.mark.extended  # main + three joining boxes, each pulling its share, one restarted: ~2-4 min here
 def test_a_cluster_joined_only_by_the_link_serves_the_same_tokens(tmp_path, reap_children):
     """Main holds the checkpoint and makes its keys; the shadow and two workers start from nothing
-    but the link (own HOME each: no keys, no checkpoint, no cache), pull their shares and serve."""
+    but the link (own HOME each: no keys, no checkpoint, no cache), pull their shares and serve.
+    A box killed and started again with the same line gets its name back, pulls nothing, and main
+    takes it back while serving."""
+    from odmoe import Client
+
     model = resolve_model("tiny")
-    key_dir = tmp_path / "main-keys"
-    ready = tmp_path / "main.json"
-    env = dict(os.environ)
+    key_dir, ready, log = tmp_path / "main-keys", tmp_path / "main.json", tmp_path / "main.log"
+    env, port = dict(os.environ), _free_port()
     main = subprocess.Popen(
         [sys.executable, "-m", "odmoe.launch.cli", "role=main", f"model.path={model}", "cluster.workers=2",
          "cluster.group_size=1", "worker.only_own_layers=true", "cluster.join_port=0", "server.http=false",
-         f"security.key_dir={key_dir}", f"ready_file={ready}"],
-        stdout=subprocess.DEVNULL, stderr=open(tmp_path / "main.log", "wb"), env=env,
+         f"cluster.main_port={port}", f"security.key_dir={key_dir}", f"ready_file={ready}"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env,
     )  # fmt: skip
-    boxes = []
+    boxes: dict[str, subprocess.Popen] = {}
+    want, _ = reference(model, "def fibonacci(n):", new_tokens=12)
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300
         while not (key_dir / "join-link").exists():
-            assert main.poll() is None and time.monotonic() < deadline, (tmp_path / "main.log").read_text()
+            assert main.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
         line = (key_dir / "join-link").read_text().split()[-1]  # odmoe-launch join=LINK
-        for box in range(3):
-            home = tmp_path / f"box{box}"
-            home.mkdir()
-            boxes.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "odmoe.launch.cli", line],
-                    stdout=subprocess.DEVNULL,
-                    stderr=open(home / "log", "wb"),
-                    env={**env, "HOME": str(home)},
-                )  # fmt: skip
-            )
+        for b in range(3):
+            (tmp_path / f"box{b}").mkdir()
+            boxes[f"box{b}"] = _start_box(line, tmp_path / f"box{b}", env)
         while not ready.exists():
-            assert main.poll() is None and time.monotonic() < deadline + 120, (
-                tmp_path / "main.log"
-            ).read_text()
+            assert main.poll() is None and time.monotonic() < deadline, log.read_text()
             time.sleep(0.1)
-        from odmoe import Client
-
-        address = json.loads(ready.read_text())["address"]
-        with Client(address, credentials=str(key_dir)) as client:
-            got = client.generate("def fibonacci(n):", max_new_tokens=12)
-        want, _ = reference(model, "def fibonacci(n):", new_tokens=12)
-        assert list(got.token_ids) == want
-        joined = {
-            json.loads(
-                (tmp_path / f"box{b}" / ".cache/odmoe/joined").glob("*/identity.json").__next__().read_text()
-            )["name"]
-            for b in range(3)
-        }
-        assert joined == {"shadow", "worker0", "worker1"}
-        for b in range(3):  # no box had the checkpoint: each pulled what it holds
-            assert list((tmp_path / f"box{b}" / ".cache/odmoe/pulled").glob("*/odmoe-share.json"))
+        with Client(f"127.0.0.1:{port}", credentials=str(key_dir)) as client:
+            assert list(client.generate("def fibonacci(n):", max_new_tokens=12).token_ids) == want
+            names = {_name_of(tmp_path / b): b for b in boxes}
+            assert set(names) == {"shadow", "worker0", "worker1"}
+            records = {b: next((tmp_path / b).glob(".cache/odmoe/pulled/*/odmoe-share.json")) for b in boxes}
+            pulled = {b: json.loads(r.read_text())["pulled_bytes_total"] for b, r in records.items()}
+            assert all(pulled.values())  # no box had the checkpoint: each pulled what it holds
+            # worker1's box dies and is started again with the same line
+            box = names["worker1"]
+            before = client.info()["workers"][1]["address"]
+            os.killpg(boxes[box].pid, 9)
+            boxes[box].wait()
+            boxes[box] = _start_box(line, tmp_path / box, env)
+            while True:  # main takes it back (its Join through cluster.main_addresses)
+                info = client.info()
+                if 1 in info["live_workers"] and info["workers"][1]["address"] != before:
+                    break
+                assert time.monotonic() < deadline + 120, (tmp_path / box / "log").read_text()[-2000:]
+                time.sleep(0.2)
+            assert _name_of(tmp_path / box) == "worker1"
+            assert json.loads(records[box].read_text())["pulled_bytes_total"] == pulled[box]  # nothing again
+            assert list(client.generate("def fibonacci(n):", max_new_tokens=12).token_ids) == want
     finally:
-        for p in [*boxes, main]:
-            p.terminate()
-        for p in [*boxes, main]:
+        for p in boxes.values():
+            try:
+                os.killpg(p.pid, 15)
+            except ProcessLookupError:
+                pass
+        main.terminate()
+        for p in [*boxes.values(), main]:
             try:
                 p.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 p.kill()
-    shutil.rmtree(tmp_path / "box0", ignore_errors=True)
+
+
+def _can_make_namespaces() -> bool:
+    try:
+        probe = subprocess.run(["ip", "netns", "add", "odmoe-probe"], capture_output=True)
+    except FileNotFoundError:
+        return False
+    subprocess.run(["ip", "netns", "del", "odmoe-probe"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # four namespaces, main + three boxes joined by the link: ~2-3 min here
+def test_boxes_in_their_own_network_namespaces_join_by_the_link(tmp_path, reap_children):
+    """netns_lan's LAN: main (with the checkpoint) and three boxes, each in its namespace with its
+    own HOME; the boxes are given only the link and reach main over the bridge."""
+    if not _can_make_namespaces():
+        pytest.skip("cannot create network namespaces here (needs root and iproute2)")
+    from odmoe import Client
+    from odmoe.benchmarks.netns_lan import Lan
+
+    model = resolve_model("tiny")
+    key_dir, ready = tmp_path / "main-keys", tmp_path / "main.json"
+    nodes = ["main", "box0", "box1", "box2"]
+    with Lan(nodes, gbit=1.0, latency_ms=0.1) as lan:
+        main_host = lan.address("main")
+        procs = [
+            subprocess.Popen(
+                ["ip", "netns", "exec", lan.namespace("main"), sys.executable, "-m", "odmoe.launch.cli",
+                 "role=main", f"model.path={model}", "cluster.workers=2", "cluster.group_size=1",
+                 "worker.only_own_layers=true", f"cluster.host={main_host}", "cluster.main_port=50051",
+                 "cluster.join_port=50053", "server.http=false", f"security.key_dir={key_dir}",
+                 f"ready_file={ready}"],
+                stdout=subprocess.DEVNULL, stderr=open(tmp_path / "main.log", "wb"),
+            )
+        ]  # fmt: skip
+        try:
+            deadline = time.monotonic() + 120
+            while not (key_dir / "join-link").exists():
+                assert procs[0].poll() is None and time.monotonic() < deadline, (
+                    tmp_path / "main.log"
+                ).read_text()
+                time.sleep(0.1)
+            line = (key_dir / "join-link").read_text().split()[-1]
+            assert f"@{main_host}:50053/" in line
+            for box in nodes[1:]:
+                home = tmp_path / box
+                home.mkdir()
+                procs.append(
+                    subprocess.Popen(
+                        ["ip", "netns", "exec", lan.namespace(box), sys.executable, "-m", "odmoe.launch.cli",
+                         line],
+                        stdout=subprocess.DEVNULL, stderr=open(home / "log", "wb"),
+                        env={**os.environ, "HOME": str(home)},
+                    )
+                )  # fmt: skip
+            while not ready.exists():
+                assert procs[0].poll() is None and time.monotonic() < deadline + 180, (
+                    tmp_path / "main.log"
+                ).read_text()
+                time.sleep(0.1)
+            with Client(f"{main_host}:50051", credentials=str(key_dir)) as client:
+                got = client.generate("def fibonacci(n):", max_new_tokens=12)
+            want, _ = reference(model, "def fibonacci(n):", new_tokens=12)
+            assert list(got.token_ids) == want
+            served = {
+                json.loads(next((tmp_path / b).glob(".cache/odmoe/joined/*/identity.json")).read_text())[
+                    "name"
+                ]: b
+                for b in nodes[1:]
+            }
+            assert set(served) == {"shadow", "worker0", "worker1"}
+        finally:
+            for p in procs:
+                p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    p.kill()
