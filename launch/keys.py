@@ -14,8 +14,9 @@ the shadow, nor the shadow's as a worker.
 a copy comes back into public/) and deletes private/NODE.key_secret; `add DIR NODE` afterwards makes
 a NEW keypair for the name. Running nodes re-read public/ and revoked/ at their next CURVE handshake,
 so no restart is needed: move public/NODE.key into revoked/ on every other box too, and that key is
-refused from then on, and main stops connecting to it once that node is lost (a connection it
-already holds stays until it drops). docs/failures-and-security.md has the steps.
+refused from then on, and main drops a worker holding it within a second (a subscription it
+already holds to the shadow's predictions stays until it drops). docs/failures-and-security.md has
+the steps.
 
 `--host` names every address clients reach main by (repeat it; the HTTPS API checks it, gRPC
 clients check the certificate's own name instead). Secrets are written 0600 under a 0700 folder.

@@ -22,7 +22,9 @@ Security (odmoe/transport/security.py, on by default): gRPC is served over TLS a
 health checks included, must carry the cluster's bearer token (`BearerToken` refuses the others
 UNAUTHENTICATED before a handler runs); the HTTP API is HTTPS with the same token. Main's ZeroMQ
 connections are CURVE clients that complete a handshake only with the keys the cluster gave each
-worker and the shadow; a worker holding another key is refused at start-up, by name.
+worker and the shadow; a worker holding another key is refused at start-up, by name. A live worker
+whose key is revoked (`odmoe-keys revoke`) is dropped as lost within a second, and not taken back
+until its name has a new key.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from odmoe.validation import suspicion_settings
 
 log = logging.getLogger("odmoe.main")
 ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
+KEY_CHECK_S = 1.0  # how often main checks that each live worker's key is still admitted
 # Clients' keepalive pings (how they notice a frozen main) must be allowed, however often they come.
 SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
@@ -146,6 +149,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.shadow_where = cfg.cluster.shadow_where  # a rejoining shadow says where it now runs
         self.heartbeat = heartbeat
+        self._next_key_check = 0.0  # when _drop_revoked_workers next reads the workers' keys
         # a random or speculative shadow is paced by main: it hears of every iteration
         pace = cfg.shadow.mode == "random" or cfg.alignment.mode == "speculative"
         self.requests = RequestQueue(cfg.server.max_waiting, cfg.server.request_timeout_s)
@@ -219,7 +223,22 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         while not self.shadow_joins.empty():
             address, pub_address = self.shadow_joins.get()
             self._adopt_shadow(address, pub_address)
+        self._drop_revoked_workers()
         self.experts.members.maintain()
+
+    def _drop_revoked_workers(self) -> None:
+        """A live worker whose key was revoked (or replaced) since main connected to it is dropped as
+        lost: its calls are re-sent to the others, tokens unchanged, and main's probes then never
+        reach that key again (odmoe.transport.security: Curve.server_key). Checked once a second:
+        a few file reads per worker."""
+        curve = self.security.curve
+        if curve is None or time.monotonic() < self._next_key_check:
+            return
+        self._next_key_check = time.monotonic() + KEY_CHECK_S
+        members = self.experts.members
+        for worker in sorted(members.live):
+            if not curve.still_admitted(f"worker{worker}"):
+                members.mark_lost(worker, "its key was revoked (odmoe-keys revoke)")
 
     def _shadow_beats(self) -> BeatWatch | None:
         return BeatWatch(suspicion_settings(self.cfg)) if self.cfg.failover.beat_interval_s > 0 else None

@@ -476,6 +476,18 @@ class Curve:
             )
         return zmq.curve_keypair()[0]  # its secret is dropped here: no box can answer as it
 
+    def still_admitted(self, node: str) -> bool:
+        """Whether the key this process last connected to `node` with is still `node`'s admitted key
+        (not revoked, not replaced, not gone from public/). True for a node it never connected to."""
+        known = self._known.get(node)
+        if known is None:
+            return True
+        try:
+            current = load_public_key(self.keys.public_key(node))
+        except SecurityError:
+            return False
+        return current == known and known not in _revoked_keys(self.keys)
+
     def serve(self, sock: zmq.Socket, socket: str) -> None:
         """Make `sock` a CURVE server (before bind) of kind `socket` (a key of SERVER_SOCKETS): only
         allow-listed keys of the roles that socket serves complete a handshake."""
