@@ -91,6 +91,8 @@ def import_ray():
 def role_key_files(keys: KeyDir, node: str, key_name: str) -> SecretFiles:
     """What node `node` (main, shadow, worker<i>) needs of the cluster's keys, and nothing more."""
     files = {f"public/{p.name}": p.read_bytes() for p in sorted(keys.public.glob("*.key"))}
+    # revoked keys too: each node then names a revoked key in its refusals and never admits it again
+    files |= {f"revoked/{p.name}": p.read_bytes() for p in sorted(keys.revoked.glob("*.key"))}
     files[f"private/{key_name}.key_secret"] = keys.secret_key(key_name).read_bytes()
     files["tls/cert.pem"] = keys.cert.read_bytes()
     files["token"] = keys.token.read_bytes()

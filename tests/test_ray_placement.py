@@ -9,7 +9,7 @@ import stat
 from odmoe.config import RayRoleConfig
 from odmoe.launch.ray_cluster import RayCluster, SecretFiles, offered, role_key_files
 from odmoe.launch.settings import compose
-from odmoe.transport.security import Curve, KeyDir, init_key_dir
+from odmoe.transport.security import Curve, KeyDir, init_key_dir, revoke_node_key
 
 
 def _node(node_id: str, alive=True, labels=None, **resources) -> dict:
@@ -33,7 +33,8 @@ def test_a_role_is_offered_only_nodes_with_its_resources_and_labels():
 
 
 def test_each_role_gets_its_own_secret_only_and_the_files_work(tmp_path):
-    keys = init_key_dir(tmp_path / "keys", workers=2)
+    keys = init_key_dir(tmp_path / "keys", workers=3)
+    revoke_node_key(keys, "worker2")
     worker = role_key_files(keys, "worker1", "worker1")
     main = role_key_files(keys, "main1", "main")  # a standby main: main's key
     assert sorted(k for k in worker.files if k.startswith("private/")) == ["private/worker1.key_secret"]
@@ -51,6 +52,9 @@ def test_each_role_gets_its_own_secret_only_and_the_files_work(tmp_path):
     curve = Curve.load(root, "worker1")  # refuses a secret others can read, or a mismatched pair
     assert curve.server_key("main") == Curve.load(keys.root, "main").public
     assert not (KeyDir(root).secret_key("worker0")).exists()
+    # the revoked key travels as revoked: refused by name, even if some copy of it is in public/
+    assert "public/worker2.key" not in worker.files
+    assert (root / "revoked" / "worker2.key").read_bytes() == (keys.revoked / "worker2.key").read_bytes()
 
 
 def test_secret_files_repr_names_no_path_or_content():
