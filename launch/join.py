@@ -19,6 +19,7 @@ Contract:
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -35,7 +36,14 @@ import grpc
 from odmoe.config import OdmoeConfig
 from odmoe.main.admission import Admissions, TokenUnlessJoining, join_link
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
-from odmoe.transport.join_link import admission_proof, fingerprint_of, parse_link
+from odmoe.transport.join_link import (
+    JoinLink,
+    admission_proof,
+    auto_link,
+    fingerprint_of,
+    main_proof,
+    parse_link,
+)
 from odmoe.transport.security import ClientCredentials, KeyDir, ServerSecrets, init_key_dir
 
 log = logging.getLogger("odmoe.launch.join")
@@ -145,6 +153,12 @@ def open_door(cfg: OdmoeConfig, overrides: list[str], model_path: str):
     path.write_text(line + "\n")
     path.chmod(0o600)
     print(f"odmoe: on every other box run (also in {path}):\n    {line}", flush=True)
+    if cfg.cluster.advertise:  # join=auto:SECRET finds it; the secret is still needed
+        from odmoe.transport.lan_discovery import advertise
+
+        name = f"odmoe main {socket.gethostname()} {served[1]}"
+        admissions.advertised = advertise(name, host, served[1], link.fingerprint)
+        print(f"odmoe: advertised by mDNS as {name!r}: join=auto:{link.secret} also works", flush=True)
     return served[0], admissions
 
 
@@ -193,9 +207,49 @@ def _write_keys(root: Path, reply) -> KeyDir:
     return keys
 
 
+def find_link(text: str, choose=None, timeout_s: float = 2.0) -> str:
+    """`auto:SECRET[@NAME]` -> a link to the main found by mDNS (odmoe.transport.lan_discovery);
+    several in sight and no NAME: `choose(found)` picks one (the console asks), else refused."""
+    from odmoe.transport.lan_discovery import DiscoveryUnavailable, find_mains
+
+    auto = auto_link(text)
+    if auto is None:
+        return text
+    secret, name = auto
+    try:
+        found = find_mains(timeout_s)
+    except DiscoveryUnavailable as exc:
+        raise JoinRefused(str(exc)) from None
+    if name:
+        found = [f for f in found if f.name == name]
+    if not found:
+        raise JoinRefused(
+            "no odmoe main found by mDNS on this network"
+            + (f" named {name!r}" if name else "")
+            + " (main advertises with cluster.advertise=true): give the link main printed instead"
+        )
+    if len(found) > 1:
+        if choose is None:
+            names = ", ".join(f"{f.name} ({f.host}:{f.port})" for f in found)
+            raise JoinRefused(f"several mains in sight: {names}; say which with join=auto:SECRET@NAME")
+        found = [choose(found)]
+    f = found[0]
+    return str(JoinLink(secret, f.host, f.port, f.fingerprint))
+
+
+def _ask(found):
+    """The console picks among several mains found by mDNS."""
+    for i, f in enumerate(found):
+        print(f"  {i + 1}. {f.name} at {f.host}:{f.port} (certificate {f.fingerprint[:16]}...)")
+    while True:
+        answer = input(f"which main to join (1-{len(found)})? ").strip()
+        if answer.isdigit() and 1 <= int(answer) <= len(found):
+            return found[int(answer) - 1]
+
+
 def admit(link_text: str, role: str, host: str, home: Path | None = None):
-    """Check main's certificate, prove the secret, and return (reply, home): the module contract's
-    first half, without starting a node (tests call it alone)."""
+    """Check main's certificate and that main holds the secret, prove it too, and return (reply,
+    home, link): the module contract's first half, without starting a node (tests call it alone)."""
     try:
         link = parse_link(link_text)
     except ValueError as exc:
@@ -214,10 +268,17 @@ def admit(link_text: str, role: str, host: str, home: Path | None = None):
     identity = home / "identity.json"
     name = json.loads(identity.read_text())["name"] if identity.is_file() else ""
     credentials = ClientCredentials(token="", cert_pem=pem.encode())
+    box_nonce = os.urandom(32)
     with credentials.channel(link.address) as channel:
         stub = odmoe_pb2_grpc.AdmissionStub(channel)
         try:
-            nonce = stub.Challenge(odmoe_pb2.ChallengeRequest(), timeout=10).nonce
+            challenge = stub.Challenge(odmoe_pb2.ChallengeRequest(box_nonce=box_nonce), timeout=10)
+            if not hmac.compare_digest(challenge.main_proof, main_proof(link.secret, box_nonce, served)):
+                raise JoinRefused(
+                    f"main at {link.address} does not hold the link's secret (or it was rotated): "
+                    "not the cluster the link is for; nothing was sent"
+                )
+            nonce = challenge.nonce
             proof = admission_proof(link.secret, nonce, role, name, host)
             reply = stub.Admit(
                 odmoe_pb2.AdmitRequest(nonce=nonce, proof=proof, role=role, name=name, host=host), timeout=10
@@ -230,14 +291,15 @@ def admit(link_text: str, role: str, host: str, home: Path | None = None):
 
 
 def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
-    # the address main will dial: the one given (cluster.host=...), else this box's towards main
-    chosen = any(w.startswith("cluster.host=") for w in overrides)
-    towards = parse_link(cfg.join).host if _valid(cfg.join) else "192.0.2.1"
-    host = reachable_host(cfg.cluster.host if chosen else "0.0.0.0", towards)
     role = cfg.role.name if cfg.role.name in ("worker", "shadow") else ""
     try:
-        reply, home, link = admit(cfg.join, role, host)
-    except JoinRefused as exc:
+        text = find_link(cfg.join, _ask if sys.stdin.isatty() else None)
+        # the address main will dial: the one given (cluster.host=...), else this box's towards main
+        chosen = any(w.startswith("cluster.host=") for w in overrides)
+        towards = parse_link(text).host if _valid(text) else "192.0.2.1"
+        host = reachable_host(cfg.cluster.host if chosen else "0.0.0.0", towards)
+        reply, home, link = admit(text, role, host)
+    except (JoinRefused, ValueError) as exc:
         print(f"odmoe-launch: {exc}", file=sys.stderr)
         return 2
     keys = _write_keys(home / "keys", reply)

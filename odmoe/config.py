@@ -73,6 +73,9 @@ class ClusterConfig:
     # security on, the join link's admission (odmoe-launch join=LINK): -1 off; 0 any free port (the
     # ready file's join_address). The cluster's TLS and token apply (admission's first two calls aside).
     join_port: int = -1
+    # with the join door open: announce it on the LAN by mDNS (the `lan` extra), so a box may run
+    # `odmoe-launch join=auto:SECRET` instead of the whole link (the secret is still needed)
+    advertise: bool = False
     worker_port: int = 0  # role=worker: port this worker binds (0: any free port)
     # LAN use: main connects to these, index i = worker i ("tcp://10.0.0.7:5600"); filled by the
     # local launcher with the ports its workers bound.

@@ -98,8 +98,18 @@ def test_boxes_are_handed_the_shadow_then_each_worker_then_the_cluster_is_full(d
 def test_a_wrong_secret_a_wrong_fingerprint_and_a_rotated_secret_are_refused(door):
     link, admissions, keys, tmp = door
     wrong = JoinLink("x" * 32, link.host, link.port, link.fingerprint)
-    with pytest.raises(JoinRefused, match="wrong join secret"):
+    with pytest.raises(JoinRefused, match="does not hold the link's secret"):  # main's proof fails first
         admit(str(wrong), "", "10.0.0.1", home=tmp / "a")
+    from odmoe.transport.security import ClientCredentials
+
+    with ClientCredentials(token="", cert_pem=keys.cert.read_bytes()).channel(link.address) as channel:
+        stub = odmoe_pb2_grpc.AdmissionStub(channel)  # a box that skips that check: main refuses it
+        nonce = stub.Challenge(odmoe_pb2.ChallengeRequest()).nonce
+        proof = admission_proof("x" * 32, nonce, "", "", "10.0.0.1")
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Admit(odmoe_pb2.AdmitRequest(nonce=nonce, proof=proof, host="10.0.0.1"))
+        assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert "wrong join secret" in refused.value.details()
     other_cert = init_key_dir(tmp / "other", 1)  # another cluster's certificate
     from odmoe.transport.join_link import fingerprint_of
 
@@ -108,7 +118,7 @@ def test_a_wrong_secret_a_wrong_fingerprint_and_a_rotated_secret_are_refused(doo
         admit(str(forged), "", "10.0.0.1", home=tmp / "b")
     assert admissions.admitted == {}
     (keys.root / "join_secret").write_text("a-new-secret-after-rotation\n")
-    with pytest.raises(JoinRefused, match="wrong join secret"):
+    with pytest.raises(JoinRefused, match="or it was rotated"):
         admit(str(link), "", "10.0.0.1", home=tmp / "c")
     assert admissions.admitted == {}
 
@@ -132,6 +142,46 @@ def test_a_replayed_admission_is_refused(door):
         with pytest.raises(grpc.RpcError) as no_token:  # Ready needs the token the box was handed
             stub.Ready(odmoe_pb2.ReadyRequest(name="shadow", address="tcp://10.0.0.1:1"))
         assert no_token.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_main_found_by_mdns_must_prove_the_secret(door, monkeypatch):
+    """join=auto:SECRET: main advertised by mDNS (a real zeroconf announcement on this host) is
+    found, and joined only because it proves the secret; another advertiser with another
+    certificate, and a wrong secret, are refused; two mains in sight and no name: refused naming them."""
+    pytest.importorskip("zeroconf")
+    from odmoe.launch.join import find_link
+    from odmoe.transport.lan_discovery import advertise
+
+    link, admissions, keys, tmp = door
+    ours = advertise("odmoe test main", "127.0.0.1", link.port, link.fingerprint)
+    try:
+        found = find_link(f"auto:{link.secret}", timeout_s=0.8)
+        assert found == str(link)
+        reply, _, _ = admit(found, "", "10.0.0.1", home=tmp / "auto")
+        assert reply.name == "shadow"
+        with pytest.raises(JoinRefused, match="does not hold the link's secret"):
+            admit(find_link("auto:" + "y" * 24, timeout_s=0.8), "", "10.0.0.1", home=tmp / "auto2")
+        other = init_key_dir(tmp / "rogue", 1)
+        from odmoe.transport.join_link import fingerprint_of
+
+        rogue = advertise("odmoe rogue main", "127.0.0.1", link.port, fingerprint_of(other.cert.read_bytes()))
+        try:
+            with pytest.raises(JoinRefused, match="several mains in sight: odmoe rogue main"):
+                find_link(f"auto:{link.secret}", timeout_s=0.8)
+            # naming the rogue: its advertised fingerprint is not the certificate served there
+            with pytest.raises(JoinRefused, match="not the cluster the link is for"):
+                admit(
+                    find_link(f"auto:{link.secret}@odmoe rogue main", timeout_s=0.8),
+                    "",
+                    "10.0.0.1",
+                    home=tmp / "r",
+                )
+        finally:
+            rogue.close()
+    finally:
+        ours.close()
+    with pytest.raises(JoinRefused, match="no odmoe main found by mDNS"):
+        find_link(f"auto:{link.secret}@nobody", timeout_s=0.8)
 
 
 def test_a_revoked_node_is_refused(door):

@@ -12,6 +12,8 @@ Contract:
   saying why. The reply carries the node's CURVE keypair from main's key directory, every public
   key, the TLS certificate, the token and `words_for(name, role, index)`: the settings it runs
   with. The channel is TLS whose certificate the box checked against the link's fingerprint.
+- `Challenge` also answers the box's own nonce with `main_proof` over main's certificate
+  fingerprint: main proves it holds the secret before the box sends its proof.
 - `Ready(name, address, pub_address)` (token required) records where an admitted node serves;
   `wait_ready(timeout_s)` blocks until the shadow (when there is one) and every worker have, and
   returns their addresses for main's configuration.
@@ -31,7 +33,7 @@ from pathlib import Path
 import grpc
 
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
-from odmoe.transport.join_link import JoinLink, admission_proof, fingerprint_of
+from odmoe.transport.join_link import JoinLink, admission_proof, fingerprint_of, main_proof
 from odmoe.transport.security import BearerToken, KeyDir, read_secret, read_token
 
 log = logging.getLogger("odmoe.main.admission")
@@ -75,11 +77,13 @@ class Admissions(odmoe_pb2_grpc.AdmissionServicer):
         self.keys, self.secret_file, self.workers, self.shadow = keys, secret_file, workers, shadow
         self.words_for = words_for
         join_secret(secret_file)
+        self.fingerprint = fingerprint_of(keys.cert.read_bytes())
         self._nonces: dict[bytes, float] = {}
         self._lock = threading.Lock()
         self.admitted: dict[str, str] = {}  # name -> the host it said it serves on
         self.ready: dict[str, tuple[str, str]] = {}  # name -> (address, pub_address)
         self._changed = threading.Condition(self._lock)
+        self.advertised = None  # the mDNS announcement, when cluster.advertise
 
     # -- the RPCs ----------------------------------------------------------------------------
     def Challenge(self, request, context):
@@ -88,7 +92,8 @@ class Admissions(odmoe_pb2_grpc.AdmissionServicer):
         with self._lock:
             self._nonces = {n: t for n, t in self._nonces.items() if t > now}
             self._nonces[nonce] = now + NONCE_TTL_S
-        return odmoe_pb2.ChallengeReply(nonce=nonce)
+        proof = main_proof(join_secret(self.secret_file), request.box_nonce, self.fingerprint)
+        return odmoe_pb2.ChallengeReply(nonce=nonce, main_proof=proof)
 
     def Admit(self, request, context):
         with self._lock:

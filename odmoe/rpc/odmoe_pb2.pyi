@@ -171,14 +171,18 @@ class ShareChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class ChallengeRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("box_nonce",)
+    BOX_NONCE_FIELD_NUMBER: _ClassVar[int]
+    box_nonce: bytes
+    def __init__(self, box_nonce: _Optional[bytes] = ...) -> None: ...
 
 class ChallengeReply(_message.Message):
-    __slots__ = ("nonce",)
+    __slots__ = ("nonce", "main_proof")
     NONCE_FIELD_NUMBER: _ClassVar[int]
+    MAIN_PROOF_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
-    def __init__(self, nonce: _Optional[bytes] = ...) -> None: ...
+    main_proof: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., main_proof: _Optional[bytes] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
     __slots__ = ("nonce", "proof", "role", "name", "host")
