@@ -120,6 +120,7 @@ class LocalCluster:
         ready_timeout_s: float | None = None,
         place: Callable[[str], NodePlacement] | None = None,
         standby_mains: int = 0,
+        through: Callable[[str, str], str] | None = None,
     ):
         words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
         if not any(w.startswith("server.http_port=") for w in words):
@@ -158,6 +159,9 @@ class LocalCluster:
             if not self.cfg.security.key_dir:
                 self.overrides.append(f"security.key_dir={self.key_dir}")
         self.place = place or (lambda name: NodePlacement())  # by node name: main, shadow, worker0...
+        # where mains reach a node: (its name, its address) -> the address they are given, e.g. a
+        # relay in front of it (odmoe.tools.link_relay: delay, jitter, black holes); None: directly
+        self.through = through or (lambda name, address: address)
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> LocalCluster:
@@ -219,11 +223,12 @@ class LocalCluster:
         return args
 
     def _main_args(self, name: str) -> list[str]:
-        args = ["role=main", f"cluster.worker_addresses=[{','.join(self.worker_addresses)}]"]
+        workers = [self.through(f"worker{i}", a) for i, a in enumerate(self.worker_addresses)]
+        args = ["role=main", f"cluster.worker_addresses=[{','.join(workers)}]"]
         if self.shadow_info:
             args += [
-                f"cluster.shadow_address={self.shadow_info['address']}",
-                f"cluster.shadow_pub_address={self.shadow_info['pub_address']}",
+                f"cluster.shadow_address={self.through('shadow', self.shadow_info['address'])}",
+                f"cluster.shadow_pub_address={self.through('shadow', self.shadow_info['pub_address'])}",
             ]
         if name != "main":
             args.append("fault.node=")  # a fault meant for main must not also hit the standby

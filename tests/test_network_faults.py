@@ -7,8 +7,12 @@ one-process reference's.
   main's beats (not the heartbeat's backstop), its calls go elsewhere, and once the link heals it
   rejoins and is given work again, without a restart.
 - Every node's link losing 3 % of its packets (6 % between two nodes): no worker is declared lost.
+- Main cut off from the shadow alone: requests go on without predictions and use them again after.
+- Tens of ms of jitter on every link to a worker and the shadow (a user-space relay,
+  odmoe/tools/link_relay.py: these kernels have no sch_netem): no worker is declared lost.
 
-Needs root, iproute2 and iptables (skipped with the reason elsewhere; CI installs iptables).
+The namespace tests need root, iproute2 and iptables (skipped with the reason elsewhere; CI
+installs iptables); the relay's runs on 127.0.0.1 anywhere.
 Measured numbers are printed (`-s`), not asserted beyond loose bounds: tests never assert timings.
 """
 
@@ -23,6 +27,7 @@ import pytest
 
 from odmoe import LocalCluster
 from odmoe.benchmarks.netns_lan import Lan
+from odmoe.tools.link_relay import Relay
 from tests.conftest import run_together
 from tests.test_batching import PROMPTS, alone
 
@@ -206,3 +211,33 @@ def test_main_cut_off_from_the_shadow_decodes_on_and_uses_predictions_again_once
             assert 0 < lost_s < 3.0
             tail = [per_token[n] for n in sorted(per_token)[-20:]]
             assert all(r == 1.0 for r in tail), tail  # used again, and right: alignment picked up
+
+
+def test_tens_of_ms_of_jitter_on_every_link_declares_nothing_lost_and_keeps_the_tokens(
+    model_dirs, reap_children
+):
+    path, new_tokens = model_dirs["mixtral"], 40
+    prompts = PROMPTS[:4]
+    want = {p: list(alone(path, p, new_tokens, 0)) for p in prompts}
+    relays: dict[str, Relay] = {}
+
+    def through(name: str, address: str) -> str:
+        relay = relays[address] = Relay(address, seed=len(relays))
+        relay.set(delay_s=0.005, jitter_s=0.03)  # 5-35 ms each way, every chunk and beat
+        return relay.address
+
+    try:
+        with LocalCluster(path, workers=WORKERS, group_size=2, through=through) as cluster:
+            start = time.time()
+            streams = Streams(cluster, prompts, new_tokens)
+            streams.join()
+            for p in prompts:
+                assert streams.tokens[p] == want[p], f"stream {p!r} differs from the reference"
+            events = [e for e in cluster.client.info()["membership_events"] if e["at_us"] / 1e6 >= start]
+            print(
+                f"\njitter 5-35 ms per hop: longest stall {streams.longest_stall_s():.2f}s, events {events}"
+            )
+            assert events == [], events
+    finally:
+        for relay in relays.values():
+            relay.close()

@@ -1,0 +1,108 @@
+"""The link relay (odmoe/tools/link_relay.py) over real sockets on 127.0.0.1: bytes arrive whole
+and in order however they are jittered, late by the delay asked, held (not lost) through a black
+hole; beats pass through it and stop in a black hole."""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+
+from odmoe.tools.link_relay import Relay
+from odmoe.transport.beats import BeatEcho, BeatWatch
+from odmoe.transport.suspicion import SuspicionSettings
+
+
+class _EchoServer:
+    """TCP: sends back whatever it receives."""
+
+    def __init__(self):
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = f"tcp://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        while data := conn.recv(65536):
+            conn.sendall(data)
+        conn.close()
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _connect(relay: Relay) -> socket.socket:
+    host, port = relay.address.removeprefix("tcp://").rsplit(":", 1)
+    return socket.create_connection((host, int(port)))
+
+
+def _read(sock: socket.socket, n: int, timeout_s: float) -> bytes:
+    sock.settimeout(timeout_s)
+    got = b""
+    while len(got) < n:
+        got += sock.recv(65536)
+    return got
+
+
+def test_jittered_bytes_arrive_whole_in_order_and_late_by_the_delay():
+    server = _EchoServer()
+    relay = Relay(server.address, seed=3)
+    relay.set(delay_s=0.02, jitter_s=0.03)
+    sock = _connect(relay)
+    try:
+        start = time.monotonic()
+        sock.sendall(b"x")
+        assert _read(sock, 1, 5) == b"x"
+        assert time.monotonic() - start >= 0.04  # two hops, each at least the delay
+        sent = b"".join(i.to_bytes(4, "big") for i in range(2000))
+        for i in range(0, len(sent), 100):  # many small writes, each jittered
+            sock.sendall(sent[i : i + 100])
+        assert _read(sock, len(sent), 10) == sent
+    finally:
+        sock.close()
+        relay.close()
+        server.close()
+
+
+def test_a_black_hole_holds_bytes_until_it_heals():
+    server = _EchoServer()
+    relay = Relay(server.address)
+    sock = _connect(relay)
+    try:
+        sock.sendall(b"a")
+        assert _read(sock, 1, 5) == b"a"
+        relay.black_hole(True)
+        sock.sendall(b"bc")
+        assert not select.select([sock], [], [], 0.5)[0]  # nothing comes back
+        relay.black_hole(False)
+        assert _read(sock, 2, 5) == b"bc"
+    finally:
+        sock.close()
+        relay.close()
+        server.close()
+
+
+def test_beats_pass_through_and_stop_in_a_black_hole():
+    echo = BeatEcho("127.0.0.1", 0)
+    relay = Relay(f"tcp://127.0.0.1:{echo.port}")
+    relay.set(delay_s=0.01, jitter_s=0.02)
+    watch = BeatWatch(SuspicionSettings(interval_s=0.05))
+    try:
+        watch.watch("worker0", relay.address)
+        time.sleep(0.6)
+        assert watch.take_lost() == [] and not watch.is_lost("worker0")
+        relay.black_hole(True)
+        deadline = time.monotonic() + 3
+        while not watch.is_lost("worker0"):
+            assert time.monotonic() < deadline, "a black-holed relay kept the beats going"
+            time.sleep(0.02)
+        relay.black_hole(False)
+        deadline = time.monotonic() + 3
+        while watch.is_lost("worker0"):
+            assert time.monotonic() < deadline, "beats never came back through the relay"
+            time.sleep(0.02)
+    finally:
+        watch.close()
+        relay.close()
+        echo.close()
