@@ -8,13 +8,15 @@ Contract:
   `odmoe-launch join=odmoe://...` and writes it to KEY_DIR/join-link (0600); `rendezvous` waits for
   the shadow (when there is one) and every worker to be admitted and serving, and returns main's
   config words naming their addresses.
-- A box (`odmoe-launch join=LINK [role=worker|shadow]`): `run_join` checks the certificate main
-  serves against the link's fingerprint before sending anything, proves the secret over a fresh
-  nonce, writes what it is handed (its keypair, the public keys, certificate, token) as a key
-  directory under ~/.cache/odmoe/joined/<host>_<port>/ with the usual modes, remembers its name (a
-  restart asks for it back), starts its node with main's words plus its own (its own win), pulling
-  its share of the checkpoint first (model.pull_from), and tells main where it serves. Every
-  refusal is one line and exit code 2.
+- A box (`odmoe-launch join=LINK [role=worker|shadow]`, or `join=auto:SECRET` by mDNS): `run_join`
+  checks the certificate main serves against the link's fingerprint and that main holds the secret
+  before sending anything, proves the secret over a fresh nonce with the public half of a keypair it
+  made (the secret half never leaves it), writes what it is handed (the public keys, certificate,
+  token) and its keypair as a key directory under ~/.cache/odmoe/joined/<host>_<port>/ with the
+  usual modes, remembers its name (a restart asks for it back), starts its node with main's words
+  plus its own (its own win), pulling its share of the checkpoint first (model.pull_from), tells
+  main where it serves, and keeps its allow-list current (later boxes' keys). Every refusal is one
+  line and exit code 2.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -191,10 +194,10 @@ def _write_keys(root: Path, reply) -> KeyDir:
     ):
         folder.mkdir(parents=True, exist_ok=True)
         folder.chmod(mode)
-    for name, text in reply.public_keys.items():
-        keys.public_key(name).write_bytes(text)
+    _refresh_public(keys, reply.public_keys)
+    own = (root.parent / "box.key_secret").read_bytes()  # the keypair this box made (_box_keypair)
     for path, data, mode in (
-        (keys.secret_key(reply.name), reply.secret_key, 0o600),
+        (keys.secret_key(reply.name), own, 0o600),
         (keys.token, (reply.token + "\n").encode(), 0o600),
         (keys.cert, reply.cert_pem, 0o644),
     ):
@@ -247,6 +250,50 @@ def _ask(found):
             return found[int(answer) - 1]
 
 
+def _box_keypair(home: Path) -> bytes:
+    """This box's CURVE keypair, made once (its secret half never leaves the box); returns the
+    public half's certificate text, which main puts in its allow-list under the name it hands out."""
+    import zmq.auth
+
+    public = home / "box.key"
+    if not public.is_file():
+        home.mkdir(parents=True, exist_ok=True)
+        home.chmod(0o700)
+        _, secret = zmq.auth.create_certificates(str(home), "box")
+        Path(secret).chmod(0o600)
+    return public.read_bytes()
+
+
+def _refresh_public(keys: KeyDir, public_keys) -> int:
+    """Write the public keys main holds into this box's allow-list; returns how many changed."""
+    changed = 0
+    for name, text in public_keys.items():
+        path = keys.public_key(name)
+        if path.is_file() and path.read_bytes() == text:
+            continue
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(text)
+        tmp.replace(path)
+        changed += 1
+    return changed
+
+
+def _keep_keys_current(keys: KeyDir, link, credentials: ClientCredentials, child: subprocess.Popen) -> None:
+    """While the node runs: fetch every public key from main every 2 s, so boxes admitted after this
+    one (with keys of their own) are admitted here too (the node re-reads its allow-list)."""
+    while child.poll() is None:
+        try:
+            with credentials.channel(link.address) as channel:
+                reply = odmoe_pb2_grpc.AdmissionStub(channel).Keys(
+                    odmoe_pb2.KeysRequest(), metadata=credentials.metadata, timeout=5
+                )
+            if changed := _refresh_public(keys, reply.public_keys):
+                log.info("%d public key(s) updated from main", changed)
+        except grpc.RpcError:
+            pass  # main restarting: try again
+        time.sleep(2.0)
+
+
 def admit(link_text: str, role: str, host: str, home: Path | None = None):
     """Check main's certificate and that main holds the secret, prove it too, and return (reply,
     home, link): the module contract's first half, without starting a node (tests call it alone)."""
@@ -280,9 +327,10 @@ def admit(link_text: str, role: str, host: str, home: Path | None = None):
                 )
             nonce = challenge.nonce
             proof = admission_proof(link.secret, nonce, role, name, host)
-            reply = stub.Admit(
-                odmoe_pb2.AdmitRequest(nonce=nonce, proof=proof, role=role, name=name, host=host), timeout=10
+            request = odmoe_pb2.AdmitRequest(
+                nonce=nonce, proof=proof, role=role, name=name, host=host, public_key=_box_keypair(home)
             )
+            reply = stub.Admit(request, timeout=10)
         except grpc.RpcError as exc:
             raise JoinRefused(f"main at {link.address} refused this box: {exc.details()}") from None
     home.mkdir(parents=True, exist_ok=True)
@@ -330,6 +378,9 @@ def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
             metadata=credentials.metadata,
             timeout=10,
         )
+    threading.Thread(
+        target=_keep_keys_current, args=(keys, link, credentials, child), name="odmoe-keys", daemon=True
+    ).start()
     return child.wait()
 
 

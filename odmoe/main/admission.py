@@ -6,12 +6,14 @@ Contract:
   HMAC over it with the secret in `secret_file` (read at each call: rewriting the file rotates the
   secret, and links carrying the old one are refused), then names the box: a restarted box asking
   for its earlier name gets it back; otherwise the shadow first (when the cluster has one and none
-  is admitted), then the lowest free worker index; a full cluster, a revoked name (`keys.revoked`
-  holds a file for it: `odmoe-keys revoke`), a wrong secret, an unknown or reused nonce (a replay)
+  is admitted), then the lowest free worker index; a full cluster, a box whose key was revoked
+  (`odmoe-keys revoke` moved it to revoked/), a wrong secret, an unknown or reused nonce (a replay)
   are each refused with PERMISSION_DENIED (FAILED_PRECONDITION for a full cluster) and one line
-  saying why. The reply carries the node's CURVE keypair from main's key directory, every public
-  key, the TLS certificate, the token and `words_for(name, role, index)`: the settings it runs
-  with. The channel is TLS whose certificate the box checked against the link's fingerprint.
+  saying why. The box sends the public half of a keypair it made (the secret half never leaves
+  it), which becomes the name's key in main's allow-list; the reply carries every public key, the
+  TLS certificate, the token and `words_for(name, role, index)`: the settings it runs with. The
+  channel is TLS whose certificate the box checked against the link's fingerprint. `Keys` (token
+  required) returns every public key now, so boxes admitted earlier learn later boxes' keys.
 - `Challenge` also answers the box's own nonce with `main_proof` over main's certificate
   fingerprint: main proves it holds the secret before the box sends its proof.
 - `Ready(name, address, pub_address)` (token required) records where an admitted node serves;
@@ -34,7 +36,14 @@ import grpc
 
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.transport.join_link import JoinLink, admission_proof, fingerprint_of, main_proof
-from odmoe.transport.security import BearerToken, KeyDir, read_secret, read_token
+from odmoe.transport.security import (
+    BearerToken,
+    KeyDir,
+    SecurityError,
+    public_key_of,
+    read_secret,
+    read_token,
+)
 
 log = logging.getLogger("odmoe.main.admission")
 NONCE_TTL_S = 60.0
@@ -111,23 +120,44 @@ class Admissions(odmoe_pb2_grpc.AdmissionServicer):
             name, why = self._assign(request.role, request.name)
             if name is None:
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
-            if self._revoked(name):
-                self._refuse(
-                    context, f"{name}'s admission was revoked (odmoe-keys revoke): ask for a new name"
-                )
+            if self._revoked(request.public_key):
+                self._refuse(context, f"this box's key was revoked (it was {name}'s: odmoe-keys revoke)")
             self.admitted[name] = request.host
         role, index = ("shadow", 0) if name == "shadow" else ("worker", int(name.removeprefix("worker")))
+        self._take_key(name, request.public_key, context)
         log.info("admitted %s as %s (serving on %s)", context.peer(), name, request.host or "?")
         return odmoe_pb2.AdmitReply(
             name=name,
             role=role,
             index=index,
-            public_keys={p.stem: p.read_bytes() for p in sorted(self.keys.public.glob("*.key"))},
-            secret_key=read_secret(self.keys.secret_key(name), "node secret key"),
+            public_keys=self._public_keys(),
             cert_pem=self.keys.cert.read_bytes(),
             token=read_token(self.keys.token),
             words=self.words_for(name, role, index),
         )
+
+    def Keys(self, request, context):
+        return odmoe_pb2.KeysReply(public_keys=self._public_keys())
+
+    def _public_keys(self) -> dict[str, bytes]:
+        return {p.stem: p.read_bytes() for p in sorted(self.keys.public.glob("*.key"))}
+
+    def _take_key(self, name: str, text: bytes, context) -> None:
+        """The box's own public key becomes `name`'s in the allow-list (its secret half never left
+        the box); main's nodes read the allow-list again when it changes, and boxes fetch it (Keys)."""
+        try:
+            key = public_key_of(text)
+        except SecurityError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"the box's public key: {exc}")
+        path = self.keys.public_key(name)
+        if path.is_file() and path.read_bytes() == text:
+            return
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(text)
+        tmp.replace(path)
+        stale = self.keys.secret_key(name)  # a key main made for the name before: no longer its
+        stale.unlink(missing_ok=True)
+        log.info("%s's public key is now the one its box made (%s...)", name, key[:8].decode())
 
     def Ready(self, request, context):
         with self._changed:
@@ -160,16 +190,32 @@ class Admissions(odmoe_pb2_grpc.AdmissionServicer):
             if name not in names:
                 return None, f"{name} is not a node of this cluster ({', '.join(names)})"
             return name, ""  # a restarted box: its own name back
-        free = [n for n in names if n not in self.admitted]
+        # a name is free until a box holds it; one whose key was revoked (gone from public/) is free again
+        free = [n for n in names if n not in self.admitted or not self.keys.public_key(n).exists()]
         if role:
             free = [n for n in free if (n == "shadow") == (role == "shadow")]
         if not free:
             return None, f"the cluster is full: {', '.join(names)} are admitted"
         return free[0], ""
 
-    def _revoked(self, name: str) -> bool:
-        revoked = self.keys.root / "revoked"  # odmoe-keys revoke keeps a revoked node's key there
-        return revoked.is_dir() and any(p.name.startswith(f"{name}.") for p in revoked.iterdir())
+    def _revoked(self, text: bytes) -> bool:
+        """The box's key is one `odmoe-keys revoke` moved to revoked/ (a box replacing it under the
+        same name brings a new key and is admitted; to keep a revoked box out for good, rotate the
+        secret too)."""
+        revoked = self.keys.root / "revoked"
+        if not revoked.is_dir():
+            return False
+        try:
+            key = public_key_of(text)
+        except SecurityError:
+            return False  # refused as malformed by _take_key
+        for path in revoked.glob("*.key"):
+            try:
+                if public_key_of(path.read_bytes()) == key:
+                    return True
+            except (SecurityError, OSError):
+                continue
+        return False
 
     @staticmethod
     def _refuse(context, why: str) -> None:

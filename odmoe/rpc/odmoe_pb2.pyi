@@ -185,18 +185,20 @@ class ChallengeReply(_message.Message):
     def __init__(self, nonce: _Optional[bytes] = ..., main_proof: _Optional[bytes] = ...) -> None: ...
 
 class AdmitRequest(_message.Message):
-    __slots__ = ("nonce", "proof", "role", "name", "host")
+    __slots__ = ("nonce", "proof", "role", "name", "host", "public_key")
     NONCE_FIELD_NUMBER: _ClassVar[int]
     PROOF_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
+    PUBLIC_KEY_FIELD_NUMBER: _ClassVar[int]
     nonce: bytes
     proof: bytes
     role: str
     name: str
     host: str
-    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., role: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ...) -> None: ...
+    public_key: bytes
+    def __init__(self, nonce: _Optional[bytes] = ..., proof: _Optional[bytes] = ..., role: _Optional[str] = ..., name: _Optional[str] = ..., host: _Optional[str] = ..., public_key: _Optional[bytes] = ...) -> None: ...
 
 class AdmitReply(_message.Message):
     __slots__ = ("name", "role", "index", "public_keys", "secret_key", "cert_pem", "token", "words")
@@ -240,3 +242,20 @@ class ReadyReply(_message.Message):
     DETAIL_FIELD_NUMBER: _ClassVar[int]
     detail: str
     def __init__(self, detail: _Optional[str] = ...) -> None: ...
+
+class KeysRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class KeysReply(_message.Message):
+    __slots__ = ("public_keys",)
+    class PublicKeysEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: bytes
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[bytes] = ...) -> None: ...
+    PUBLIC_KEYS_FIELD_NUMBER: _ClassVar[int]
+    public_keys: _containers.ScalarMap[str, bytes]
+    def __init__(self, public_keys: _Optional[_Mapping[str, bytes]] = ...) -> None: ...

@@ -213,6 +213,11 @@ class AdmissionStub:
                 request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyRequest.SerializeToString,
                 response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyReply.FromString,
                 _registered_method=True)
+        self.Keys = channel.unary_unary(
+                '/odmoe.rpc.Admission/Keys',
+                request_serializer=odmoe_dot_rpc_dot_odmoe__pb2.KeysRequest.SerializeToString,
+                response_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.KeysReply.FromString,
+                _registered_method=True)
 
 
 class AdmissionServicer:
@@ -239,6 +244,13 @@ class AdmissionServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Keys(self, request, context):
+        """Every node's public key now (a box keeps its copy current: later boxes bring their own keys).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdmissionServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -256,6 +268,11 @@ def add_AdmissionServicer_to_server(servicer, server):
                     servicer.Ready,
                     request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyRequest.FromString,
                     response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.ReadyReply.SerializeToString,
+            ),
+            'Keys': grpc.unary_unary_rpc_method_handler(
+                    servicer.Keys,
+                    request_deserializer=odmoe_dot_rpc_dot_odmoe__pb2.KeysRequest.FromString,
+                    response_serializer=odmoe_dot_rpc_dot_odmoe__pb2.KeysReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -342,6 +359,33 @@ class Admission:
             '/odmoe.rpc.Admission/Ready',
             odmoe_dot_rpc_dot_odmoe__pb2.ReadyRequest.SerializeToString,
             odmoe_dot_rpc_dot_odmoe__pb2.ReadyReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Keys(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/odmoe.rpc.Admission/Keys',
+            odmoe_dot_rpc_dot_odmoe__pb2.KeysRequest.SerializeToString,
+            odmoe_dot_rpc_dot_odmoe__pb2.KeysReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -269,6 +269,11 @@ def _z85_key(text: bytes, label: bytes, path: Path) -> bytes:
     )
 
 
+def public_key_of(text: bytes) -> bytes:
+    """The Z85 public key in a ZeroMQ certificate's text (SecurityError if there is none)."""
+    return _z85_key(text, b"public-key", Path("<certificate>"))
+
+
 def load_public_key(path: Path) -> bytes:
     return _z85_key(read_public(path, "public key"), b"public-key", path)
 
