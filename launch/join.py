@@ -265,8 +265,14 @@ def _box_keypair(home: Path) -> bytes:
 
 
 def _refresh_public(keys: KeyDir, public_keys) -> int:
-    """Write the public keys main holds into this box's allow-list; returns how many changed."""
+    """Make this box's allow-list main's: keys main holds written, keys main no longer holds (revoked
+    there) moved to revoked/, so this box's node refuses them too; returns how many changed."""
     changed = 0
+    for path in keys.public.glob("*.key"):
+        if path.stem not in public_keys:
+            keys.revoked.mkdir(parents=True, exist_ok=True)
+            path.replace(keys.revoked / path.name)
+            changed += 1
     for name, text in public_keys.items():
         path = keys.public_key(name)
         if path.is_file() and path.read_bytes() == text:

@@ -4,6 +4,7 @@
     odmoe-keys add DIR worker4                             # one more node's keypair
     odmoe-keys revoke DIR worker2                          # take worker2's key off the allow-list
     odmoe-keys show DIR                                    # what is there and which box needs what
+    odmoe-keys rotate-join DIR                             # a new join-link secret (old links refused)
 
 A key's name is its role: `main` (every main, standbys included), `shadow`, `worker<i>`. Each node
 socket admits only the roles that talk to it (a worker's ROUTER: main; the shadow's control socket:
@@ -62,7 +63,36 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     revoke.add_argument("name", metavar="NODE")
     show = sub.add_parser("show", help="list DIR's keys and check their permissions")
     show.add_argument("dir", type=Path)
+    rotate = sub.add_parser(
+        "rotate-join",
+        help="a new secret for the join link (main's next admission checks it: links with the old one "
+        "are refused); DIR/join-link is rewritten with it",
+    )
+    rotate.add_argument("dir", type=Path)
     return p.parse_args(argv)
+
+
+def rotate_join(keys: KeyDir) -> str:
+    """A new join secret in DIR/join_secret (0600) and DIR/join-link rewritten; returns the new line."""
+    import secrets as random
+
+    secret_file = keys.root / "join_secret"
+    if not keys.token.exists():
+        raise SecurityError(f"{keys.root} holds no cluster keys (odmoe-keys init, or main's first start)")
+    fresh = random.token_urlsafe(24)
+    tmp = secret_file.with_name(".join_secret.tmp")
+    tmp.touch(mode=0o600)
+    tmp.chmod(0o600)
+    tmp.write_text(fresh + "\n")
+    tmp.replace(secret_file)
+    link_file = keys.root / "join-link"
+    if not link_file.is_file():
+        return f"new join secret in {secret_file}; main prints its link at its next start"
+    old = link_file.read_text().strip()
+    prefix, _, rest = old.partition("odmoe://")
+    line = f"{prefix}odmoe://{fresh}@{rest.partition('@')[2]}"
+    link_file.write_text(line + "\n")
+    return f"the join link is now (also in {link_file}):\n    {line}"
 
 
 def show(keys: KeyDir) -> str:
@@ -106,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"public/{args.name}.key into revoked/ too: running nodes refuse the key from their "
                 f"next handshake. `odmoe-keys add {args.dir} {args.name}` makes a new keypair."
             )
+        elif args.command == "rotate-join":
+            print(rotate_join(KeyDir(args.dir)))
         else:
             print(show(KeyDir(args.dir)))
     except (SecurityError, OSError) as exc:

@@ -371,3 +371,30 @@ def test_boxes_in_their_own_network_namespaces_join_by_the_link(tmp_path, reap_c
                     p.wait(timeout=20)
                 except subprocess.TimeoutExpired:
                     p.kill()
+
+
+def test_rotating_the_secret_refuses_old_links_and_rewrites_the_line(door):
+    link, admissions, keys, tmp = door
+    (keys.root / "join-link").write_text(f"odmoe-launch join={link}\n")
+    done = subprocess.run(["odmoe-keys", "rotate-join", str(keys.root)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    line = (keys.root / "join-link").read_text().split()[-1]
+    assert line in done.stdout and str(link) not in line
+    assert oct((keys.root / "join_secret").stat().st_mode & 0o777) == "0o600"
+    with pytest.raises(JoinRefused, match="or it was rotated"):
+        admit(str(link), "", "10.0.0.1", home=tmp / "old")
+    reply, _, _ = admit(line.removeprefix("join="), "", "10.0.0.1", home=tmp / "new")
+    assert reply.name == "shadow"
+
+
+def test_a_box_takes_main_s_allow_list_revocations_included(tmp_path):
+    """A key main no longer holds (revoked there) leaves this box's public/ for its revoked/."""
+    from odmoe.launch.join import _refresh_public
+
+    keys = init_key_dir(tmp_path / "keys", 2)
+    held = {p.stem: p.read_bytes() for p in keys.public.glob("*.key") if p.stem != "worker1"}
+    held["worker0"] = b"changed"
+    assert _refresh_public(keys, held) == 2
+    assert not keys.public_key("worker1").exists() and (keys.revoked / "worker1.key").exists()
+    assert keys.public_key("worker0").read_bytes() == b"changed"
+    assert _refresh_public(keys, held) == 0
