@@ -88,6 +88,25 @@ SERVER_OPTIONS = [
 ]
 
 
+def server_options(ping_s: float, ping_timeout_s: float) -> list[tuple[str, int]]:
+    """SERVER_OPTIONS plus main's own pings to each client (server.client_ping_s): a connection
+    whose ping is unanswered for `ping_timeout_s` is closed, which cancels its calls (each Generate's
+    `context.add_callback(ticket.cancel)`), so a client whose link black-holed mid-stream leaves at
+    the next decode iteration. Without them gRPC's server pings every 2 hours, and a stream into a
+    black hole (the bytes ACKed by nobody, or by a relay that holds them) kept its place until its
+    deadline. Pings go on while a stream sends nothing (queued, a long prefill): no limit on those.
+    The timeout must be set twice: gRPC 1.85 waits for a ping's answer `ping_timeout_ms` (1 minute
+    by default), whatever `keepalive_timeout_ms` says (measured: unset, a black-holed stream stayed)."""
+    ping_ms, timeout_ms = max(int(ping_s * 1000), 1), max(int(ping_timeout_s * 1000), 1)
+    return [
+        *SERVER_OPTIONS,
+        ("grpc.keepalive_time_ms", ping_ms),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
+
 class PortInUse(RuntimeError):
     pass
 
@@ -384,7 +403,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         interceptors: list[grpc.ServerInterceptor] = [BearerToken(secrets)] if secrets else []
         interceptors.append(TextCheck())
         server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16), options=SERVER_OPTIONS, interceptors=interceptors
+            futures.ThreadPoolExecutor(max_workers=16),
+            options=server_options(self.cfg.server.client_ping_s, self.cfg.server.client_ping_timeout_s),
+            interceptors=interceptors,
         )
         odmoe_pb2_grpc.add_InferenceServicer_to_server(self, server)
         health_servicer = health.HealthServicer()

@@ -286,6 +286,12 @@ class ServerConfig:
     kv_cache_memory: str = ""
     max_waiting: int = 64  # requests queued beyond those running; beyond that 429 / RESOURCE_EXHAUSTED
     request_timeout_s: float = 600.0  # deadline from arrival (queueing included); a request may ask less
+    # Main pings each gRPC client's connection this often (HTTP/2 keepalive); a ping unanswered for
+    # client_ping_timeout_s drops the connection and cancels its requests. A client whose link went
+    # silent (a black hole: no FIN, no RST, TCP waits minutes) is let go within their sum, its place
+    # and K/V freed. The timeout outlasts a few TCP retransmissions (200, 400, 800 ms...) on a lossy link.
+    client_ping_s: float = 1.0
+    client_ping_timeout_s: float = 3.0
 
 
 @dataclass

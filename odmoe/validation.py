@@ -59,6 +59,11 @@ def validate(cfg: OdmoeConfig) -> None:
             ) from None
     if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
+    if cfg.server.client_ping_s < 0.1 or cfg.server.client_ping_timeout_s < 0.1:
+        raise ValueError(
+            "server.client_ping_s and server.client_ping_timeout_s must be at least 0.1 s, got "
+            f"{cfg.server.client_ping_s:g} and {cfg.server.client_ping_timeout_s:g}"
+        )
     if cfg.server.max_running < 1:
         raise ValueError(f"server.max_running must be >= 1, got {cfg.server.max_running}")
     if cfg.server.decode not in ("batched", "per_request"):

@@ -35,6 +35,8 @@ def test_lan_example_composes(tmp_path):
         (["shadow.nice=20"], "shadow.nice"),
         (["shadow.nice=-1"], "shadow.nice"),
         (["cluster.homes=random"], "cluster.homes"),
+        (["server.client_ping_s=0"], "server.client_ping_s"),
+        (["server.client_ping_timeout_s=0.01"], "client_ping_timeout_s"),
     ],
 )
 def test_bad_configs_fail_with_a_readable_message(words, msg):
