@@ -20,6 +20,7 @@ SUITES = (
     "timeline",
     "compression",
     "faults",
+    "network",
     "soak",
     "frontdoor",
     "security",
@@ -163,6 +164,23 @@ class FaultsSuite:
     at_token: int = 24  # the decode iteration the fault fires at
     resume_after_s: float = 3.0  # a frozen worker or shadow is resumed after this long
     streams: int = 3  # streams decoding together when the fault lands (each checked against its reference)
+
+
+NETWORK_CASES = ("loss", "black_hole")
+
+
+@dataclass
+class NetworkSuite:
+    """A home network's faults on a cluster in network namespaces (benchmarks/network_faults.py):
+    needs root, iproute2 and iptables; skipped with the reason elsewhere."""
+
+    # loss: every node's link drops `loss` of its packets both ways for `seconds`; black_hole:
+    # worker1's link drops everything for `hole_s` while its process lives, then heals
+    cases: list[str] = field(default_factory=lambda: list(NETWORK_CASES))
+    loss: float = 0.03  # per link (about twice that between two nodes)
+    seconds: float = 120.0  # of load per lossy case; the healthy baseline runs a quarter (at least 10 s)
+    hole_s: float = 30.0
+    streams: int = 4  # clients streaming requests back to back, each checked against its reference
 
 
 @dataclass
@@ -458,6 +476,7 @@ class BenchConfig:
     timeline: TimelineSuite = field(default_factory=TimelineSuite)
     compression: CompressionSuite = field(default_factory=CompressionSuite)
     faults: FaultsSuite = field(default_factory=FaultsSuite)
+    network: NetworkSuite = field(default_factory=NetworkSuite)
     soak: SoakSuite = field(default_factory=SoakSuite)
     frontdoor: FrontdoorSuite = field(default_factory=FrontdoorSuite)
     security: SecuritySuite = field(default_factory=SecuritySuite)
@@ -508,6 +527,11 @@ def validate(cfg: BenchConfig) -> None:
             raise ValueError(f"faults.cases: {case!r} is not <main|shadow|worker<i>>:<kill|stop>")
     if not 1 <= cfg.faults.at_token < cfg.faults.new_tokens - 4:
         raise ValueError("faults.at_token must lie in 1 .. new_tokens - 5 (gaps after it are measured)")
+    nw = cfg.network
+    if bad := sorted(set(nw.cases) - set(NETWORK_CASES)):
+        raise ValueError(f"network.cases: {bad} not among {', '.join(NETWORK_CASES)}")
+    if not 0 < nw.loss < 1 or min(nw.seconds, nw.hole_s) <= 0 or nw.streams < 1:
+        raise ValueError("network: loss must lie in (0, 1), seconds and hole_s > 0, streams >= 1")
     sv = cfg.serving
     if not sv.concurrency or min([*sv.concurrency, sv.requests_per_client, sv.max_running, sv.prompts]) < 1:
         raise ValueError("serving: concurrency, requests_per_client, max_running and prompts must be >= 1")

@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -79,11 +81,26 @@ class Load:
         return max(gaps, default=0.0)
 
 
+def missing() -> str:
+    """Why the namespace LAN cannot be made here ("" when it can): root, iproute2 and iptables."""
+    if os.geteuid() != 0:
+        return "needs root (network namespaces and iptables)"
+    for tool, package in (("ip", "iproute2"), ("iptables", "iptables")):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (apt-get install {package})"
+    probe = subprocess.run(["ip", "netns", "add", "odmoe-probe"], capture_output=True, text=True)
+    subprocess.run(["ip", "netns", "del", "odmoe-probe"], capture_output=True)
+    if probe.returncode != 0:
+        return f"cannot create network namespaces here: {probe.stderr.strip()[:200]}"
+    return ""
+
+
 def _events(cluster, since: float) -> list[dict]:
     return [e for e in cluster.client.info()["membership_events"] if e["at_us"] / 1e6 >= since]
 
 
-def _phase(cluster, prompts, wants, seconds: float) -> dict:
+def phase(cluster, prompts, wants, seconds: float) -> dict:
+    """`seconds` of load as the network is now: tokens/s, requests, losses declared, stall."""
     start, wall = time.monotonic(), time.time()
     load = Load(cluster, prompts, wants)
     time.sleep(seconds)
@@ -102,7 +119,9 @@ def _phase(cluster, prompts, wants, seconds: float) -> dict:
     }
 
 
-def _black_hole(lan: Lan, cluster, prompts, wants, hole_s: float) -> dict:
+def black_hole(lan: Lan, cluster, prompts, wants, hole_s: float) -> dict:
+    """worker1's link drops everything for `hole_s` under load, then heals: detection, stall,
+    serving again, tokens/s over the whole run (3 s before, the hole, the return, 3 s after)."""
     load = Load(cluster, prompts, wants)
     time.sleep(3)
     holed, start = time.time(), time.monotonic()
@@ -115,6 +134,7 @@ def _black_hole(lan: Lan, cluster, prompts, wants, hole_s: float) -> dict:
         time.sleep(0.05)
     time.sleep(3)
     load.stop()
+    took = time.monotonic() - start + 3  # the 3 s of load before the hole count too
     events = _events(cluster, holed)
     lost = [e for e in events if e["event"] == "lost" and e["worker"] == 1]
     back = [e for e in events if e["event"] == "rejoined" and e["worker"] == 1 and e["at_us"] / 1e6 >= healed]
@@ -125,6 +145,7 @@ def _black_hole(lan: Lan, cluster, prompts, wants, hole_s: float) -> dict:
         "serving_again_s": round(back[0]["at_us"] / 1e6 - healed, 3) if back else None,
         "longest_stall_s": round(load.longest_stall_s(start), 3),
         "requests": load.requests,
+        "tokens_per_s": round(load.tokens / took, 2),
         "different": load.different,
         "lost_requests": len(load.errors),
     }
@@ -140,8 +161,8 @@ def main() -> None:
     parser.add_argument("--words", nargs="*", default=[])
     parser.add_argument("--out", default=str(RESULTS / "network-faults.json"))
     args = parser.parse_args()
-    if shutil.which("iptables") is None or shutil.which("ip") is None:
-        raise SystemExit("network_faults: needs root, iproute2 and iptables")
+    if why := missing():
+        raise SystemExit(f"network_faults: {why}")
     path = resolve_model(args.model)
     tok = load_tokenizer(path)
     prompts = [prompt_ids(tok, i, 16) for i in range(args.streams)]
@@ -153,17 +174,17 @@ def main() -> None:
         odmoe.LocalCluster(path, overrides=words, place=lan.placement) as cluster,
     ):
         cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
-        report["healthy"] = _phase(cluster, prompts, wants, max(args.seconds / 4, 10))
+        report["healthy"] = phase(cluster, prompts, wants, max(args.seconds / 4, 10))
         for node in NODES:
             lan.drop(node, args.loss)
-        report["lossy"] = _phase(cluster, prompts, wants, args.seconds)
+        report["lossy"] = phase(cluster, prompts, wants, args.seconds)
         for node in NODES:
             lan.heal(node)
         report["lossy"]["tokens_per_s_vs_healthy"] = round(
             report["lossy"]["tokens_per_s"] / max(report["healthy"]["tokens_per_s"], 1e-9), 3
         )
         if args.hole_s > 0:
-            report["black_hole"] = _black_hole(lan, cluster, prompts, wants, args.hole_s)
+            report["black_hole"] = black_hole(lan, cluster, prompts, wants, args.hole_s)
     for name in ("healthy", "lossy", "black_hole"):
         if name in report:
             row = {k: v for k, v in report[name].items() if k not in ("events", "errors")}

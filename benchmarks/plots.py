@@ -699,3 +699,35 @@ def memory(report: dict, out: Path, subtitle: str) -> None:
         fontsize=9,
     )
     _save(fig, out)
+
+
+def network(rows: list[dict], out: Path, subtitle: str) -> None:
+    """Suite network: tokens/s of each case against the healthy cluster's, and beside it the longest
+    stall, the time to detect and the time to recover of each case (none drawn where none applies)."""
+    fig, (speed, times) = plt.subplots(1, 2, figsize=(11, 4.2))
+    labels = ["\n".join(textwrap.wrap(r["case"], 14)) for r in rows]
+    x = range(len(rows))
+    bars = speed.bar(x, [r["vs_healthy"] for r in rows], color="C0")
+    _label_bars(
+        speed,
+        bars,
+        [f"{r['tokens_per_s']:.1f} tok/s" + ("" if r["different"] == 0 else "\nDIFFER") for r in rows],
+    )
+    speed.axhline(1.0, color="grey", lw=0.8, ls="--")
+    speed.set_xticks(list(x), labels, fontsize=8)
+    speed.set_ylabel("tokens/s vs healthy")
+    speed.set_title("throughput (label: tokens/s; every token checked)", fontsize=9)
+    width = 0.27
+    for k, (key, name) in enumerate(
+        [("longest_stall_s", "longest stall"), ("detect_s", "detect"), ("recover_s", "recover")]
+    ):
+        values = [r[key] if r[key] is not None else 0.0 for r in rows]
+        drawn = times.bar([i + (k - 1) * width for i in x], values, width, label=name, color=f"C{k + 1}")
+        _label_bars(times, drawn, [None if r[key] is None else f"{r[key]:.2f}" for r in rows])
+    times.set_xticks(list(x), labels, fontsize=8)
+    times.set_ylabel("seconds")
+    times.legend(fontsize=8)
+    times.set_title("longest stall of a stream; time to detect and to recover", fontsize=9)
+    fig.suptitle(f"Network faults, every node in a namespace\n{subtitle}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, out)

@@ -7,6 +7,7 @@
     odmoe-bench suite=timeline          # Fig. 2/5: Chrome trace + timing diagram of a few iterations
     odmoe-bench suite=compression       # lossless expert store: ratios, decompression GB/s, decode tokens/s
     odmoe-bench suite=faults            # losing a worker / the shadow / main: detect, stall, recovery
+    odmoe-bench suite=network           # lossy links, a black-holed worker (namespaces): speed, stall, detect
     odmoe-bench suite=soak              # 1,000 requests, 4 clients, nodes killed and frozen at random
     odmoe-bench suite=lossy             # lossy miss policies: perplexity / agreement vs speed
     odmoe-bench suite=lookahead         # timely recall, reloads, decode vs resident per alignment mode
@@ -68,6 +69,7 @@ def run_suites(cfg: BenchConfig) -> None:
         lookahead,
         lossy,
         memory,
+        network,
         placement,
         prefill,
         recall,
@@ -86,6 +88,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "timeline": timeline.run,
         "compression": compression.run,
         "faults": faults.run,
+        "network": network.run,
         "soak": soak.run,
         "frontdoor": frontdoor.run,
         "security": security.run,
@@ -113,10 +116,11 @@ def run_suites(cfg: BenchConfig) -> None:
     out = ResultsDir(cfg, model_path)
     # quick leaves out the soak (it is one long run), placement (it needs the ray extra and starts
     # a Ray cluster; tests/test_ray_cluster.py exercises the same path), eval (the eval extra;
-    # tests/test_eval_harness.py runs it reduced) and memory (GiBs of real-width checkpoints; its
-    # parts are tests/test_memory_limits.py's)
+    # tests/test_eval_harness.py runs it reduced), memory (GiBs of real-width checkpoints; its
+    # parts are tests/test_memory_limits.py's) and network (root and namespaces; its cases are
+    # tests/test_network_faults.py's)
     names = (
-        [n for n in suites if n not in ("soak", "placement", "eval", "memory")]
+        [n for n in suites if n not in ("soak", "placement", "eval", "memory", "network")]
         if cfg.suite == "quick"
         else [cfg.suite]
     )

@@ -39,7 +39,7 @@ def test_every_suite_composes(suite):
     assert cfg.suite == suite
     # a failure's cost is the protocol's, not the weights': those suites default to the tiny model
     assert cfg.model == (
-        "tiny" if suite in ("quick", "faults", "soak", "frontdoor", "security") else "trained"
+        "tiny" if suite in ("quick", "faults", "network", "soak", "frontdoor", "security") else "trained"
     )
 
 
@@ -48,6 +48,10 @@ def test_bad_bench_config_is_refused():
         compose_bench(["suite=ablation", "ablation.cases=[1,9]"])
     with pytest.raises(ValueError, match="precision"):
         compose_bench(["suite=recall", "recall.precisions=[fp8]"])
+    with pytest.raises(ValueError, match="network.cases"):
+        compose_bench(["suite=network", "network.cases=[jitter]"])
+    with pytest.raises(ValueError, match="loss must lie"):
+        compose_bench(["suite=network", "network.loss=1.5"])
     with pytest.raises(ValueError, match="prefill.configurations"):
         compose_bench(["suite=prefill", "prefill.configurations=['4:striped']"])
     with pytest.raises(ValueError, match="cache.skew"):
@@ -191,6 +195,7 @@ def test_compression_suite_bound_and_ratios():
     [
         ("compression", lambda d, out: plots.compression(d, out, "redrawn")),
         ("faults", lambda d, out: plots.faults(d["rows"], out, "redrawn")),
+        ("network", lambda d, out: plots.network(d["rows"], out, "redrawn")),
         ("ablation", lambda d, out: plots.ablation(d["rows"], out, "redrawn")),
         ("soak", lambda d, out: plots.soak(d["samples"], d["events"], out, "redrawn")),
         ("lookahead", lambda d, out: plots.lookahead(d, out, "redrawn")),
