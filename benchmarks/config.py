@@ -166,7 +166,7 @@ class FaultsSuite:
     streams: int = 3  # streams decoding together when the fault lands (each checked against its reference)
 
 
-NETWORK_CASES = ("loss", "black_hole")
+NETWORK_CASES = ("loss", "black_hole", "client_cut")
 
 
 @dataclass
@@ -175,7 +175,8 @@ class NetworkSuite:
     needs root, iproute2 and iptables; skipped with the reason elsewhere."""
 
     # loss: every node's link drops `loss` of its packets both ways for `seconds`; black_hole:
-    # worker1's link drops everything for `hole_s` while its process lives, then heals
+    # worker1's link drops everything for `hole_s` while its process lives, then heals; client_cut:
+    # one more client's link (through a relay) black-holes mid-stream: until main cancels it
     cases: list[str] = field(default_factory=lambda: list(NETWORK_CASES))
     loss: float = 0.03  # per link (about twice that between two nodes)
     seconds: float = 120.0  # of load per lossy case; the healthy baseline runs a quarter (at least 10 s)

@@ -11,6 +11,8 @@ namespace) runs `--streams` requests at a time, again and again:
    were declared lost (false losses: every process lives);
 3. worker1's link dropping everything for `--hole-s` (its process lives), then healed: time to
    detect, the longest stall of a stream, time from the link's return to worker1 serving again.
+(`odmoe-bench suite=network` runs these phases, and `client_cut`: a client whose own link
+black-holes mid-stream, until main cancels its request.)
 Every request's tokens are compared with transformers' greedy generate(). `--words` are more
 odmoe-launch words for the cluster (e.g. the detector before issue 47:
 `failover.beat_interval_s=0 failover.heartbeat_timeout_s=1.0`). Prints the figures and writes JSON
@@ -22,17 +24,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+import httpx
+
 import odmoe
 from odmoe.benchmarks.netns_lan import Lan
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.models.checkpoint import load_tokenizer
+from odmoe.tools.link_relay import Relay
 from odmoe.tools.model_names import resolve_model
+from odmoe.transport.security import TLS_NAME
 
 RESULTS = Path(__file__).parent / "results"
 WORKERS = 4
@@ -147,6 +154,58 @@ def black_hole(lan: Lan, cluster, prompts, wants, hole_s: float) -> dict:
         "requests": load.requests,
         "tokens_per_s": round(load.tokens / took, 2),
         "different": load.different,
+        "lost_requests": len(load.errors),
+    }
+
+
+CANCELLED = 'odmoe:requests_total{finish_reason="cancelled"}'
+
+
+def _metric(cluster, name: str) -> float:
+    # main's certificate names TLS_NAME and loopback, not the namespace's address: checked by name
+    extensions = {"sni_hostname": TLS_NAME} if cluster.credentials else {}
+    with httpx.Client(**cluster.http_auth) as http:
+        page = http.send(http.build_request("GET", f"{cluster.http_url}/metrics", extensions=extensions)).text
+    found = re.search(rf"^{re.escape(name)} (\S+)$", page, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def client_cut(cluster, prompts, wants, context: int) -> dict:
+    """One more client streams through a relay (odmoe/tools/link_relay.py) beside the load, and
+    its link black-holes mid-stream (no FIN, no RST): how long until main cancels its request
+    (its pings unanswered, server.client_ping_s + client_ping_timeout_s), the load's tokens/s and
+    longest stall meanwhile. The cut request asks for as many tokens as the model's `context`
+    (positions) allows (ignore_eos), so it cannot end by itself first."""
+    load = Load(cluster, prompts, wants)
+    relay = Relay(f"tcp://{cluster.address}")
+    cut = odmoe.Client(relay.address.removeprefix("tcp://"), keepalive_s=600, credentials=cluster.credentials)
+    start = time.monotonic()
+    try:
+        stream = cut.stream(prompts[0], max_new_tokens=context - len(prompts[0]) - 1, ignore_eos=True)
+        first = [next(stream).token_id for _ in range(3)]
+        cancelled = _metric(cluster, CANCELLED)
+        holed = time.monotonic()
+        relay.black_hole(True)
+        detect_s = None
+        while time.monotonic() - holed < 60:
+            if _metric(cluster, CANCELLED) > cancelled:
+                detect_s = time.monotonic() - holed
+                break
+            time.sleep(0.05)
+        time.sleep(3)
+    finally:
+        load.stop()
+        relay.close()
+        cut.close()
+    took = time.monotonic() - start
+    return {
+        "detect_s": None if detect_s is None else round(detect_s, 3),
+        "detected_by": "main's pings to the client" if detect_s is not None else None,
+        "serving_again_s": None,
+        "longest_stall_s": round(load.longest_stall_s(holed), 3),
+        "requests": load.requests,
+        "tokens_per_s": round(load.tokens / took, 2),
+        "different": load.different + (first != wants[0][:3]),
         "lost_requests": len(load.errors),
     }
 

@@ -7,9 +7,12 @@ bridge); `network.streams` clients stream 48-token requests back to back through
 2) case `loss`: every node's link drops `network.loss` of its packets both ways (iptables
    `statistic`), `network.seconds`;
 3) case `black_hole`: worker1's link drops everything for `network.hole_s` while its process lives,
-   then heals.
+   then heals;
+4) case `client_cut`: one more client streams through a relay (odmoe/tools/link_relay.py) whose
+   link black-holes mid-stream: time until main cancels its request (its pings go unanswered).
 Per case: tokens/s against the healthy baseline, the longest gap between two tokens of a stream,
-time to detect (the black hole: main's membership event; loss: none is wanted, the workers
+time to detect (the black hole: main's membership event; the cut client: its request cancelled;
+loss: none is wanted, the workers
 wrongly declared lost are counted instead), time to recover (from the link's return to the worker
 serving again) and requests whose tokens differ from transformers' greedy generate() (must be 0).
 Needs root, iproute2 and iptables; anywhere else it says why and measures nothing.
@@ -17,11 +20,13 @@ Needs root, iproute2 and iptables; anywhere else it says why and measures nothin
 
 from __future__ import annotations
 
+from transformers import AutoConfig
+
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.netns_lan import Lan
-from odmoe.benchmarks.network_faults import NEW_TOKENS, black_hole, missing, phase
+from odmoe.benchmarks.network_faults import NEW_TOKENS, black_hole, client_cut, missing, phase
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.models.checkpoint import load_tokenizer
@@ -58,6 +63,10 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         if "black_hole" in suite.cases:
             hole = black_hole(lan, cluster, prompts, wants, suite.hole_s)
             rows.append(_row(f"worker1 black-holed {suite.hole_s:g} s", hole, healthy))
+        if "client_cut" in suite.cases:
+            context = AutoConfig.from_pretrained(model_path).max_position_embeddings
+            cut = client_cut(cluster, prompts, wants, context)
+            rows.append(_row("a client black-holed", cut, healthy))
     print(
         f"{'case':<28}{'tokens/s':>9}{'vs healthy':>11}{'stall s':>9}{'detect s':>9}{'recover s':>10}"
         f"{'false losses':>13}{'requests':>9}{'different':>10}",
@@ -78,7 +87,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
 
 def _row(case: str, measured: dict, healthy: dict) -> dict:
-    hole = "detect_s" in measured
+    hole = "detect_s" in measured  # a case with something to detect: no false losses counted
     return {
         "case": case,
         "tokens_per_s": measured["tokens_per_s"],
