@@ -17,7 +17,6 @@ writes benchmarks/results/netns-lan.json.
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ import time
 from pathlib import Path
 
 from odmoe.benchmarks.cluster_runs import run_cluster
+from odmoe.benchmarks.results import write_report
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.checkpoint import load_tokenizer
@@ -168,10 +168,7 @@ def main() -> None:
     if not report["latency_emulated"]:
         print("note: this kernel has no sch_netem: bandwidth was shaped, latency was not emulated")
     print(f"tokens identical: {report['tokens_identical']}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

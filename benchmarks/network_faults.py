@@ -22,7 +22,6 @@ odmoe-launch words for the cluster (e.g. the detector before issue 47:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -35,6 +34,7 @@ import httpx
 
 import odmoe
 from odmoe.benchmarks.netns_lan import Lan
+from odmoe.benchmarks.results import write_report
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.models.checkpoint import load_tokenizer
 from odmoe.tools.link_relay import Relay
@@ -248,10 +248,7 @@ def main() -> None:
         if name in report:
             row = {k: v for k, v in report[name].items() if k not in ("events", "errors")}
             print(f"{name:11} {row}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

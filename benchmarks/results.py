@@ -91,3 +91,12 @@ def _commit() -> str:
         return out.stdout.strip() or "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def write_report(path: str | Path, report: dict) -> Path:
+    """A standalone benchmark script's JSON (not a suite's: no ResultsDir), folders made, path said."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    print(f"wrote {out}", flush=True)
+    return out

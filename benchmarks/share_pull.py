@@ -15,11 +15,11 @@ what the second start pulled. Then one pull capped at --rate-mbps, to show the c
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 
+from odmoe.benchmarks.results import write_report
 from odmoe.launch.pull import choose_for
 from odmoe.launch.settings import compose
 from odmoe.models.checkpoint_index import build_index
@@ -112,10 +112,7 @@ def main(argv: list[str] | None = None) -> None:
         channel.close()
         server.stop(grace=0)
     report["date"] = time.strftime("%Y-%m-%d %H:%M:%S")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {out}")
+    write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -350,8 +350,7 @@ def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
         text = find_link(cfg.join, _ask if sys.stdin.isatty() else None)
         # the address main will dial: the one given (cluster.host=...), else this box's towards main
         chosen = any(w.startswith("cluster.host=") for w in overrides)
-        towards = parse_link(text).host if _valid(text) else "192.0.2.1"
-        host = reachable_host(cfg.cluster.host if chosen else "0.0.0.0", towards)
+        host = reachable_host(cfg.cluster.host if chosen else "0.0.0.0", parse_link(text).host)
         reply, home, link = admit(text, role, host)
     except (JoinRefused, ValueError) as exc:
         print(f"odmoe-launch: {exc}", file=sys.stderr)
@@ -388,11 +387,3 @@ def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
         target=_keep_keys_current, args=(keys, link, credentials, child), name="odmoe-keys", daemon=True
     ).start()
     return child.wait()
-
-
-def _valid(text: str) -> bool:
-    try:
-        parse_link(text)
-        return True
-    except ValueError:
-        return False

@@ -35,6 +35,11 @@ class FileEntry:
     header_end: int = 0  # safetensors: 8 + the header's length (the bytes before the first tensor)
     header_sha256: str = ""
 
+    @property
+    def head_bytes(self) -> int:
+        """What every copy holds of it: the whole of a small file, a safetensors file's header."""
+        return self.header_end or self.size
+
 
 @dataclass(frozen=True)
 class TensorEntry:

@@ -121,8 +121,9 @@ def _q4_k_into(blocks: torch.Tensor, out: torch.Tensor) -> None:
 
 
 def _k_scales_words(blocks: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_k_scales` from the 12 scale bytes as 3 int32 words [n, 3]: `_scale_min_k4`'s byte operations
-    done on four bytes at once (a shift then a mask per byte keeps every bit in its own byte)."""
+    """(d * scale, dmin * min) per sub-block of 32, [n, 8, 1] each, from the 12 bytes of 6-bit scales
+    and mins as 3 int32 words [n, 3]: the package's byte operations (its `get_scale_min`) done on
+    four bytes at once (a shift then a mask per byte keeps every bit in its own byte)."""
     n = blocks.shape[0]
     d, m, m_d = scales[:, 0:1], scales[:, 1:2], scales[:, 2:3]
     sc = torch.cat([d & 0x3F3F3F3F, (m_d & 0x0F0F0F0F) | ((d >> 2) & 0x30303030)], dim=1)

@@ -136,7 +136,7 @@ def pull_share(
     state.digest = index.digest
     pulled = 0
     reader = _Reader(stub, metadata)
-    header_total = sum(f.size if not f.header_end else f.header_end for f in index.files)
+    header_total = sum(f.head_bytes for f in index.files)
     progress = _Progress(header_total, progress_s, rate_bytes_s)
     for f in index.files:
         pulled += _file(reader, dest, f, state, progress)
@@ -176,9 +176,7 @@ def pull_share(
             os.fsync(fd)
             os.close(fd)
         state.save()
-    share = sum(f.size if not f.header_end else f.header_end for f in index.files) + sum(
-        by_name[n].nbytes for n in state.tensors
-    )
+    share = header_total + sum(by_name[n].nbytes for n in state.tensors)
     report = PullReport(pulled, share, index.total_bytes, len(todo), time.perf_counter() - start)
     log.info("%s: %s", dest, report.line())
     return report
