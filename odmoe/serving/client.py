@@ -170,6 +170,9 @@ class Client:
         options = [
             ("grpc.keepalive_time_ms", self.keepalive_ms),
             ("grpc.keepalive_timeout_ms", self.keepalive_ms),
+            # gRPC 1.85 waits for a ping's answer this long (a minute by default), whatever
+            # keepalive_timeout_ms says: without it a channel to a black-holed main stays up
+            ("grpc.http2.ping_timeout_ms", self.keepalive_ms),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.http2.min_time_between_pings_ms", self.keepalive_ms),
