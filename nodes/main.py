@@ -424,7 +424,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         if self.cfg.server.http:
             http_host, http_port = self.cfg.server.http_host or host, self.cfg.server.http_port
             try:
-                http = start_http(self, http_host, http_port, secrets)
+                ping = (self.cfg.server.client_ping_s, self.cfg.server.client_ping_timeout_s)
+                http = start_http(self, http_host, http_port, secrets, *ping)
             except OSError as exc:
                 raise PortInUse(
                     f"main cannot serve HTTP on {http_host}:{http_port} ({exc}): set server.http_port "

@@ -23,6 +23,16 @@ Errors have OpenAI's body: `{"error": {"message", "type", "param", "code"}}`. A 
 after the stream began is sent as one `data: {"error": ...}` event. A client that disconnects (stream
 or not) cancels its request; the engine stops it within one decode iteration.
 
+A client whose link went silent (a black hole: no FIN, no RST; a laptop that slept) is found by
+TCP itself, which HTTP/1.1 leaves no other way to ask (an SSE client sends nothing back, unlike
+gRPC's pings): every connection is accepted with `TCP_USER_TIMEOUT` = `ping_timeout_s` (bytes
+sent and not acknowledged for that long abort the connection, where Linux would otherwise
+retransmit for ~15 minutes) and TCP keepalive probes after `ping_s` of quiet, and a stream sends
+an SSE comment every `ping_s`, so there is always something to go unacknowledged, even while the
+request waits in the queue. The aborted connection is a disconnect as above: the request is
+cancelled within about `ping_s + ping_timeout_s` (main passes server.client_ping_s and
+server.client_ping_timeout_s, the gRPC door's bounds).
+
 With security on (`make_app(backend, secrets)`), the server is HTTPS with the cluster's certificate
 and every path but `/health` needs `Authorization: Bearer <token>` (what OpenAI clients send as
 their api_key): anything else is answered 401 before any work is done. `/metrics` is protected too
@@ -35,6 +45,7 @@ import asyncio
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 import uuid
@@ -222,7 +233,8 @@ def _check_text(raw: bytes) -> None:
 
 
 # -- the app -------------------------------------------------------------------------------------
-def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
+def make_app(backend, secrets: ServerSecrets | None = None, ping_s: float = 15.0) -> FastAPI:
+    """`ping_s`: an SSE comment this often on every stream (sse-starlette's default is 15 s)."""
     app = FastAPI(title="odmoe", summary="OpenAI-compatible API of an odmoe cluster", docs_url=None)
     app.router.route_class = TextCheckedRoute  # before any route is added
 
@@ -291,7 +303,7 @@ def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
         reqs = []
         for prompt, token_ids in _completion_prompts(body.prompt):
             reqs += _requests(body, max_tokens, prompt=prompt, token_ids=token_ids)
-        return await _answer(backend, request, body, reqs, chat=False)
+        return await _answer(backend, request, body, reqs, chat=False, ping_s=ping_s)
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -331,7 +343,7 @@ def make_app(backend, secrets: ServerSecrets | None = None) -> FastAPI:
         if limit is None:  # the rest of the context, as OpenAI does when it is not set
             limit = max(backend.context_length - len(ids), 1) if backend.context_length else 256
         reqs = _requests(body, limit, token_ids=tuple(ids))
-        return await _answer(backend, request, body, reqs, chat=True)
+        return await _answer(backend, request, body, reqs, chat=True, ping_s=ping_s)
 
     return app
 
@@ -438,7 +450,9 @@ async def _events(ticket, request: Request | None):
         ticket.cancel()
 
 
-async def _answer(backend, request: Request, body: _Common, reqs: list[GenerateRequest], chat: bool):
+async def _answer(
+    backend, request: Request, body: _Common, reqs: list[GenerateRequest], chat: bool, ping_s: float
+):
     rid = reqs[0].prefill_group or reqs[0].request_id
     created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + rid
     echo = getattr(body, "echo", False)
@@ -462,7 +476,7 @@ async def _answer(backend, request: Request, body: _Common, reqs: list[GenerateR
         running = len(reqs[0].token_ids) or len(backend.tokenizer(reqs[0].prompt)["input_ids"])
         running = running if options.continuous_usage_stats else None  # the prompt's tokens
         events = _stream(tickets, shape, options.include_usage, running, echoed)
-        return EventSourceResponse(events, ping=15, sep="\n")
+        return EventSourceResponse(events, ping=ping_s, sep="\n")
     try:
         answers = await asyncio.gather(*(_collect(ticket, request) for ticket in tickets))
     finally:
@@ -644,24 +658,54 @@ def _brief(stats: dict) -> dict:
 
 
 # -- serving -------------------------------------------------------------------------------------
-class HttpServer:
-    """uvicorn in a thread of the main process; `url` once bound."""
+def notice_silent_peers(sock: socket.socket, ping_s: float, ping_timeout_s: float) -> None:
+    """TCP options on a listening socket that its accepted connections inherit (Linux copies them
+    into each; tests/test_client_keepalive.py checks it): keepalive probes after `ping_s` of quiet,
+    and the connection aborted once bytes it sent (data or probes) stay unacknowledged for
+    `ping_timeout_s`, so a peer whose link black-holed is dropped within about their sum."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    if hasattr(socket, "TCP_USER_TIMEOUT"):  # Linux; elsewhere TCP's own minutes
+        idle_s = max(int(round(ping_s)), 1)  # the kernel counts keepalive in whole seconds
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE, idle_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL, idle_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, max(int(ping_timeout_s * 1000), 1))
 
-    def __init__(self, app: FastAPI, host: str, port: int, secrets: ServerSecrets | None = None):
+
+class HttpServer:
+    """uvicorn in a thread of the main process, on a socket bound here (an OSError when the port is
+    taken); `url` once bound. With `ping_s`, connections are accepted with `notice_silent_peers`'s
+    options, set on the socket before it listens, so no connection is accepted without them."""
+
+    def __init__(
+        self,
+        app: FastAPI,
+        host: str,
+        port: int,
+        secrets: ServerSecrets | None = None,
+        ping_s: float | None = None,
+        ping_timeout_s: float = 3.0,
+    ):
+        self.sock = socket.create_server(
+            (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
+        )
+        if ping_s:
+            notice_silent_peers(self.sock, ping_s, ping_timeout_s)
         tls = {"ssl_certfile": str(secrets.cert), "ssl_keyfile": str(secrets.key)} if secrets else {}
         self.scheme = "https" if secrets else "http"
         config = uvicorn.Config(
             app, host=host, port=port, log_level="warning", lifespan="off", timeout_graceful_shutdown=2, **tls
         )
         self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="odmoe-http", daemon=True)
+        self.thread = threading.Thread(
+            target=self.server.run, kwargs={"sockets": [self.sock]}, name="odmoe-http", daemon=True
+        )
 
     def start(self, timeout_s: float = 30.0) -> None:
         self.thread.start()
         deadline = time.monotonic() + timeout_s
         while not self.server.started:
             if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise OSError("the HTTP API did not start (port in use? see the log above)")
+                raise OSError("the HTTP API did not start (see the log above)")
             time.sleep(0.02)
 
     @property
@@ -675,7 +719,16 @@ class HttpServer:
         self.thread.join(timeout=5)
 
 
-def start_http(backend, host: str, port: int, secrets: ServerSecrets | None = None) -> HttpServer:
-    server = HttpServer(make_app(backend, secrets), host, port, secrets)
+def start_http(
+    backend,
+    host: str,
+    port: int,
+    secrets: ServerSecrets | None = None,
+    ping_s: float = 1.0,
+    ping_timeout_s: float = 3.0,
+) -> HttpServer:
+    """`ping_s`, `ping_timeout_s`: how a client whose link went silent is found (module docstring)."""
+    app = make_app(backend, secrets, ping_s=ping_s)
+    server = HttpServer(app, host, port, secrets, ping_s=ping_s, ping_timeout_s=ping_timeout_s)
     server.start()
     return server
