@@ -290,6 +290,8 @@ class ServerConfig:
     # client_ping_timeout_s drops the connection and cancels its requests. A client whose link went
     # silent (a black hole: no FIN, no RST, TCP waits minutes) is let go within their sum, its place
     # and K/V freed. The timeout outlasts a few TCP retransmissions (200, 400, 800 ms...) on a lossy link.
+    # The HTTP door: TCP keepalive after client_ping_s, TCP_USER_TIMEOUT = client_ping_timeout_s on
+    # every connection, and an SSE comment every client_ping_s on a stream: the same bound (Linux).
     client_ping_s: float = 1.0
     client_ping_timeout_s: float = 3.0
 
