@@ -106,3 +106,53 @@ def test_beats_pass_through_and_stop_in_a_black_hole():
         watch.close()
         relay.close()
         echo.close()
+
+
+def test_a_lossy_link_delays_tcp_bytes_whole_and_drops_datagrams():
+    server = _EchoServer()
+    relay = Relay(server.address, seed=5)
+    relay.set(loss=0.3, rto_s=0.05)
+    sock = _connect(relay)
+    try:
+        sent = b"".join(i.to_bytes(4, "big") for i in range(500))
+        for i in range(0, len(sent), 100):
+            sock.sendall(sent[i : i + 100])
+        assert _read(sock, len(sent), 20) == sent  # late, none lost, in order
+        start = time.monotonic()
+        for i in range(20):  # 40 chunks one at a time: some are "lost" and wait a timeout
+            sock.sendall(bytes([i]))
+            assert _read(sock, 1, 5) == bytes([i])
+        assert time.monotonic() - start >= 0.1
+    finally:
+        sock.close()
+        relay.close()
+        server.close()
+    dropped = sum(relay._dropped() for _ in range(1000))  # datagrams: each lost with p = 0.3
+    assert 200 < dropped < 400
+
+
+def test_retarget_sends_new_connections_to_the_new_address_and_refuses_when_nobody_is_there():
+    first, second = _EchoServer(), _EchoServer()
+    relay = Relay(first.address)
+    try:
+        sock = _connect(relay)
+        sock.sendall(b"a")
+        assert _read(sock, 1, 5) == b"a"
+        sock.close()
+        first.close()
+        gone = socket.socket()
+        gone.bind(("127.0.0.1", 0))  # a port with nobody listening
+        relay.retarget(f"tcp://127.0.0.1:{gone.getsockname()[1]}")
+        sock = _connect(relay)
+        sock.settimeout(5)
+        assert sock.recv(10) == b""  # closed at once, as a refused connection would be
+        sock.close()
+        gone.close()
+        relay.retarget(second.address)
+        sock = _connect(relay)
+        sock.sendall(b"b")
+        assert _read(sock, 1, 5) == b"b"
+        sock.close()
+    finally:
+        relay.close()
+        second.close()

@@ -8,7 +8,12 @@ target's reaches the target through it, both ways. `set(delay_s, jitter_s)`: eac
 bytes keep their order (a chunk never overtakes the one before: jitter then shows as bursts, as on a
 real link under TCP). `black_hole(True)`: nothing passes any more until `black_hole(False)` —
 TCP bytes wait in the relay (as a link that drops everything makes TCP retransmit them later:
-nothing is lost, only late), datagrams are dropped. `close()` ends every connection.
+nothing is lost, only late), datagrams are dropped. `set(..., loss=p)`: a lossy link as TCP
+sees it — each datagram is dropped with probability p, and each chunk of a TCP stream is held one
+retransmission timeout more (`rto_s`, 0.2 s, doubled for each further loss in a row, as TCP backs
+off) with probability p, so it and every byte after it arrive late, none lost. `retarget(target)`:
+connections made from now on (and datagrams) go to another address, e.g. the node restarted on a
+new port (connections already open stay with the old one). `close()` ends every connection.
 
 Why a relay and not the kernel: these machines have no sch_netem (no kernel delay or jitter);
 `tc tbf` shapes rate only and iptables drops but cannot delay (benchmarks/netns_lan.py uses those).
@@ -32,7 +37,7 @@ CHUNK = 65536
 class Relay:
     def __init__(self, target: str, host: str = "127.0.0.1", seed: int = 0):
         self.target = host_port(target)
-        self.delay_s, self.jitter_s = 0.0, 0.0
+        self.delay_s, self.jitter_s, self.loss, self.rto_s = 0.0, 0.0, 0.0, 0.2
         self._rng = random.Random(seed)
         self._rng_lock = threading.Lock()
         self._open = threading.Event()  # set: traffic passes (clear: a black hole)
@@ -52,8 +57,13 @@ class Relay:
             threading.Thread(target=target_fn, daemon=True).start()
 
     # -- the test's side ------------------------------------------------------------------------
-    def set(self, delay_s: float = 0.0, jitter_s: float = 0.0) -> None:
-        self.delay_s, self.jitter_s = delay_s, jitter_s
+    def set(self, delay_s: float = 0.0, jitter_s: float = 0.0, loss: float = 0.0, rto_s: float = 0.2) -> None:
+        if not 0 <= loss < 1:
+            raise ValueError(f"loss is a probability below 1, got {loss}")
+        self.delay_s, self.jitter_s, self.loss, self.rto_s = delay_s, jitter_s, loss, rto_s
+
+    def retarget(self, target: str) -> None:
+        self.target = host_port(target)
 
     def black_hole(self, on: bool = True) -> None:
         if on:
@@ -72,18 +82,32 @@ class Relay:
             sock.close()
 
     def _hold(self) -> float:
+        """Seconds a TCP chunk waits: the delay, its share of the jitter, and a retransmission
+        timeout for each time it was "lost" (backing off as TCP does)."""
         with self._rng_lock:
-            return self.delay_s + self._rng.random() * self.jitter_s
+            held, rto = self.delay_s + self._rng.random() * self.jitter_s, self.rto_s
+            while self.loss and self._rng.random() < self.loss:
+                held, rto = held + rto, rto * 2
+            return held
+
+    def _dropped(self) -> bool:
+        with self._rng_lock:
+            return bool(self.loss) and self._rng.random() < self.loss
 
     # -- TCP ------------------------------------------------------------------------------------
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
                 client, _ = self.listener.accept()
-                server = socket.create_connection(self.target)
             except OSError:
                 if self._closed.is_set():
                     return
+                continue
+            try:
+                server = socket.create_connection(self.target, timeout=1.0)
+                server.settimeout(None)
+            except OSError:  # nobody there (a killed node): refused, as the node itself would be
+                client.close()
                 continue
             for sock in (client, server):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -142,9 +166,11 @@ class Relay:
 
     # -- UDP (beats) ----------------------------------------------------------------------------
     def _later(self, sock: socket.socket, data: bytes, where) -> None:
-        if not self._open.is_set():
-            return  # dropped, as a black hole drops datagrams
-        timer = threading.Timer(self._hold(), self._send_quietly, (sock, data, where))
+        if not self._open.is_set() or self._dropped():
+            return  # dropped, as a black hole (or a lossy link) drops datagrams
+        with self._rng_lock:
+            hold = self.delay_s + self._rng.random() * self.jitter_s
+        timer = threading.Timer(hold, self._send_quietly, (sock, data, where))
         timer.daemon = True
         timer.start()
 
