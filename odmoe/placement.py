@@ -29,6 +29,13 @@ room); where they do not, each is home for max(room, L), L chosen so that the gr
 dealt (water-filling), so a worker keeps all it can and the rest, read from disk on each use, is
 spread evenly. Rooms count at most the experts the group serves, so members that could each keep
 them all share evenly. Equal rooms (or none known) give e mod n as above.
+
+Stragglers (`slow`, without homes): a worker main has found consistently slower than its group's
+others (odmoe.main.stragglers) is left out when a layer's decode experts are dealt over its group,
+except on probe iterations (every `probe_every`-th: its share again, so its recovery can be seen) or
+when no other member is live. Main sends the set with the live set, and the workers deal the shadow's
+predictions by it too, so the preloads land where main sends the rows. With homes the experts stay
+at home: moving a home costs its cache.
 """
 
 from __future__ import annotations
@@ -59,6 +66,12 @@ class Topology:
     # Each worker's cache room in experts (index = worker), once main has every Pong; () or equal rooms:
     # homes are e mod n. Only read with `homes`.
     rooms: tuple[int, ...] = ()
+    # Stragglers main steers decode work away from (odmoe.main.stragglers), told with the live set: a
+    # group's decode experts are dealt over its other members, except every probe_every-th decode
+    # iteration (a probe: the straggler's share again, so its recovery is seen). Without homes only:
+    # a cached expert's home never moves.
+    slow: tuple[int, ...] = ()
+    probe_every: int = 0
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -88,6 +101,21 @@ class Topology:
         if rooms and len(rooms) != self.workers:
             raise ValueError(f"{len(rooms)} cache rooms for {self.workers} workers")
         return replace(self, rooms=rooms)
+
+    def with_slow(self, slow: Collection[WorkerId], probe_every: int) -> Topology:
+        """This topology steering decode work away from the stragglers `slow`."""
+        return replace(self, slow=tuple(sorted(slow)), probe_every=probe_every)
+
+    def steered(self, members: list[WorkerId], iteration: int) -> list[WorkerId]:
+        """A serving group's members less its stragglers (all of them on a probe iteration, or
+        when every member is one)."""
+        if not self.slow or self.homes or self.probe(iteration):
+            return members
+        return [w for w in members if w not in self.slow] or members
+
+    def probe(self, iteration: int) -> bool:
+        """Whether this decode iteration gives stragglers their share again (iteration 0: prefill)."""
+        return self.probe_every > 0 and iteration > 0 and iteration % self.probe_every == 0
 
     def rank(self, layer: int) -> int:
         """The layer's place among the model's MoE layers (its index where none are given)."""
@@ -158,10 +186,15 @@ class Topology:
 
     # -- placements ---------------------------------------------------------------------------
     def decode_placement(
-        self, layer: int, experts: list[int], live: Collection[WorkerId] | None = None
+        self,
+        layer: int,
+        experts: list[int],
+        live: Collection[WorkerId] | None = None,
+        iteration: int = 0,
     ) -> dict[int, WorkerId]:
         """The layer's experts, ascending, dealt round-robin over its serving group (one each when
-        k == g); with `homes`, each to its home."""
+        k == g) less its stragglers (`steered`: `iteration` says whether it is a probe); with
+        `homes`, each to its home."""
         members = self.serving_group(layer, live)
         if self.homes:
             if self._weighted(members):
@@ -172,6 +205,7 @@ class Topology:
         # over the members layer by layer was measured slower on the 2-core machine (llama4, 2
         # workers: 178 / 142 against 193 / 179 tokens/s: two processes woken per token, not one),
         # so the paper's dealing stays.
+        members = self.steered(members, iteration)
         return {e: members[i % len(members)] for i, e in enumerate(sorted(experts))}
 
     def home(self, layer: int, expert: int, live: Collection[WorkerId] | None = None) -> WorkerId | None:
@@ -222,6 +256,7 @@ class Topology:
         predicted: list[int],
         hedges: list[int],
         live: Collection[WorkerId] | None = None,
+        iteration: int = 0,
     ) -> dict[int, WorkerId]:
         """Where hedged experts are preloaded: on the worker of the last predicted expert (the
         shadow lists its choice by score, so that is the k-th, the one a hedge would replace)."""
@@ -229,7 +264,7 @@ class Topology:
             return {}
         if self.homes:
             return {h: w for h, w in self.decode_placement(layer, hedges, live).items() if h not in predicted}
-        twin = self.decode_placement(layer, predicted, live)[predicted[-1]]
+        twin = self.decode_placement(layer, predicted, live, iteration)[predicted[-1]]
         return {h: twin for h in hedges if h not in predicted}
 
     def repair_placement(
@@ -239,6 +274,7 @@ class Topology:
         activated: list[int],
         live: Collection[WorkerId] | None = None,
         hedges: Collection[int] = (),
+        iteration: int = 0,
     ) -> dict[int, WorkerId]:
         """Where main sends the activated experts when the shadow predicted `predicted`.
 
@@ -249,25 +285,30 @@ class Topology:
         """
         if self.homes:  # everything at home: a missed expert may be cached there
             return self.decode_placement(layer, activated, live)
-        preloaded = self.decode_placement(layer, predicted, live)
-        hedged = self.hedge_placement(layer, predicted, list(hedges), live)
+        preloaded = self.decode_placement(layer, predicted, live, iteration)
+        hedged = self.hedge_placement(layer, predicted, list(hedges), live, iteration)
         placement = {e: preloaded[e] for e in activated if e in preloaded}
         placement.update({e: hedged[e] for e in activated if e in hedged and e not in placement})
         taken = {placement[e] for e in activated if e in hedged}
         idle = [preloaded[e] for e in sorted(preloaded) if e not in placement and preloaded[e] not in taken]
-        fallback = self.decode_placement(layer, activated, live)
+        fallback = self.decode_placement(layer, activated, live, iteration)
         for e in sorted(set(activated) - set(placement)):
             placement[e] = idle.pop(0) if idle else fallback[e]
         return placement
 
     def replace_lost(
-        self, layer: int, lost: dict[int, WorkerId], live: Collection[WorkerId], spread: bool
+        self,
+        layer: int,
+        lost: dict[int, WorkerId],
+        live: Collection[WorkerId],
+        spread: bool,
+        iteration: int = 0,
     ) -> dict[int, WorkerId]:
         """New workers for experts whose calls were outstanding on workers now dead: the layer's
         serving group over the live workers (decode), or every live holder of the layer (prefill)."""
         if spread:
             return self.prefill_placement(dict.fromkeys(lost, 1), "modulo", self.live_holders(layer, live))
-        return self.decode_placement(layer, list(lost), live)
+        return self.decode_placement(layer, list(lost), live, iteration)
 
 
 def _live_key(live: Collection[WorkerId] | None) -> tuple[WorkerId, ...] | None:
