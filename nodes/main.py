@@ -75,7 +75,7 @@ from odmoe.tools.trace import Tracer
 from odmoe.transport.beats import BeatWatch
 from odmoe.transport.heartbeat import Heartbeat
 from odmoe.transport.security import BearerToken, NodeSecurity
-from odmoe.validation import suspicion_settings
+from odmoe.validation import straggler_watch, suspicion_settings
 
 log = logging.getLogger("odmoe.main")
 ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
@@ -157,6 +157,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             prefill=cfg.prefill,
             tracer=Tracer("main", cfg.trace_dir),
             substituter=Substituter.build(cfg.miss, model_path, main.model, self.checkpoint.num_experts),
+            stragglers=straggler_watch(cfg),
+            probe_every=cfg.failover.straggler_probe_every,
         )
         self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
         pongs = self.experts.ping_all(cfg.worker.ready_timeout_s)

@@ -426,6 +426,8 @@ class WorkerNode:
             self.live = sorted(w for w in message.live if 0 <= w < self.topology.workers)
             if self.topology.homes and len(message.rooms) == self.topology.workers:
                 self.topology = self.topology.with_rooms(message.rooms)  # homes as main deals them
+            # the stragglers main steers away from: predictions dealt as main will place them
+            self.topology = self.topology.with_slow(message.slow, message.probe_every)
             self._subscribe(message.shadow_pub)
             return None
         if isinstance(message, Ping):
@@ -471,9 +473,11 @@ class WorkerNode:
             "load", f"prediction L{step.layer}", iteration=step.iteration, experts=prediction.experts
         )
         try:
-            placement = self.topology.decode_placement(step.layer, prediction.experts, self.live)
+            placement = self.topology.decode_placement(
+                step.layer, prediction.experts, self.live, step.iteration
+            )
             hedged = self.topology.hedge_placement(
-                step.layer, prediction.experts, prediction.hedges, self.live
+                step.layer, prediction.experts, prediction.hedges, self.live, step.iteration
             )
             share: tuple[set[int], set[int]] | None = (
                 {e for e, w in placement.items() if w == self.index},

@@ -263,6 +263,16 @@ class FailoverConfig:
     beat_min_std_s: float = 0.05  # the answers' gaps' deviation is never taken below this
     probe_interval_s: float = 1.0  # how often main re-pings where a lost worker may be back
     client_keepalive_s: float = 1.0  # gRPC keepalive: a frozen main is noticed in about twice this
+    # Stragglers (odmoe.main.stragglers; cacheless workers only: homes of cached experts never move):
+    # main keeps each worker's recent load+compute seconds per decode expert and steers decode work
+    # (its placement and the workers' preloads alike) to the group's other workers while one is
+    # consistently slower than they are, and back once it has recovered
+    steer_stragglers: bool = True
+    straggler_factor: float = 3.0  # a straggler: its median seconds per expert above this x its peers'
+    straggler_after: int = 8  # that median is over its last this many answers (judged once it has them)
+    # a straggler gets its share every this-many-th decode iteration (a probe); two probe answers in
+    # a row within straggler_factor of its peers' and it is given work again
+    straggler_probe_every: int = 16
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from odmoe.config import FAULT_ACTIONS, PREFILL_PLACEMENTS, ROLES, SHADOW_MODES, OdmoeConfig, resolve_aliases
 from odmoe.main.alignment import make_plan
+from odmoe.main.stragglers import StragglerWatch
 from odmoe.shadow.speculation import Speculation
 from odmoe.transport.suspicion import SuspicionSettings
 
@@ -18,6 +19,15 @@ def suspicion_settings(cfg: OdmoeConfig) -> SuspicionSettings:
     """failover.*'s beats as the detector's settings (odmoe.transport.suspicion)."""
     f = cfg.failover
     return SuspicionSettings(f.beat_interval_s, f.suspicion_threshold, f.acceptable_pause_s, f.beat_min_std_s)
+
+
+def straggler_watch(cfg: OdmoeConfig) -> StragglerWatch | None:
+    """failover.*'s straggler keys as main's watch (odmoe.main.stragglers); None when steering is off.
+    Homes of cached experts never move, so with worker caches there is nothing to steer."""
+    f = cfg.failover
+    if not f.steer_stragglers or cfg.topology.homes:
+        return None
+    return StragglerWatch(f.straggler_factor, f.straggler_after)
 
 
 def validate(cfg: OdmoeConfig) -> None:
@@ -57,6 +67,12 @@ def validate(cfg: OdmoeConfig) -> None:
             raise ValueError(
                 f"failover.suspicion_threshold, acceptable_pause_s, beat_min_std_s: {exc}"
             ) from None
+    f = cfg.failover
+    if not f.straggler_factor > 1:  # at 1 or below a group's median member would count as slow
+        raise ValueError(f"failover.straggler_factor must be > 1, got {f.straggler_factor:g}")
+    for key in ("straggler_after", "straggler_probe_every"):
+        if getattr(f, key) < 1:
+            raise ValueError(f"failover.{key} must be >= 1, got {getattr(f, key)}")
     if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
     if cfg.server.client_ping_s < 0.1 or cfg.server.client_ping_timeout_s < 0.1:

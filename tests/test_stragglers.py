@@ -4,8 +4,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from odmoe.launch.settings import compose
 from odmoe.main.stragglers import StragglerWatch
 from odmoe.placement import Topology
+from odmoe.validation import straggler_watch
 
 GROUP = [2, 3]  # the second group of a 4-worker cluster, groups of 2
 
@@ -94,6 +96,21 @@ def test_a_worker_slower_by_more_than_the_factor_is_caught_and_its_peer_never(fa
         watch.observe(2, fast * n * (100 if i in spikes else 1), GROUP)
         watch.observe(3, fast * ratio * n, GROUP)
     assert watch.slow == {3}
+
+
+@pytest.mark.parametrize(
+    "word", ["failover.straggler_factor=1", "failover.straggler_after=0", "failover.straggler_probe_every=0"]
+)
+def test_bad_straggler_keys_fail_with_a_readable_message(word):
+    with pytest.raises(ValueError, match=word.split("=")[0]):
+        compose([word])
+
+
+def test_main_watches_for_stragglers_only_with_cacheless_workers_and_steering_on():
+    watch = straggler_watch(compose(["worker.cache=0", "failover.straggler_factor=2.5"]))
+    assert watch is not None and watch.factor == 2.5 and watch.window == 8
+    assert straggler_watch(compose(["worker.cache=0", "failover.steer_stragglers=false"])) is None
+    assert straggler_watch(compose(["worker.cache=4"])) is None  # homes never move
 
 
 # -- placement ---------------------------------------------------------------------------------

@@ -316,9 +316,22 @@ class Membership:
         rooms = self.rooms() if self.homes_by_room else []
         if self.topology.homes and rooms:
             self.topology = self.topology.with_rooms(rooms)  # main places by the rooms it tells
-        message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub, rooms))
+        slow, every = list(self.topology.slow), self.topology.probe_every
+        message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub, rooms, slow, every))
         for worker in list(self.links):
             self.send(worker, message)
+
+    def steer(self, slow: frozenset[int], probe_every: int) -> None:
+        """From now on decode work is steered away from the stragglers `slow` (odmoe.main.stragglers):
+        main places by it, and every live worker is told, so its preloads agree."""
+        self.topology = self.topology.with_slow(slow, probe_every)
+        log.warning(
+            "stragglers now %s: decode work steered to their groups' other workers (probed every %d "
+            "iterations)",
+            sorted(slow) or "none",
+            probe_every,
+        )
+        self.broadcast()
 
     def rooms(self) -> list[int]:
         """Every worker's cache room from its last Pong ([] until every worker has answered once)."""

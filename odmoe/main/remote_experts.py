@@ -28,6 +28,13 @@ When no live worker stores the layer the exchange fails at once with `WorkerUnav
 layer; a worker that answers with an error (e.g. it lacks that expert) raises `WorkerFailed`.
 Frames that do not decode are dropped.
 
+Stragglers (`failover.steer_stragglers`, cacheless workers): each decode answer's per-expert load +
+compute seconds go to a `StragglerWatch` (odmoe.main.stragglers); when its set of stragglers changes,
+Membership tells every worker and places by it (odmoe.placement's `slow`), so the group's other
+members take a straggler's decode experts, preloads included, but on its probe iterations. Prefill
+spares it too. Where a prediction was dealt by the old set, the expert is loaded after routing: time,
+never tokens.
+
 Misses: by default a missed expert is loaded and waited for (lossless). With a lossy miss policy
 (`odmoe.lossy.substitution`, opt-in) a decode miss may instead be computed by a resident expert, the
 predicted one its worker preloaded: main asks that worker for the resident expert by name, so the
@@ -64,6 +71,7 @@ from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
 from odmoe.main.shadow_link import ShadowLink
+from odmoe.main.stragglers import StragglerWatch
 from odmoe.models.expert_math import ExpertRows, combine, expert_input, split_by_expert
 from odmoe.placement import LayerUnavailable, Topology
 from odmoe.tools.trace import Tracer
@@ -182,8 +190,12 @@ class RemoteExperts:
         prefill: PrefillConfig | None = None,
         tracer: Tracer | None = None,
         substituter: Substituter | None = None,
+        stragglers: StragglerWatch | None = None,
+        probe_every: int = 16,
     ):
         self.members = members
+        # None: no steering. Judged from decode answers only (prefill's mini-batches time rows, not loads)
+        self.stragglers, self.probe_every = stragglers, probe_every
         self.num_experts, self.kernel = num_experts, kernel
         self.shadow = shadow
         self.prefill = prefill or PrefillConfig()
@@ -356,7 +368,9 @@ class RemoteExperts:
         try:
             if tokens > 1 and rule != "homes":
                 counts = {rows.expert: len(rows.token_idx) for rows in groups}
-                return topology.prefill_placement(counts, rule, topology.live_holders(layer, live))
+                # stragglers are spared the prompt too (prefill is placed by main alone)
+                holders = topology.steered(topology.live_holders(layer, live), 0)
+                return topology.prefill_placement(counts, rule, holders)
             return topology.decode_placement(layer, [rows.expert for rows in groups], live)
         except LayerUnavailable as exc:
             raise WorkerUnavailable(str(exc)) from None
@@ -379,6 +393,8 @@ class RemoteExperts:
         x.gathered = time.perf_counter()
         outputs = self._split_answers(x)
         self.observe.gathered(x.step)
+        if self.stragglers is not None:
+            self._judge_stragglers(x.step.layer, x.calls)
         if releasing:
             self._release(x.step, x.calls)
         out = []
@@ -390,6 +406,20 @@ class RemoteExperts:
         x.combined = time.perf_counter()
         self.observe.decode_done(x)
         return out
+
+    def _judge_stragglers(self, layer: int, calls: list[BatchCall]) -> None:
+        """Each answered expert's load+compute seconds to the watch; a changed set of stragglers is
+        told to every worker at once (Membership.steer), so the next predictions are dealt by it."""
+        assert self.stragglers is not None
+        peers = self._serving(layer)
+        changed = False
+        for call in calls:
+            assert call.answer is not None
+            result = call.answer[0]
+            for load_s, compute_s in zip(result.load_s, result.compute_s, strict=True):
+                changed |= self.stragglers.observe(call.worker, load_s + compute_s, peers)
+        if changed:
+            self.members.steer(self.stragglers.slow, self.probe_every)
 
     def _release(self, step: Step, calls: list[BatchCall]) -> None:
         """The layer is over: every worker serving it that no releasing call told gets a Release."""
@@ -403,7 +433,9 @@ class RemoteExperts:
         predicted = prediction.experts if prediction is not None else []
         hedges = prediction.hedges if prediction is not None else []
         try:
-            return self.topology.repair_placement(step.layer, predicted, experts, self.members.live, hedges)
+            return self.topology.repair_placement(
+                step.layer, predicted, experts, self.members.live, hedges, step.iteration
+            )
         except LayerUnavailable as exc:
             raise WorkerUnavailable(str(exc)) from None
 
@@ -635,7 +667,9 @@ class RemoteExperts:
 
     def _replacement(self, step: Step, lost: dict[int, int]) -> dict[int, int]:
         try:
-            return self.topology.replace_lost(step.layer, lost, self.members.live, spread=step.iteration == 0)
+            return self.topology.replace_lost(
+                step.layer, lost, self.members.live, spread=step.iteration == 0, iteration=step.iteration
+            )
         except LayerUnavailable as exc:
             raise WorkerUnavailable(f"{exc}; request {step.request} cannot go on") from None
 

@@ -84,6 +84,8 @@ def request_stats(
         "seed": run.chooser.seed if run.chooser.sampling else None,
         "failover": failover_stats(experts, traffic, run.start_us),
         "alignment": run.plan.report(),
+        # failover.steer_stragglers: the stragglers as of the request's end (odmoe.main.stragglers)
+        "stragglers": experts.stragglers.report() if experts.stragglers is not None else None,
     }
     return stats
 

@@ -278,6 +278,9 @@ class LiveWorkers:
     live: list[int]
     shadow_pub: str = ""
     rooms: list[int] = field(default_factory=list)  # every worker's cache room, by index ([]: none known)
+    # the stragglers main steers decode work away from, and its probe period (odmoe.placement's `slow`)
+    slow: list[int] = field(default_factory=list)
+    probe_every: int = 0
     kind: str = "membership"
 
 

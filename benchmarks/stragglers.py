@@ -1,0 +1,151 @@
+"""One worker of four on a 10x slower link: decode tokens/s against the healthy cluster, steering off and on.
+
+    python benchmarks/stragglers.py [--model DIR] [--bandwidth-gbps 25] [--latency-ms 0.2] [--slower 10]
+        [--requests 3] [--new-tokens 64] [--cases healthy-off,slow-off,healthy-on,slow-on]
+        [--rounds 2] [--words WORD ...]
+
+A cacheless cluster (the paper's: `worker.cache=0`), 4 workers in groups of 2, every worker's expert
+loads over an emulated link (`emulation.link`: `--bandwidth-gbps`, `--latency-ms`); in the `slow`
+cases worker3's link alone is `--slower` times slower in rate and latency (its own
+`emulation.link` words, LocalCluster's `place`). `off`/`on`: `failover.steer_stragglers` (main
+steers loads away from a worker consistently slower than its group's others: odmoe.main.stragglers).
+Each case is one cluster answering `--requests` prompts one at a time; decode tokens/s is the
+requests' decode tokens over their decode seconds (the DoneEvent's), after one warm-up request.
+The cases run `--rounds` times, interleaved (every other round in reverse order), and each case's
+figure is the mean of its rounds: a shared machine's load drifts, and drifts for every case alike.
+Every request's tokens are compared with transformers' greedy generate(). Without `--model`, a
+Mixtral-shaped model of 8 MoE layers, 8 experts of 6 MiB (hidden 512, intermediate 1024, fp32) is
+made with odmoe-make-model --fast-fill under /tmp. Prints the figures and writes JSON
+(benchmarks/results/stragglers.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import odmoe
+from odmoe.benchmarks.results import write_report
+from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.launch.local_cluster import NodePlacement
+from odmoe.models.checkpoint import load_tokenizer
+
+RESULTS = Path(__file__).parent / "results"
+SLOW = "worker3"
+SHAPE = ["--layers", "8", "--hidden", "512", "--intermediate", "1024", "--experts", "8", "--top-k", "2"]
+
+
+def make_model(out: Path) -> str:
+    if not (out / "config.json").is_file():
+        subprocess.run(
+            [sys.executable, "-m", "odmoe.launch.make_model", "--family", "mixtral", "--out", str(out),
+             *SHAPE, "--heads", "8", "--kv-heads", "4", "--vocab", "2048", "--fast-fill"],
+            check=True,
+        )  # fmt: skip
+    return str(out)
+
+
+def link_words(bandwidth_gbps: float, latency_ms: float) -> list[str]:
+    return [f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}", f"emulation.link.latency_ms={latency_ms:g}"]
+
+
+def run_case(path: str, words: list[str], slow: list[str], prompts, wants, new_tokens: int) -> dict:
+    """One cluster, `prompts` one at a time: decode tokens/s, tokens checked, where the loads went."""
+
+    def place(name: str) -> NodePlacement:
+        return NodePlacement(words=slow if name == SLOW else [])
+
+    with odmoe.LocalCluster(path, workers=4, group_size=2, overrides=words, place=place) as cluster:
+        cluster.client.generate(prompts[0], max_new_tokens=8)  # warm
+        tokens = seconds = different = 0.0
+        experts: dict[str, float] = {}
+        load_s: dict[str, float] = {}
+        rates, steered = [], []
+        for p, want in zip(prompts, wants, strict=True):
+            got = cluster.client.generate(p, max_new_tokens=new_tokens)
+            stats = got.stats
+            different += got.token_ids != want
+            tokens += stats["decode"]["tokens"]
+            seconds += stats["decode"]["seconds"]
+            rates.append(round(stats["decode_tokens_per_s"], 2))
+            steered.append(stats.get("stragglers", {}))
+            for name, row in stats["per_worker"].items():
+                experts[name] = experts.get(name, 0) + row["experts"]
+                load_s[name] = load_s.get(name, 0) + row["load_s"]
+    return {
+        "decode_tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
+        "per_request_tokens_per_s": rates,
+        "different": int(different),
+        "experts_per_worker": {k: round(v, 1) for k, v in sorted(experts.items())},
+        "load_s_per_expert": {k: round(load_s[k] / experts[k], 4) for k in sorted(experts) if experts[k]},
+        "stragglers": steered[-1],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="")
+    parser.add_argument("--bandwidth-gbps", type=float, default=25.0)
+    parser.add_argument("--latency-ms", type=float, default=0.2)
+    parser.add_argument("--slower", type=float, default=10.0)
+    parser.add_argument("--requests", type=int, default=3)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--cases", default="healthy-off,slow-off,healthy-on,slow-on")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--words", nargs="*", default=[])
+    parser.add_argument("--out", default=str(RESULTS / "stragglers.json"))
+    args = parser.parse_args()
+    path = args.model or make_model(Path("/tmp/odmoe-stragglers-model"))
+    tok = load_tokenizer(path)
+    prompts = [prompt_ids(tok, i, 16) for i in range(args.requests)]
+    wants = [reference_tokens(path, p, args.new_tokens) for p in prompts]
+    base = link_words(args.bandwidth_gbps, args.latency_ms)
+    slow = link_words(args.bandwidth_gbps / args.slower, args.latency_ms * args.slower)
+    report: dict = {
+        "model": path,
+        "link": {"bandwidth_gbps": args.bandwidth_gbps, "latency_ms": args.latency_ms},
+        "slow_worker": SLOW,
+        "slower": args.slower,
+        "words": args.words,
+        "cases": {},
+    }
+    cases = args.cases.split(",")
+    runs: dict[str, list[dict]] = {case: [] for case in cases}
+    for r in range(args.rounds):  # the cases interleaved, every other round reversed: a machine
+        for case in cases if r % 2 == 0 else cases[::-1]:  # whose load drifts drifts for them all
+            health, steer = case.split("-")
+            words = ["worker.cache=0", *base, f"failover.steer_stragglers={steer == 'on'}", *args.words]
+            start = time.monotonic()
+            result = run_case(path, words, slow if health == "slow" else [], prompts, wants, args.new_tokens)
+            result["wall_s"] = round(time.monotonic() - start, 1)
+            runs[case].append(result)
+            print(f"round {r} {case}", result, flush=True)
+    for case, results in runs.items():
+        rates = [x["decode_tokens_per_s"] for x in results]
+        report["cases"][case] = {
+            "decode_tokens_per_s": round(statistics.mean(rates), 2),
+            "decode_tokens_per_s_per_round": rates,
+            "different": sum(x["different"] for x in results),
+            "runs": results,
+        }
+    for steer in ("off", "on"):
+        healthy, slowed = report["cases"].get(f"healthy-{steer}"), report["cases"].get(f"slow-{steer}")
+        if healthy and slowed:
+            ratio = slowed["decode_tokens_per_s"] / max(healthy["decode_tokens_per_s"], 1e-9)
+            report[f"slow_vs_healthy_{steer}"] = round(ratio, 3)
+            print(f"steering {steer}: slow/healthy decode tokens/s = {ratio:.3f}", flush=True)
+    on, off = report["cases"].get("healthy-on"), report["cases"].get("healthy-off")
+    if on and off:
+        report["healthy_on_vs_off"] = round(
+            on["decode_tokens_per_s"] / max(off["decode_tokens_per_s"], 1e-9), 3
+        )
+        print(f"healthy cluster, steering on/off: {report['healthy_on_vs_off']:.3f}", flush=True)
+    write_report(args.out, report)
+
+
+if __name__ == "__main__":
+    main()

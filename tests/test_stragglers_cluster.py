@@ -1,0 +1,50 @@
+"""A straggler on a real cluster: its loads steered to its group's other worker, tokens unchanged,
+and work given back once it is fast again (failover.steer_stragglers, odmoe.main.stragglers)."""
+
+from __future__ import annotations
+
+import pytest
+
+from odmoe import LocalCluster
+from odmoe.launch.local_cluster import NodePlacement
+from tests.test_cluster_fidelity import PROMPTS, reference
+
+pytestmark = pytest.mark.integration
+NEW_TOKENS = 40
+
+
+def _link(latency_ms: float) -> list[str]:
+    return [f"emulation.link.latency_ms={latency_ms:g}"]
+
+
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
+def test_a_slow_worker_is_steered_around_and_given_work_again_once_fast(model_dirs, reap_children):
+    """worker3's expert loads take 40 ms, its peer's 2 ms: once 8 of its answers show it (the tiny
+    model's 2 layers: one of group 1's per iteration), group 1's decode experts go to worker2 but
+    every 4th iteration (a probe), tokens equal to the reference. Then worker3 is restarted on a
+    link as fast as the others': its probes show it, and it is given its share again."""
+    path = model_dirs["mixtral"]
+    want, _ = reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)
+    words = ["worker.cache=0", "failover.straggler_probe_every=4", *_link(2)]
+
+    def slow_worker3(name: str) -> NodePlacement:
+        return NodePlacement(words=_link(40) if name == "worker3" else [])
+
+    with LocalCluster(path, workers=4, group_size=2, overrides=words, place=slow_worker3) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert got.token_ids == want
+        stats, done = got.stats["stragglers"], got.stats["per_worker"]
+        assert stats["slow"] == [3], stats
+        # worker2 took nearly all of group 1's experts: its own, and worker3's after the first 8
+        # iterations but on probes (~1 in 4)
+        assert done["worker3"]["experts"] < 0.5 * done["worker2"]["experts"], done
+        assert done["worker3"]["load_s"] / done["worker3"]["experts"] > 0.03, done  # it is the slow one
+
+        cluster.place = lambda name: NodePlacement()  # every worker on the 2 ms link now
+        cluster.restart("worker3")
+        again = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert again.token_ids == want
+        stats, done = again.stats["stragglers"], again.stats["per_worker"]
+        # still a straggler when the request began; two fine probes (iterations 4 and 8) and it is back
+        assert stats["slow"] == [] and stats["changes"] == 2, stats
+        assert done["worker3"]["experts"] > 0.6 * done["worker2"]["experts"], done
