@@ -270,8 +270,9 @@ class FailoverConfig:
     steer_stragglers: bool = True
     straggler_factor: float = 3.0  # a straggler: its median seconds per expert above this x its peers'
     straggler_after: int = 8  # that median is over its last this many answers (judged once it has them)
-    # a straggler gets its share every this-many-th decode iteration (a probe); two probe answers in
-    # a row within straggler_factor of its peers' and it is given work again
+    # a straggler still gets its share of each of its group's layers every this-many-th decode
+    # iteration (a probe; the layers take turns); two probe answers in a row within straggler_factor
+    # of its peers' and it is given work again
     straggler_probe_every: int = 16
 
 

@@ -32,10 +32,10 @@ them all share evenly. Equal rooms (or none known) give e mod n as above.
 
 Stragglers (`slow`, without homes): a worker main has found consistently slower than its group's
 others (odmoe.main.stragglers) is left out when a layer's decode experts are dealt over its group,
-except on probe iterations (every `probe_every`-th: its share again, so its recovery can be seen) or
-when no other member is live. Main sends the set with the live set, and the workers deal the shadow's
-predictions by it too, so the preloads land where main sends the rows. With homes the experts stay
-at home: moving a home costs its cache.
+except on probes (each of the group's layers every `probe_every`-th iteration, the layers taking
+turns: its share again, so its recovery can be seen) or when no other member is live. Main sends
+the set with the live set, and the workers deal the shadow's predictions by it too, so the preloads
+land where main sends the rows. With homes the experts stay at home: moving a home costs its cache.
 """
 
 from __future__ import annotations
@@ -106,16 +106,21 @@ class Topology:
         """This topology steering decode work away from the stragglers `slow`."""
         return replace(self, slow=tuple(sorted(slow)), probe_every=probe_every)
 
-    def steered(self, members: list[WorkerId], iteration: int) -> list[WorkerId]:
-        """A serving group's members less its stragglers (all of them on a probe iteration, or
-        when every member is one)."""
-        if not self.slow or self.homes or self.probe(iteration):
+    def steered(self, members: list[WorkerId], iteration: int, layer: int = 0) -> list[WorkerId]:
+        """A serving group's members less its stragglers (all of them on a probe, or when every
+        member is one)."""
+        if not self.slow or self.homes or self.probe(iteration, layer):
             return members
         return [w for w in members if w not in self.slow] or members
 
-    def probe(self, iteration: int) -> bool:
-        """Whether this decode iteration gives stragglers their share again (iteration 0: prefill)."""
-        return self.probe_every > 0 and iteration > 0 and iteration % self.probe_every == 0
+    def probe(self, iteration: int, layer: int) -> bool:
+        """Whether stragglers get their share of this decode layer again (iteration 0: prefill,
+        never). A group's layers take turns, one per iteration, so a probe costs at most one slow
+        load an iteration: the group's j-th layer is probed when iteration + j is a multiple of
+        probe_every."""
+        if self.probe_every <= 0 or iteration <= 0:
+            return False
+        return (iteration + self.rank(layer) // self.groups) % self.probe_every == 0
 
     def rank(self, layer: int) -> int:
         """The layer's place among the model's MoE layers (its index where none are given)."""
@@ -205,7 +210,7 @@ class Topology:
         # over the members layer by layer was measured slower on the 2-core machine (llama4, 2
         # workers: 178 / 142 against 193 / 179 tokens/s: two processes woken per token, not one),
         # so the paper's dealing stays.
-        members = self.steered(members, iteration)
+        members = self.steered(members, iteration, layer)
         return {e: members[i % len(members)] for i, e in enumerate(sorted(experts))}
 
     def home(self, layer: int, expert: int, live: Collection[WorkerId] | None = None) -> WorkerId | None:

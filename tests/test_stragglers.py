@@ -118,8 +118,12 @@ def test_decode_placement_deals_a_group_over_its_members_less_the_straggler():
     topo = Topology(workers=4, group_size=2).with_slow([3], probe_every=16)
     assert topo.decode_placement(1, [7, 2], iteration=5) == {2: 2, 7: 2}
     assert topo.decode_placement(0, [7, 2], iteration=5) == {2: 0, 7: 1}  # the other group: as ever
-    # a probe iteration: its share again, so its recovery can be seen
+    # a probe: its share again, so its recovery can be seen; the group's layers take turns
     assert topo.decode_placement(1, [7, 2], iteration=16) == {2: 2, 7: 3}
+    assert topo.decode_placement(3, [7, 2], iteration=16) == {2: 2, 7: 2}
+    assert topo.decode_placement(3, [7, 2], iteration=15) == {2: 2, 7: 3}
+    probed = [(i, layer) for i in range(1, 33) for layer in (1, 3, 5, 7) if topo.probe(i, layer)]
+    assert probed == [(13, 7), (14, 5), (15, 3), (16, 1), (29, 7), (30, 5), (31, 3), (32, 1)]
     # its group's other member lost: the straggler is all there is, and serves
     assert topo.decode_placement(1, [7, 2], live=[0, 1, 3], iteration=5) == {2: 3, 7: 3}
 
@@ -157,5 +161,5 @@ def test_every_expert_is_placed_on_a_live_member_of_its_group(
     placed = topo.repair_placement(layer, predicted, sorted(experts), live, iteration=iteration)
     assert set(placed) == experts and set(placed.values()) <= set(members)
     fast = [w for w in members if w not in slow]
-    if fast and not topo.probe(iteration):
+    if fast and not topo.probe(iteration, layer):
         assert set(placed.values()) <= set(fast)
