@@ -253,19 +253,25 @@ class LocalCluster:
     def resume(self, name: str) -> None:
         self.node(name).process.send_signal(signal.SIGCONT)
 
-    def restart(self, name: str, until_used: bool = True) -> NodeProcess:
+    def restart(self, name: str, until_used: bool = True, announce: bool = True) -> NodeProcess:
         """Start a node of this name again (after it was killed): a worker or the shadow announces
         itself to every main; a main gets the current addresses. Returns once it serves, and for a
         worker or the shadow once main uses it again (its Join is handled at main's next tick: a
         request sent before that ran without it, which made a test flaky); `until_used=False`
-        returns as soon as it serves (the soak, whose chaos may take it down again meanwhile)."""
+        returns as soon as it serves (the soak, whose chaos may take it down again meanwhile).
+        `announce=False`: a worker or the shadow does not announce itself, so main goes on reaching
+        it where it did, e.g. through a relay (`through`) that the caller retargets to the new
+        address; main's probes of that address take it back (`worker_addresses` and `shadow_info`
+        say where it serves now)."""
         old = self.node(name)
         if old.process.poll() is None:
             old.process.kill()
         old.process.wait()
         self.nodes.remove(old)
         old.ready_file.unlink(missing_ok=True)
-        again = ["fault.node=", f"cluster.main_addresses=[{','.join(self.main_addresses)}]"]
+        again = ["fault.node="]
+        if announce or not (name == "shadow" or name.startswith("worker")):
+            again.append(f"cluster.main_addresses=[{','.join(self.main_addresses)}]")
         if name.startswith("worker"):
             args = self._worker_args(int(name.removeprefix("worker")))
         elif name == "shadow":
@@ -285,11 +291,12 @@ class LocalCluster:
             if self._client is not None:
                 self._client.replace_address(old_address, info["address"])
         if until_used and (name == "shadow" or name.startswith("worker")):
-            self._wait_taken_back(name, info["address"])
+            self._wait_taken_back(name, info["address"] if announce else None)
         return self.node(name)
 
-    def _wait_taken_back(self, name: str, address: str) -> None:
-        """Until main's Info shows the restarted node at its new address, linked (shadow) or live."""
+    def _wait_taken_back(self, name: str, address: str | None) -> None:
+        """Until main's Info shows the restarted node at its new address (None: wherever main
+        reaches it), linked (shadow) or live."""
         deadline = time.monotonic() + self.ready_timeout_s
         # its own client, not self.client: another thread may be using that one
         with Client(self.main_addresses, credentials=self.credentials) as client:
@@ -297,11 +304,11 @@ class LocalCluster:
                 info = client.info()
                 if name == "shadow":
                     shadow = info.get("shadow") or {}
-                    if shadow.get("address") == address and shadow.get("up"):
+                    if address in (None, shadow.get("address")) and shadow.get("up"):
                         return
                 else:
                     worker = info["workers"][int(name.removeprefix("worker"))]
-                    if worker["address"] == address and worker["live"]:
+                    if address in (None, worker["address"]) and worker["live"]:
                         return
                 time.sleep(0.05)
         limit = f"{self.ready_timeout_s:.0f}s"
