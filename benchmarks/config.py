@@ -195,6 +195,16 @@ class SoakSuite:
     down_s: list[float] = field(default_factory=lambda: [0.5, 2.0])  # how long a node stays killed/frozen
     warmup_requests: int = 100  # RSS is compared from here on
     seed: int = 0
+    # Network faults beside the kills and freezes (issue 47): a link relay (odmoe/tools/link_relay.py)
+    # in front of every worker and the shadow, and the chaos also picks, for a node, a straggler (its
+    # link delayed straggler_delay_s plus as much jitter), a black hole of hole_s or a loss burst (each
+    # chunk and beat lost with a probability drawn from loss: TCP chunks late by a retransmission
+    # timeout, beats dropped); stragglers and loss bursts last network_s.
+    network: bool = False
+    straggler_delay_s: list[float] = field(default_factory=lambda: [0.02, 0.2])
+    hole_s: list[float] = field(default_factory=lambda: [0.5, 10.0])
+    loss: list[float] = field(default_factory=lambda: [0.05, 0.5])
+    network_s: list[float] = field(default_factory=lambda: [2.0, 10.0])
 
 
 @dataclass
@@ -557,6 +567,12 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError(f"eval.tasks: {bad} not among odmoe_code_mc, odmoe_code_gen")
     if cfg.soak.clients < 1 or cfg.soak.requests < cfg.soak.clients:
         raise ValueError("soak.clients must be >= 1 and soak.requests >= soak.clients")
+    for key in ("chaos_every_s", "down_s", "straggler_delay_s", "hole_s", "loss", "network_s"):
+        low_high = getattr(cfg.soak, key)
+        if len(low_high) != 2 or not 0 <= low_high[0] <= low_high[1]:
+            raise ValueError(f"soak.{key} must be [low, high] with 0 <= low <= high, got {low_high}")
+    if cfg.soak.loss[1] >= 1:
+        raise ValueError(f"soak.loss must lie below 1 (a probability), got {cfg.soak.loss}")
     p = cfg.prefill
     for text in p.configurations:
         prefill_configuration(text)

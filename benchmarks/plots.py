@@ -310,12 +310,16 @@ def soak(samples: list[dict], events: list[dict], out: Path, subtitle: str) -> N
     t = [s["t_s"] for s in samples]
     done.plot(t, [s["completed"] for s in samples], color="C0")
     done.set_ylabel("requests completed")
+    colors = {"kill": "C3", "stop": "C1", "died": "C7", "straggle": "C2", "hole": "C4", "loss": "C5"}
     for e in events:
-        done.axvline(e["t_s"], color="C3" if e["action"] == "kill" else "C1", lw=0.5, alpha=0.6)
+        done.axvline(e["t_s"], color=colors.get(e["action"], "C1"), lw=0.5, alpha=0.6)
     for name in sorted({k for s in samples for k in s["rss_mib"]}):
         rss.plot(t, [s["rss_mib"].get(name) for s in samples], label=name, lw=1)
     rss.set_ylabel("RSS MiB")
-    rss.set_xlabel("seconds (red: kill, orange: freeze)")
+    legend = "red: kill, orange: freeze, grey: died"
+    if any(e["action"] in ("straggle", "hole", "loss") for e in events):
+        legend += ", green: straggler, purple: black hole, brown: loss burst"
+    rss.set_xlabel(f"seconds ({legend})")
     rss.legend(fontsize=7, ncol=4)
     fig.suptitle(f"Soak\n{subtitle}", fontsize=10)
     fig.tight_layout()

@@ -52,6 +52,11 @@ def test_bad_bench_config_is_refused():
         compose_bench(["suite=network", "network.cases=[jitter]"])
     with pytest.raises(ValueError, match="loss must lie"):
         compose_bench(["suite=network", "network.loss=1.5"])
+    with pytest.raises(ValueError, match="soak.loss must lie below 1"):
+        compose_bench(["suite=soak", "soak.network=true", "soak.loss=[0.1,1.0]"])
+    with pytest.raises(ValueError, match="soak.hole_s must be"):
+        compose_bench(["suite=soak", "soak.hole_s=[10,1]"])
+    compose_bench(["suite=soak", "soak.network=true", "soak.hole_s=[1,3]", "soak.loss=[0.01,0.05]"])
     with pytest.raises(ValueError, match="prefill.configurations"):
         compose_bench(["suite=prefill", "prefill.configurations=['4:striped']"])
     with pytest.raises(ValueError, match="cache.skew"):
