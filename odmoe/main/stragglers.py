@@ -40,6 +40,7 @@ class StragglerWatch:
     slow: frozenset[int] = frozenset()
     changes: int = 0  # how often `slow` changed (the stats' count)
     _fine: dict[int, list[float]] = field(default_factory=dict)  # a straggler's fine answers in a row
+    _time: dict[int, float] = field(default_factory=dict)  # worker -> median of `recent`, kept current
 
     def __post_init__(self) -> None:
         if not self.factor > 1:
@@ -49,8 +50,7 @@ class StragglerWatch:
 
     def time(self, worker: int) -> float | None:
         """The worker's seconds per expert: the median of its last answers (None: none yet)."""
-        recent = self.recent.get(worker)
-        return median(recent) if recent else None
+        return self._time.get(worker)
 
     def observe(self, worker: int, seconds: float, peers: Collection[int]) -> bool:
         """One decode expert's load+compute seconds on `worker`; `peers`: the other live members of
@@ -59,6 +59,7 @@ class StragglerWatch:
             return False
         recent = self.recent.setdefault(worker, deque(maxlen=self.window))
         recent.append(seconds)
+        self._time[worker] = median(recent)  # once per answer: main calls this for every decode expert
         reference = self.reference(worker, peers)
         if reference is None:
             return False
@@ -69,8 +70,9 @@ class StragglerWatch:
                 return False
             recent.clear()  # back: its time restarts from its fine answers
             recent.extend(fine)
+            self._time[worker] = median(recent)
             del self._fine[worker]
-        elif len(recent) < self.window or median(recent) <= self.factor * reference:
+        elif len(recent) < self.window or self._time[worker] <= self.factor * reference:
             return False
         self.slow = self.slow ^ {worker}
         self.changes += 1
@@ -78,12 +80,15 @@ class StragglerWatch:
 
     def reference(self, worker: int, peers: Collection[int]) -> float | None:
         """The median time of `worker`'s peers that are no stragglers (None: none known)."""
-        known = [t for p in peers if p != worker and p not in self.slow and (t := self.time(p)) is not None]
-        return median(known) if known else None
+        known = [self._time[p] for p in peers if p != worker and p not in self.slow and p in self._time]
+        if len(known) < 3:  # groups of 2 or 3: no sorting
+            return sum(known) / len(known) if known else None
+        return median(known)
 
     def forget(self, worker: int) -> bool:
         """A worker lost or taken back: judged afresh (True when `slow` changed)."""
         self.recent.pop(worker, None)
+        self._time.pop(worker, None)
         self._fine.pop(worker, None)
         if worker in self.slow:
             self.slow = self.slow - {worker}
