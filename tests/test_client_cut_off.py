@@ -128,8 +128,8 @@ def _can_drop() -> str:
     return "" if probe.returncode == 0 else f"iptables cannot be used here: {probe.stderr.strip()[:200]}"
 
 
-def _sse_stream(cluster: LocalCluster, body: dict) -> socket.socket:
-    """POST /v1/completions (stream) over a socket of our own, so its port is known: HTTPS with the
+def _post_completion(cluster: LocalCluster, body: dict) -> socket.socket:
+    """POST /v1/completions over a socket of our own, so its port is known: HTTPS with the
     cluster's certificate and token when security is on (the default)."""
     url = urlsplit(cluster.http_url)
     sock = socket.create_connection((url.hostname, url.port))
@@ -157,9 +157,12 @@ def _read_events(sock: socket.socket, n: int, timeout_s: float = 60) -> list[dic
     return events
 
 
-def test_an_sse_client_black_holed_mid_stream_is_cancelled_and_the_others_stay_exact(
-    model_dirs, reap_children
+@pytest.mark.parametrize("stream", [True, False], ids=["sse", "unstreamed"])
+def test_an_http_client_black_holed_mid_request_is_cancelled_and_the_others_stay_exact(
+    stream, model_dirs, reap_children
 ):
+    """Streamed, the SSE bytes (tokens, comments) go unacknowledged; not streamed, nothing is sent
+    until the end, so TCP's keepalive probes are what go unacknowledged."""
     if why := _can_drop():
         pytest.skip(why)
     path, other_tokens = model_dirs["mixtral"], 120
@@ -168,11 +171,17 @@ def test_an_sse_client_black_holed_mid_stream_is_cancelled_and_the_others_stay_e
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         cluster.client.generate(PROMPTS[0], max_new_tokens=2)  # warm
         model = httpx.get(f"{cluster.http_url}/v1/models", **cluster.http_auth).json()["data"][0]["id"]
-        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 240, "stream": True, "ignore_eos": True}
-        cut = _sse_stream(cluster, body)
+        body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 240, "stream": stream, "ignore_eos": True}
+        cut = _post_completion(cluster, body)
         other: dict[str, object] = {}
         try:
-            assert len(_read_events(cut, 3)) >= 3
+            if stream:
+                assert len(_read_events(cut, 3)) >= 3
+            else:
+                deadline = time.monotonic() + 60
+                while _metric(cluster, "odmoe:num_requests_running") < 1:
+                    assert time.monotonic() < deadline, "the request never started"
+                    time.sleep(0.05)
             runner = threading.Thread(
                 target=lambda: other.update(
                     result=cluster.client.generate(PROMPTS[1], max_new_tokens=other_tokens)
@@ -184,7 +193,7 @@ def test_an_sse_client_black_holed_mid_stream_is_cancelled_and_the_others_stay_e
             with _Dropped(cut.getsockname()[1], urlsplit(cluster.http_url).port):
                 holed = time.monotonic()
                 while _metric(cluster, CANCELLED) == cancelled:
-                    assert time.monotonic() - holed < 15, "main never cancelled the cut-off SSE request"
+                    assert time.monotonic() - holed < 15, "main never cancelled the cut-off request"
                     time.sleep(0.05)
                 detect_s = time.monotonic() - holed
                 running_then = runner.is_alive()
@@ -196,7 +205,8 @@ def test_an_sse_client_black_holed_mid_stream_is_cancelled_and_the_others_stay_e
                     time.sleep(0.05)
             assert "cancelled by its client" in cluster.node("main").log_file.read_text()
             print(
-                f"\nSSE client black-holed mid-stream: request cancelled {detect_s:.2f}s later "
+                f"\nHTTP client ({'SSE' if stream else 'not streamed'}) black-holed mid-request: "
+                f"request cancelled {detect_s:.2f}s later "
                 f"(server.client_ping_s + client_ping_timeout_s = 0.5 + 1 s); the other stream "
                 f"{'still running then, ' if running_then else ''}exact ({other_tokens} tokens)"
             )

@@ -59,6 +59,7 @@ from fastapi.responses import JSONResponse, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ConfigDict, Field
 from sse_starlette.sse import EventSourceResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from odmoe.main.engine import DoneEvent, GenerateRequest, InvalidRequest, PromptEvent, TokenEvent
@@ -233,22 +234,35 @@ def _check_text(raw: bytes) -> None:
 
 
 # -- the app -------------------------------------------------------------------------------------
+class _BearerToken:
+    """Every path but /health needs the cluster's token. Plain ASGI, not `@app.middleware("http")`
+    (Starlette's BaseHTTPMiddleware): behind that, an endpoint's `request.is_disconnected()` never
+    saw its client go, so a request not streamed ran on to its end for a client long gone."""
+
+    def __init__(self, app, secrets: ServerSecrets):
+        self.app, self.secrets = app, secrets
+
+    async def __call__(self, scope, receive, send) -> None:
+        # /health stays open (load balancers, readiness probes): it says "ok" or why not, no more.
+        if scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        header = Headers(scope=scope).get("authorization")
+        if self.secrets.authorized(header):
+            return await self.app(scope, receive, send)
+        why = "wrong API key" if header else "no API key"
+        message = f"{why}: send 'Authorization: Bearer <the cluster token>'"
+        body = ApiError(401, message, kind="authentication_error").body()
+        response = JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+
 def make_app(backend, secrets: ServerSecrets | None = None, ping_s: float = 15.0) -> FastAPI:
     """`ping_s`: an SSE comment this often on every stream (sse-starlette's default is 15 s)."""
     app = FastAPI(title="odmoe", summary="OpenAI-compatible API of an odmoe cluster", docs_url=None)
     app.router.route_class = TextCheckedRoute  # before any route is added
 
     if secrets is not None:
-
-        @app.middleware("http")
-        async def _bearer_token(request: Request, call_next):
-            # /health stays open (load balancers, readiness probes): it says "ok" or why not, no more.
-            if request.url.path == "/health" or secrets.authorized(request.headers.get("authorization")):
-                return await call_next(request)
-            why = "wrong API key" if request.headers.get("authorization") else "no API key"
-            message = f"{why}: send 'Authorization: Bearer <the cluster token>'"
-            body = ApiError(401, message, kind="authentication_error").body()
-            return JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        app.add_middleware(_BearerToken, secrets=secrets)
 
     @app.exception_handler(ApiError)
     async def _api_error(_, exc: ApiError):
@@ -435,13 +449,18 @@ async def _events(ticket, request: Request | None):
     """The ticket's events as they come; cancels the request when the client has gone. A stream
     passes no `request`: sse-starlette watches the connection itself and cancels this generator
     (asking the request as well made both read the connection's messages and race)."""
+    checked = time.monotonic()
     try:
         while True:
             event = await asyncio.to_thread(ticket.next, POLL_S)
-            if event is None:
-                if request is not None and await request.is_disconnected():
+            # every POLL_S, tokens flowing or not: with a token in every POLL_S, a check only in the
+            # gaps never came, and a client gone mid-request kept its place to the end
+            if request is not None and time.monotonic() - checked >= POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():
                     ticket.cancel()
                     return
+            if event is None:
                 continue
             if event is END:
                 return
