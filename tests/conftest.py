@@ -20,43 +20,6 @@ DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
 FOCUSED_FAMILIES = [f for f in FAMILIES if f not in FAMILY_NAMES]
 
 
-# The default run's time budget (~15 min on 2 cores): these multi-process tests each start a
-# cluster (20-45 s here) to check what a test kept in the default run already covers in its core
-# (another family's cluster, another shadow precision, another way to refuse bad input). They stay
-# in `-m extended` (`make test-extended`), where one place decides what the default run leaves out.
-EXTENDED_FOR_TIME = (
-    "test_cluster_fidelity.py::test_cluster_tokens_equal_reference[4-2-olmoe]",
-    "test_cluster_fidelity.py::test_cluster_tokens_equal_reference[4-2-qwen2_moe]",
-    "test_cluster_fidelity.py::test_cluster_tokens_equal_reference[4-2-qwen3_moe]",
-    "test_cluster_fidelity.py::test_stream_yields_pieces_that_add_up_to_generate",
-    "test_cluster_fidelity.py::test_concurrent_clients_each_get_their_own_reference_tokens",
-    "test_shadow_cluster.py::test_tokens_equal_reference_whatever_the_shadow_predicts[olmoe-",
-    "test_shadow_cluster.py::test_tokens_equal_reference_whatever_the_shadow_predicts[qwen2_moe-shadow.precision=fp16",
-    "test_shadow_cluster.py::test_no_shadow_means_no_predictions_and_same_tokens",
-    "test_shadow_cluster.py::test_predictions_arrive_ahead_of_main_with_alignment_every_iteration",
-    "test_bad_input.py::test_main_names_a_worker_that_never_comes_up",
-    "test_bad_input.py::test_port_in_use_is_reported",
-    "test_bad_input.py::test_cli_rejects_cpus_it_cannot_run_on_with_exit_code_2",
-    "test_bad_input.py::test_spread_workers_puts_each_worker_on_a_core_of_its_own",
-    "test_bad_input.py::test_a_niced_shadow_runs_at_that_priority_and_the_others_do_not",
-    "test_bad_input.py::test_a_started_cluster_entered_with_with_is_not_started_twice",
-    "test_batching.py::test_a_worker_killed_while_several_streams_run",
-    "test_batching.py::test_beyond_the_running_batch_and_the_queue_a_request_is_refused",
-    "test_batching.py::test_the_kv_cache_budget_makes_requests_wait_and_refuses_one_that_never_fits",
-    "test_http_api.py::test_role_local_serve_keeps_serving_until_ctrl_c",
-    "test_untrusted_frames.py::test_a_flood_of_bad_frames_at_every_socket_leaves_every_node_up_and_exact",
-    "test_launch_prompt.py::test_any_prompt_text_reaches_the_model_unchanged",
-    "test_gpu_suite.py::test_gpu_suite_dry_run_on_cpu",
-    "test_miss_policy_cluster.py::test_a_closed_gate_reloads_and_stays_exact",
-    "test_compressed_cluster.py::test_disk_store_reads_the_checkpoint",
-    "test_failover.py::test_main_stopped_with_requests_waiting_exits_and_they_get_unavailable",
-    "test_dataplane.py::test_the_suites_floor",
-    "test_model_factory.py::test_cli_writes_a_model_and_rejects_bad_options",
-    # a tiny cluster in cgroups: test_memory_limits' refusal runs a cluster's nodes in cgroups by default
-    "test_memory_cgroups.py::test_a_cluster_in_cgroups_gives_the_same_tokens_and_reports_each_node",
-)
-
-
 # The fast tier (`-m fast`, `make test-fast`: about a minute here): every test that starts no node
 # process and trains nothing, so the pure modules and the decode loop with in-process workers
 # checked against transformers (tests/test_engine_inprocess.py and the in-process family tests).
@@ -79,18 +42,25 @@ NOT_FAST_MARKS = {"integration", "extended", "slow", "demo", "gpu"}
 def pytest_collection_modifyitems(items):
     for item in items:
         nodeid = item.nodeid.removeprefix("tests/")
-        if nodeid.startswith(EXTENDED_FOR_TIME):
-            item.add_marker(pytest.mark.extended)
         marks = {mark.name for mark in item.iter_markers()}
         if not marks & NOT_FAST_MARKS and not nodeid.startswith(NOT_FAST):
             item.add_marker(pytest.mark.fast)
 
 
-def cluster_families() -> list:
+def cluster_families(default: tuple[str, ...] | None = None) -> list:
     """FAMILY_NAMES for the cluster tests, DeepSeek's marked slow: a DeepSeek cluster (16 experts,
     top-4) takes 1.5-2 min here, so the default run covers DeepSeek with the focused cluster tests of
-    tests/test_deepseek.py and `-m ""` runs the whole matrix."""
-    return [pytest.param(f, marks=pytest.mark.slow) if f in DEEPSEEK_NAMES else f for f in FAMILY_NAMES]
+    tests/test_deepseek.py and `-m ""` runs the whole matrix. With `default`, only those families stay
+    in the default run, the others are `extended` (the default run's time budget)."""
+
+    def param(f: str):
+        if f in DEEPSEEK_NAMES:
+            return pytest.param(f, marks=pytest.mark.slow)
+        if default is not None and f not in default:
+            return pytest.param(f, marks=pytest.mark.extended)
+        return f
+
+    return [param(f) for f in FAMILY_NAMES]
 
 
 def _spec(family: str) -> ModelSpec:

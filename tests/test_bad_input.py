@@ -73,6 +73,7 @@ def test_bad_requests_get_invalid_argument(model_dirs, reap_children):
         assert len(cluster.client.generate("def f():", max_new_tokens=3).token_ids) == 3
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_no_live_worker_gives_unavailable_naming_the_layer_at_once(model_dirs, reap_children):
     with LocalCluster(model_dirs["mixtral"], workers=2, group_size=2) as cluster:
         for name in ("worker0", "worker1"):
@@ -85,6 +86,7 @@ def test_no_live_worker_gives_unavailable_naming_the_layer_at_once(model_dirs, r
         assert time.monotonic() - start < 10  # not the 60 s reply deadline
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_port_in_use_is_reported(model_dirs, reap_children):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -97,6 +99,7 @@ def test_port_in_use_is_reported(model_dirs, reap_children):
                 pass
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_main_names_a_worker_that_never_comes_up(model_dirs, reap_children):
     with socket.socket() as s:  # a port with nobody behind it
         s.bind(("127.0.0.1", 0))
@@ -171,6 +174,7 @@ def test_no_orphans_after_ctrl_c_or_launcher_death(model_dirs, how, reap_childre
     assert not alive, f"orphans after {how}: {[k.pid for k in alive]}"
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_cli_rejects_cpus_it_cannot_run_on_with_exit_code_2(reap_children):
     proc = subprocess.run(
         [*LAUNCH, "role=local", "cluster.cpus=[99999]"], capture_output=True, text=True, timeout=120
@@ -178,6 +182,7 @@ def test_cli_rejects_cpus_it_cannot_run_on_with_exit_code_2(reap_children):
     assert proc.returncode == 2 and "cluster.cpus=[99999]" in proc.stderr
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_spread_workers_puts_each_worker_on_a_core_of_its_own(model_dirs, reap_children):
     """cluster.spread_workers: worker i runs on the i-th of the launcher's CPUs (mod their count), its
     threads (ZeroMQ's, torch's) with it; main stays free."""
@@ -195,6 +200,7 @@ def test_spread_workers_puts_each_worker_on_a_core_of_its_own(model_dirs, reap_c
         assert cluster.client.generate([1, 2, 3], max_new_tokens=3).token_ids
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_a_niced_shadow_runs_at_that_priority_and_the_others_do_not(model_dirs, reap_children):
     """shadow.nice: the shadow process (and the threads it starts) at that nice value; the words
     reach every node, only the shadow applies it."""
@@ -207,6 +213,7 @@ def test_a_niced_shadow_runs_at_that_priority_and_the_others_do_not(model_dirs, 
         assert cluster.client.generate([1, 2, 3], max_new_tokens=3).token_ids
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_a_started_cluster_entered_with_with_is_not_started_twice(model_dirs, reap_children):
     """`with LocalCluster(...).start() as c:` used to spawn a second set of nodes beside the first
     (the client talked to the second while the first idled until stop)."""

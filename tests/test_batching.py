@@ -158,6 +158,7 @@ def _metric(cluster: LocalCluster, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_beyond_the_running_batch_and_the_queue_a_request_is_refused(model_dirs, reap_children):
     """max_running=2 run, max_waiting=1 waits, the fourth gets RESOURCE_EXHAUSTED; all others exact."""
     path = model_dirs["qwen2_moe"]
@@ -181,6 +182,7 @@ def test_beyond_the_running_batch_and_the_queue_a_request_is_refused(model_dirs,
         assert tuple(results[p].token_ids) == alone(path, PROMPTS[p], 60, 0)
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_a_worker_killed_while_several_streams_run(model_dirs, reap_children):
     """Every stream ends with its alone tokens: the lost worker's calls (every request's rows) are
     re-sent to the other group member."""
@@ -247,6 +249,7 @@ def test_every_family_batched_equals_alone(family, model_dirs, reap_children):
     assert max(s["batch_size_max"] for s in stats) >= 2
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_the_kv_cache_budget_makes_requests_wait_and_refuses_one_that_never_fits(model_dirs, reap_children):
     """server.kv_cache_memory: requests whose prompt + max_new_tokens would not fit beside the
     running ones wait (they run one after another here); one that alone exceeds it is refused."""

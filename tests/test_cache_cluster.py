@@ -38,7 +38,9 @@ def _check(cluster, path: str, new_tokens: int = NEW_TOKENS) -> list[dict]:
     return stats
 
 
-@pytest.mark.parametrize("policy", ["prediction", pytest.param("lru", marks=pytest.mark.extended)])
+@pytest.mark.parametrize(
+    "policy", [pytest.param(p, marks=pytest.mark.extended) for p in ("prediction", "lru")]
+)  # beyond the default run's ~15 min
 def test_a_small_cache_keeps_tokens_and_serves_hits(policy, model_dirs, reap_children):
     """Two experts per worker (of 16 each is home for): evictions all the time, tokens unchanged;
     then requests together (one batch) with the same cache."""

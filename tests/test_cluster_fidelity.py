@@ -53,7 +53,8 @@ def _reference(path: str, prompt: str | list[int], dtype=None, new_tokens: int =
     return out.sequences[0, ids.shape[1] :].tolist(), out.logits[-1][0].float()
 
 
-@pytest.mark.parametrize("family", cluster_families())
+# the default run: Mixtral's 4-worker cluster; every other family's and shape are `extended`
+@pytest.mark.parametrize("family", cluster_families(default=("mixtral",)))
 @pytest.mark.parametrize("workers,group_size", [pytest.param(2, 2, marks=pytest.mark.extended), (4, 2)])
 def test_cluster_tokens_equal_reference(family, workers, group_size, model_dirs, reap_children):
     path = model_dirs[family]
@@ -99,6 +100,7 @@ def check_sampling(path: str, cluster, new_tokens: int = 16) -> None:
         assert got.stats["seed"] == seed
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_bf16_and_token_id_prompts(model_dirs, reap_children):
     path = model_dirs["mixtral"]
     prompt_ids = [5, 17, 300, 42, 9]
@@ -131,6 +133,7 @@ def test_bf16_cluster_with_bf16_shadow_every_family(family, model_dirs, reap_chi
             assert (got.stats["recall"]["overall"] or 0) > 0, "the shadow predicted nothing in time"
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap_children):
     path = model_dirs["qwen2_moe"]
     wanted = {p: reference(path, p, new_tokens=16)[0] for p in PROMPTS}
@@ -138,6 +141,7 @@ def test_concurrent_clients_each_get_their_own_reference_tokens(model_dirs, reap
         assert generate_together(cluster, PROMPTS * 2, 16) == wanted
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_stream_yields_pieces_that_add_up_to_generate(model_dirs, reap_children):
     path = model_dirs["olmoe"]
     with LocalCluster(path, workers=2, group_size=2) as cluster:

@@ -50,6 +50,7 @@ def test_compressed_store_with_pack_and_budget_equals_reference(
     assert f"pack {pack}" in log and " compressed (" in log and " disk (" in log, log
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_disk_store_reads_the_checkpoint(model_dirs, reap_children):
     log = _check(model_dirs["qwen3_moe"], ["worker.store=disk"], "bfloat16")
     assert "store=disk" in log and " disk (" in log and "no pack file at" in log

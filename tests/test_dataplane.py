@@ -292,6 +292,7 @@ def test_a_decode_steps_combine_is_the_general_one(kernel, hidden_dtype, weight_
         assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_the_suites_floor_fans_calls_out_to_busy_echoes():
     """The dataplane suite's floor: real echo processes that stay busy before answering, every call
     answered (the round trip cannot be shorter than one echo's busy time)."""
@@ -304,6 +305,7 @@ def test_the_suites_floor_fans_calls_out_to_busy_echoes():
     assert out["median"] >= 2 * 2000.0  # echo 0 gets calls 0 and 2: two busy spells in turn
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_the_suites_floor_with_real_compute_has_its_echoes_compute_the_models_experts(model_dirs):
     """The floor with real compute: echo processes that compute the checkpoint's experts on the row
     with the workers' own expert_forward, and answer with the output; their compute time comes back."""

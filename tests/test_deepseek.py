@@ -362,6 +362,7 @@ def _check_cluster(path: str, overrides: list[str]) -> list[dict]:
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_downloaded_v3_is_served_exactly_with_a_quantized_shadow(downloaded_v3, reap_children):
     """The sharded checkpoint with its MTP layer, as is: int8 shadow aligned every iteration, a
     third of its predictions made wrong, prefill in mini-batches."""

@@ -204,6 +204,7 @@ def test_a_node_restarted_from_a_short_lived_thread_keeps_running(model_dirs, re
         assert c.node("worker1").process.poll() is None
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_main_stopped_with_requests_waiting_exits_and_they_get_unavailable(model_dirs, reap_children):
     """A handler waiting for a stopped engine used to keep main alive forever after SIGTERM."""
     import signal
@@ -296,6 +297,7 @@ def _tracebacks(errors: list, expected: type | None = None) -> str:
     return "\n".join("".join(traceback.format_exception(e)) for e in unexpected) or str(errors)
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_one_client_shared_by_threads_fails_over_once_when_main_is_lost(model_dirs, reap_children):
     """Issue 50: four streams from four threads on the cluster's one client, greedy and seeded,
     main SIGKILLed once each has passed its 8th token: the client fails over once and each resumes

@@ -56,6 +56,7 @@ def test_gpu_suite_config_is_checked():
             validate(BenchConfig(suite="gpu", gpu=GpuSuite(systems=[bad])))
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_gpu_suite_dry_run_on_cpu(tmp_path):
     from odmoe.benchmarks import baselines
     from odmoe.benchmarks.results import ResultsDir
@@ -77,6 +78,7 @@ def test_gpu_suite_dry_run_on_cpu(tmp_path):
     assert written["bus_peak_bytes_per_s"] is None and (tmp_path / "results" / "gpu.png").is_file()
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_gpu_suite_reports_a_failed_system_and_keeps_the_others(tmp_path, monkeypatch):
     """One system failing (here accelerate's process, made to run out of time) is named with its
     error; the other's figures are still measured, written and drawn."""

@@ -470,6 +470,7 @@ def test_health_is_503_when_no_worker_can_serve(cluster):
     assert reply.status_code == 503 and "layer" in reply.json()["reason"]
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_role_local_serve_keeps_serving_until_ctrl_c(model_dirs, reap_children):
     """`odmoe-launch role=local serve=true` prints the API's URL, answers on it, and Ctrl-C stops
     every node, even when started with SIGINT ignored (what a non-interactive shell's `&` does: it

@@ -48,6 +48,7 @@ def test_a_cache_without_recurrent_states_is_cut_back_as_before(model_dirs):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_a_speculative_shadow_that_rolls_back_changes_no_token(model_dirs, reap_children):
     """The defaults (speculative alignment) with 30 % of the shadow's own tokens made wrong: it
     rolls back often, rebuilding its hybrid cache each time; main's tokens are the reference's."""

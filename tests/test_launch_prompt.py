@@ -53,6 +53,7 @@ def test_an_unparsable_prompt_override_points_at_the_option(reap_children):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_any_prompt_text_reaches_the_model_unchanged(model_dirs, reap_children):
     """A real odmoe-launch: the prompt (parentheses, quotes, `=`, newlines, unicode) is echoed as it
     was given, then the continuation follows."""

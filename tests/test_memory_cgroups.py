@@ -124,6 +124,7 @@ def test_a_node_placed_in_a_cgroup_still_dies_with_its_launcher():
 
 @pytest.mark.integration
 @needs_cgroups
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_a_cluster_in_cgroups_gives_the_same_tokens_and_reports_each_node(reap_children):
     prompt, new_tokens = "def f(x):", 8
     with MemoryCgroups(lambda name: 3 * GiB // 2) as cg:

@@ -79,6 +79,7 @@ def test_default_model_is_made_once(tmp_path):
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_cli_writes_a_model_and_rejects_bad_options(tmp_path):
     run = [
         sys.executable,

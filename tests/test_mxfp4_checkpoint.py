@@ -72,6 +72,7 @@ def test_requests_in_process_equal_transformers(mxfp4_dir):
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_a_cluster_serves_mxfp4_exactly(mxfp4_dir, reap_children):
     words = ["preset=paper", "shadow.precision=bf16", "prefill.mini_batch=3"]
     with LocalCluster(mxfp4_dir, workers=2, group_size=2, overrides=words) as cluster:

@@ -129,6 +129,7 @@ def test_groups_take_a_model_s_moe_layers_by_rank():
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_interleaved_moe_layers_use_every_group(model_dirs, reap_children):
     """llama4_text (MoE on layers 1 and 3) over 2 groups that store only their own layers: each group
     gets one MoE layer (by index both were group 1's, and group 0's workers could not start)."""

@@ -513,6 +513,7 @@ def _prompt_tokens(cluster) -> float:
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_worker_with_wrong_key_is_refused_by_name(tmp_path, reap_children):
     foreign = init_key_dir(tmp_path / "foreign", workers=2)  # a keypair main does not know as worker1
 

@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -8,6 +9,7 @@ from odmoe.tools.model_factory import ModelSpec
 from odmoe.tools.training import TrainSettings, code_only, train_model
 
 
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_brief_training_lowers_held_out_loss_and_saves_a_loadable_model(tmp_path):
     spec = ModelSpec(family="mixtral", layers=2, hidden=64, intermediate=128, vocab=512, max_positions=128)
     settings = TrainSettings(steps=40, batch=4, seq_len=64, corpus_bytes=300_000, held_out_batches=2, lr=3e-3)

@@ -22,6 +22,7 @@ from tests.test_cluster_fidelity import PROMPTS, reference
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_an_error_in_one_request_fails_it_and_main_serves_the_next(model_dirs, reap_children):
     path = model_dirs["mixtral"]
     words = ["fault.node=main", "fault.action=raise", "fault.iteration=3"]

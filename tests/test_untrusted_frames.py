@@ -59,6 +59,7 @@ def _flood_raw(address: str, seed: int, count: int) -> None:
 
 
 @pytest.mark.integration
+@pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_a_flood_of_bad_frames_at_every_socket_leaves_every_node_up_and_exact(model_dirs, reap_children):
     path = model_dirs["mixtral"]
     want, _ = reference(path, PROMPTS[0])
