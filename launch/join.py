@@ -165,15 +165,18 @@ def open_door(cfg: OdmoeConfig, overrides: list[str], model_path: str):
     return served[0], admissions
 
 
-def rendezvous(admissions: Admissions) -> list[str]:
-    """main's words naming every admitted node's address, once all serve (logs who is missing)."""
+def rendezvous(admissions: Admissions, min_workers: int = 0) -> list[str]:
+    """main's words naming every admitted node's address, once all serve, or the shadow and
+    `min_workers` workers (cluster.min_workers: '' for the others, taken in as they come); logs who
+    is missing meanwhile."""
     while True:
         try:
-            workers, shadow = admissions.wait_ready(timeout_s=30)
+            workers, shadow = admissions.wait_ready(timeout_s=30, min_workers=min_workers)
             break
         except TimeoutError as exc:
             log.info("waiting for nodes to join: %s", exc)
-    words = [f"cluster.worker_addresses=[{','.join(workers)}]", "cluster.join_port=-1"]
+    listed = ",".join(a or "''" for a in workers)
+    words = [f"cluster.worker_addresses=[{listed}]", "cluster.join_port=-1"]
     if shadow is not None:
         words += [f"cluster.shadow_address={shadow[0]}", f"cluster.shadow_pub_address={shadow[1]}"]
     return words

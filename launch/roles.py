@@ -65,9 +65,11 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
         # shares and join while main waits for them and connects
         door, admissions = open_door(cfg, overrides, model_path) if not cfg.model.pull_from else (None, None)
         if admissions is not None:
-            joined = rendezvous(admissions)
+            joined = rendezvous(admissions, cfg.cluster.min_workers)
             cfg = compose(["role=main", *overrides, *joined, f"security.key_dir={admissions.keys.root}"])
         node = MainNode(cfg, model_path)
+        if admissions is not None:  # boxes that join from now on are taken in while main serves
+            admissions.on_ready = node.take_in
         node.serve(cfg.ready_file)
         if door is not None:
             door.stop(grace=1)

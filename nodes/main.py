@@ -161,9 +161,12 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             probe_every=cfg.failover.straggler_probe_every,
         )
         self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
-        pongs = self.experts.ping_all(cfg.worker.ready_timeout_s)
-        if problem := unfit_homes(
-            members.topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs]
+        pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, cfg.cluster.min_workers)
+        # the homes' fit is known once every worker has told its room (a cluster still growing: later)
+        if len(pongs) == members.topology.workers and (
+            problem := unfit_homes(
+                members.topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs]
+            )
         ):
             raise MemoryPlanError(problem)
         self.connect_s = time.perf_counter() - connect_start
@@ -376,6 +379,14 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         for i in range(self.cfg.cluster.workers):
             places[f"worker{i}"] = pongs[i].where if i in pongs else ""
         return places
+
+    def take_in(self, name: str, address: str, pub_address: str = "") -> None:
+        """A node the join link admitted became ready while main serves (any thread): a worker is
+        checked and taken in (a cluster growing, or a box restarted), a shadow used again."""
+        if name == "shadow" and self.cfg.shadow.enabled:
+            self.shadow_joins.put((address, pub_address))
+        elif name.startswith("worker"):
+            self.experts.members.join(int(name.removeprefix("worker")), address)
 
     def Join(self, request, context):
         if request.role == "worker":

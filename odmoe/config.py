@@ -66,6 +66,10 @@ class NodeConfig:
 @dataclass
 class ClusterConfig:
     workers: int = 2  # worker nodes; a multiple of group_size
+    # Main starts serving once this many workers answer (and every layer has one that holds it);
+    # 0: all of `workers`. The others may come later (a box joining by the link, a worker started
+    # with cluster.main_addresses): each is taken in while main serves and given its homes (growth).
+    min_workers: int = 0
     group_size: int = 2  # workers per group: a group serves every N-th MoE layer (N = workers / group_size)
     host: str = "127.0.0.1"  # where main's gRPC server and the workers bind
     main_port: int = 0  # 0: any free port (the local launcher learns it from the ready file)

@@ -111,6 +111,11 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"worker.decompress_threads must be at least 1, got {cfg.worker.decompress_threads}")
     if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:
         raise ValueError(f"worker.index={cfg.worker.index} is outside 0..{cfg.cluster.workers - 1}")
+    if not 0 <= cfg.cluster.min_workers <= cfg.cluster.workers:
+        raise ValueError(
+            f"cluster.min_workers={cfg.cluster.min_workers} must be within 0..cluster.workers "
+            f"({cfg.cluster.workers}; 0: all of them)"
+        )
     joining = cfg.cluster.join_port >= 0 and not cfg.cluster.worker_addresses  # they come by the link
     if cfg.role.name == "main" and not joining and len(cfg.cluster.worker_addresses) != cfg.cluster.workers:
         raise ValueError(

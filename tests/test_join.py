@@ -97,6 +97,32 @@ def test_boxes_are_handed_the_shadow_then_each_worker_then_the_cluster_is_full(d
     assert again.name == "worker0"
 
 
+def test_main_starts_with_min_workers_and_later_boxes_reach_it_ready(door):
+    """cluster.min_workers: main's rendezvous returns once the shadow and that many workers serve
+    ('' for the others), and a box ready after that is handed to main (`on_ready`)."""
+    _, admissions, _, _ = door
+    admissions.admitted.update({"shadow": "h", "worker0": "h", "worker1": "h"})
+    admissions.ready.update({"worker0": ("tcp://h:1", "")})
+    with pytest.raises(TimeoutError, match="shadow, worker1 did not join"):
+        admissions.wait_ready(timeout_s=0.1, min_workers=1)  # the shadow comes first
+    admissions.ready["shadow"] = ("tcp://h:2", "tcp://h:3")
+    with pytest.raises(TimeoutError, match="worker1 did not join"):
+        admissions.wait_ready(timeout_s=0.1)  # all of them, without min_workers
+    assert admissions.wait_ready(timeout_s=0.1, min_workers=1) == (
+        ["tcp://h:1", ""],
+        ("tcp://h:2", "tcp://h:3"),
+    )
+    seen = []
+    admissions.on_ready = lambda *node: seen.append(node)
+
+    class Context:
+        def abort(self, code, why):
+            raise AssertionError(why)
+
+    admissions.Ready(odmoe_pb2.ReadyRequest(name="worker1", address="tcp://h:4"), Context())
+    assert seen == [("worker1", "tcp://h:4", "")]
+
+
 def test_a_wrong_secret_a_wrong_fingerprint_and_a_rotated_secret_are_refused(door):
     link, admissions, keys, tmp = door
     wrong = JoinLink("x" * 32, link.host, link.port, link.fingerprint)
@@ -398,3 +424,77 @@ def test_a_box_takes_main_s_allow_list_revocations_included(tmp_path):
     assert not keys.public_key("worker1").exists() and (keys.revoked / "worker1.key").exists()
     assert keys.public_key("worker0").read_bytes() == b"changed"
     assert _refresh_public(keys, held) == 0
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # main + three joining boxes, one of them while main serves: ~2-3 min here
+def test_a_box_joining_a_serving_cluster_is_taken_in_and_given_work(tmp_path, reap_children):
+    """Growth (issue 48, point 5): with cluster.min_workers=1 main serves as soon as the shadow and
+    one worker have joined; a second worker's box joins by the same line while a stream runs, is
+    taken in without stopping it, and computes experts from then on; every token is the reference's."""
+    import threading
+
+    from odmoe import Client
+
+    model = resolve_model("tiny")
+    key_dir, ready, log = tmp_path / "main-keys", tmp_path / "main.json", tmp_path / "main.log"
+    env, port = dict(os.environ), _free_port()
+    main = subprocess.Popen(
+        [sys.executable, "-m", "odmoe.launch.cli", "role=main", f"model.path={model}", "cluster.workers=2",
+         "cluster.group_size=2", "cluster.min_workers=1", "worker.cache=0", "cluster.join_port=0",
+         "server.http=false", f"cluster.main_port={port}", f"security.key_dir={key_dir}",
+         f"ready_file={ready}"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env,
+    )  # fmt: skip
+    boxes: list[subprocess.Popen] = []
+    prompt = "def fibonacci(n):"
+    want, _ = reference(model, prompt, new_tokens=24)
+    try:
+        deadline = time.monotonic() + 300
+        while not (key_dir / "join-link").exists():
+            assert main.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        line = (key_dir / "join-link").read_text().split()[-1]
+        for b in range(2):  # the shadow, then worker0
+            (tmp_path / f"box{b}").mkdir()
+            boxes.append(_start_box(line, tmp_path / f"box{b}", env))
+        while not ready.exists():
+            assert main.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.1)
+        with Client(f"127.0.0.1:{port}", credentials=str(key_dir)) as client:
+            assert client.info()["live_workers"] == [0]  # serving with one of its two workers
+            first = client.generate(prompt, max_new_tokens=24)
+            assert list(first.token_ids) == want and set(first.stats["per_worker"]) == {"worker0"}
+            runs: list[list[int]] = []
+            joined = threading.Event()
+
+            def keep_streaming() -> None:  # requests back to back from before the box starts until after
+                while not joined.is_set() or len(runs) < 2:
+                    runs.append([piece.token_id for piece in client.stream(prompt, max_new_tokens=24)])
+
+            stream = threading.Thread(target=keep_streaming)
+            stream.start()
+            (tmp_path / "box2").mkdir()
+            boxes.append(_start_box(line, tmp_path / "box2", env))  # a box joins the serving cluster
+            while 1 not in client.info()["live_workers"]:
+                assert time.monotonic() < deadline + 120, (tmp_path / "box2" / "log").read_text()[-2000:]
+                time.sleep(0.2)
+            joined.set()
+            stream.join(timeout=120)
+            assert len(runs) >= 2 and all(r == want for r in runs)  # served throughout, the same tokens
+            assert _name_of(tmp_path / "box2") == "worker1"
+            after = client.generate(prompt, max_new_tokens=24)
+            assert list(after.token_ids) == want
+            assert after.stats["per_worker"]["worker1"]["experts"] > 0  # given its share of the work
+    finally:
+        for p in boxes:
+            try:
+                os.killpg(p.pid, 15)
+            except ProcessLookupError:
+                pass
+        main.terminate()
+        for p in [*boxes, main]:
+            try:
+                p.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()

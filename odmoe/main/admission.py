@@ -17,8 +17,9 @@ Contract:
 - `Challenge` also answers the box's own nonce with `main_proof` over main's certificate
   fingerprint: main proves it holds the secret before the box sends its proof.
 - `Ready(name, address, pub_address)` (token required) records where an admitted node serves;
-  `wait_ready(timeout_s)` blocks until the shadow (when there is one) and every worker have, and
-  returns their addresses for main's configuration.
+  `wait_ready(timeout_s, min_workers)` blocks until the shadow (when there is one) and every worker
+  (or `min_workers` of them) have, and returns their addresses for main's configuration; a node
+  ready later is passed to `on_ready` (main takes it in while serving: a cluster growing).
 - `secret_file` is made (0600, random) when missing; `join_link(...)` formats main's line.
 """
 
@@ -93,6 +94,8 @@ class Admissions(odmoe_pb2_grpc.AdmissionServicer):
         self.ready: dict[str, tuple[str, str]] = {}  # name -> (address, pub_address)
         self._changed = threading.Condition(self._lock)
         self.advertised = None  # the mDNS announcement, when cluster.advertise
+        # once main serves: told of each node ready after main started (a cluster growing)
+        self.on_ready: Callable[[str, str, str], None] | None = None
 
     # -- the RPCs ----------------------------------------------------------------------------
     def Challenge(self, request, context):
@@ -165,24 +168,37 @@ class Admissions(odmoe_pb2_grpc.AdmissionServicer):
                 context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{request.name} was not admitted")
             self.ready[request.name] = (request.address, request.pub_address)
             self._changed.notify_all()
+            on_ready = self.on_ready
         log.info("%s serves on %s", request.name, request.address)
+        if on_ready is not None:
+            on_ready(request.name, request.address, request.pub_address)
         return odmoe_pb2.ReadyReply(detail=f"{request.name} at {request.address} noted")
 
     # -- main's side -------------------------------------------------------------------------
     def expected(self) -> list[str]:
         return (["shadow"] if self.shadow else []) + [f"worker{i}" for i in range(self.workers)]
 
-    def wait_ready(self, timeout_s: float | None = None) -> tuple[list[str], tuple[str, str] | None]:
-        """(worker addresses by index, (shadow address, pub address) or None) once all are ready."""
+    def wait_ready(
+        self, timeout_s: float | None = None, min_workers: int = 0
+    ) -> tuple[list[str], tuple[str, str] | None]:
+        """(worker addresses by index, (shadow address, pub address) or None) once all are ready, or
+        the shadow and `min_workers` workers (cluster.min_workers): "" for a worker not ready yet."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         with self._changed:
-            while missing := [n for n in self.expected() if n not in self.ready]:
+            while not self._enough(min_workers):
+                missing = [n for n in self.expected() if n not in self.ready]
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"{', '.join(missing)} did not join within {timeout_s:.0f} s")
                 self._changed.wait(timeout=min(left, 5.0) if left is not None else 5.0)
-        workers = [self.ready[f"worker{i}"][0] for i in range(self.workers)]
-        return workers, self.ready["shadow"] if self.shadow else None
+            workers = [self.ready.get(f"worker{i}", ("", ""))[0] for i in range(self.workers)]
+            return workers, self.ready["shadow"] if self.shadow else None
+
+    def _enough(self, min_workers: int) -> bool:
+        if self.shadow and "shadow" not in self.ready:
+            return False
+        ready = sum(f"worker{i}" in self.ready for i in range(self.workers))
+        return ready >= (min_workers or self.workers)
 
     def _assign(self, role: str, name: str) -> tuple[str | None, str]:
         names = self.expected()

@@ -82,7 +82,8 @@ class Membership:
         self.beats = beats  # owned: closed with the membership
         self.ctx = zmq.Context.instance()
         self.addresses = list(addresses)
-        self.links: dict[int, WatchedSocket] = {i: self._connect(i, a) for i, a in enumerate(addresses)}
+        # "" where a worker's address is not known yet (a box that will join by the link)
+        self.links: dict[int, WatchedSocket] = {i: self._connect(i, a) for i, a in enumerate(addresses) if a}
         self.pongs: dict[int, Pong] = {}
         self.probes: dict[int, _Probe] = {}
         self.announced: queue.Queue[tuple[int, str]] = queue.Queue()
@@ -198,23 +199,33 @@ class Membership:
         self._poller_stale = False
 
     # -- start-up ------------------------------------------------------------------------------
-    def ping_all(self, timeout_s: float, shadow_pub: str) -> list[Pong]:
+    def ping_all(self, timeout_s: float, shadow_pub: str, minimum: int = 0) -> list[Pong]:
         """Every configured worker must be up and be what its address says (start-up only).
+        With `minimum` (cluster.min_workers), that many suffice once every layer has one that holds
+        it: the others are left to `maintain`, which takes each in when it answers (growth).
 
-        Raises WorkerUnavailable naming the workers that stay silent or are misconfigured."""
+        Raises WorkerUnavailable naming the workers that stay silent or are misconfigured. Returns
+        the Pongs of the workers that answered, by index."""
         self.shadow_pub = shadow_pub
         for worker in self.links:
             self.send(worker, to_frames(Ping(shadow_pub=shadow_pub)))
         deadline = time.monotonic() + timeout_s
-        while len(self.pongs) < self.topology.workers:
+        while not self._enough_to_start(minimum):
             received, lost = self.wait(int((deadline - time.monotonic()) * 1000))
             if refused := [w for w in lost if w in self.refusals]:
                 raise WorkerUnavailable(self.refusals[refused[0]])
-            if lost:
+            if lost and not minimum:
                 raise WorkerUnavailable(f"worker(s) {lost} dropped the connection while starting")
             if not received and time.monotonic() >= deadline:
                 silent = [i for i in range(self.topology.workers) if i not in self.pongs]
-                raise WorkerUnavailable(f"worker(s) {silent} did not answer a ping within {timeout_s:.0f}s")
+                more = (
+                    f" (cluster.min_workers={minimum} needs {minimum} and every layer held)"
+                    if minimum
+                    else ""
+                )
+                raise WorkerUnavailable(
+                    f"worker(s) {silent} did not answer a ping within {timeout_s:.0f}s{more}"
+                )
             for worker, frames in received:
                 pong = self._pong(frames)
                 if pong is not None:
@@ -222,8 +233,22 @@ class Membership:
                         raise WorkerUnavailable(problem)
                     self.pongs[worker] = pong
                     self._watch(worker)
+        for worker in [w for w in self.links if w not in self.pongs]:  # not up yet: probed from now on
+            link = self.links.pop(worker)
+            link.close()
+            self._poller_stale = True
+            log.info(
+                "worker %d is not up yet: main serves without it and takes it in when it answers", worker
+            )
         self.broadcast()
-        return [self.pongs[i] for i in range(self.topology.workers)]
+        return [self.pongs[i] for i in sorted(self.pongs)]
+
+    def _enough_to_start(self, minimum: int) -> bool:
+        if len(self.pongs) == self.topology.workers:
+            return True
+        if not minimum or len(self.pongs) < minimum:
+            return False
+        return all(self.topology.holders(layer, self.pongs) for layer in self.layers)
 
     def _pong(self, frames) -> Pong | None:
         try:
@@ -267,7 +292,7 @@ class Membership:
             if worker not in self.links:
                 self._probe(worker)
         for worker in range(self.topology.workers):
-            if worker in self.links:
+            if worker in self.links or not self.addresses[worker]:  # "": where it serves is not known yet
                 continue
             probe = self.probes.get(worker) or self._probe(worker)
             if self._admit(probe):

@@ -725,13 +725,14 @@ class RemoteExperts:
             counter.add(iteration, layer, predictions.get((iteration, layer)), experts)
         return counter
 
-    def ping_all(self, timeout_s: float) -> list[Pong]:
-        """Check every worker is up, is the worker its address says, and holds what it will be asked.
+    def ping_all(self, timeout_s: float, minimum: int = 0) -> list[Pong]:
+        """Check every worker is up (or `minimum` of them: Membership.ping_all), is the worker its
+        address says, and holds what it will be asked.
 
         Raises WorkerUnavailable naming the workers that stay silent or are misconfigured.
         """
         shadow_pub = self.shadow.pub_address if self.shadow is not None else ""
-        return self.members.ping_all(timeout_s, shadow_pub)
+        return self.members.ping_all(timeout_s, shadow_pub, minimum)
 
     def close(self) -> None:
         self.members.close()
