@@ -201,6 +201,9 @@ class SoakSuite:
     # chunk and beat lost with a probability drawn from loss: TCP chunks late by a retransmission
     # timeout, beats dropped); stragglers and loss bursts last network_s.
     network: bool = False
+    # workers the chaos leaves alone at any time (live in main's view, no fault of ours): with 1, a
+    # single late beat of that last worker would fail requests at once (no live worker for a layer)
+    keep_serving: int = 1
     straggler_delay_s: list[float] = field(default_factory=lambda: [0.02, 0.2])
     hole_s: list[float] = field(default_factory=lambda: [0.5, 10.0])
     loss: list[float] = field(default_factory=lambda: [0.05, 0.5])
@@ -571,6 +574,8 @@ def validate(cfg: BenchConfig) -> None:
         low_high = getattr(cfg.soak, key)
         if len(low_high) != 2 or not 0 <= low_high[0] <= low_high[1]:
             raise ValueError(f"soak.{key} must be [low, high] with 0 <= low <= high, got {low_high}")
+    if not 1 <= cfg.soak.keep_serving < cfg.soak.workers:
+        raise ValueError(f"soak.keep_serving must lie in [1, soak.workers), got {cfg.soak.keep_serving}")
     if cfg.soak.loss[1] >= 1:
         raise ValueError(f"soak.loss must lie below 1 (a probability), got {cfg.soak.loss}")
     p = cfg.prefill

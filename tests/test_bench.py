@@ -56,6 +56,8 @@ def test_bad_bench_config_is_refused():
         compose_bench(["suite=soak", "soak.network=true", "soak.loss=[0.1,1.0]"])
     with pytest.raises(ValueError, match="soak.hole_s must be"):
         compose_bench(["suite=soak", "soak.hole_s=[10,1]"])
+    with pytest.raises(ValueError, match="soak.keep_serving"):
+        compose_bench(["suite=soak", "soak.keep_serving=4"])
     compose_bench(["suite=soak", "soak.network=true", "soak.hole_s=[1,3]", "soak.loss=[0.01,0.05]"])
     with pytest.raises(ValueError, match="prefill.configurations"):
         compose_bench(["suite=prefill", "prefill.configurations=['4:striped']"])

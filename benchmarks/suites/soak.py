@@ -4,9 +4,10 @@ One local cluster (`soak.workers` workers, the shadow) serves `soak.requests` re
 `soak.clients` client threads, each a prompt drawn from `soak.prompts` whose reference tokens are
 known. Meanwhile a chaos thread, every `chaos_every_s` (random in that range), picks a worker or the
 shadow that is up and kills it (restarting it after `down_s`) or freezes it (resuming it after
-`down_s`); several nodes may be down at once, but a worker is taken down only while another one is
-live in main's own view (a restarted or resumed worker counts as down until main has taken it
-back), so every layer keeps a live holder (every worker stores every layer here). Reported:
+`down_s`); several nodes may be down at once, but a worker is taken down only while at least
+`keep_serving` others stay live in main's own view and untouched (a restarted or resumed worker
+counts as down until main has taken it back), so every layer keeps a live holder (every worker
+stores every layer here). Reported:
 requests lost (failed), requests whose tokens differ, faults injected, and each node's RSS growth
 after `warmup_requests` (main and the nodes that lived through the whole run; a restarted node is a
 new process). The picture shows throughput and RSS over time with the faults marked.
@@ -26,6 +27,7 @@ import random
 import re
 import threading
 import time
+from collections import Counter
 
 import psutil
 
@@ -78,7 +80,8 @@ def summary(report: dict, requests: int) -> str:
         f"requests {report['completed']}/{requests} completed, lost {report['lost']}, "
         f"tokens differ {report['differ']}, faults {len(report['events'])} ({faults}) "
         f"in {report['seconds']:.0f} s; main declared a worker lost {report['main_lost']} times and "
-        f"took one back {report['main_rejoined']} times; a worker was live again at most "
+        f"took one back {report['main_rejoined']} times ({report['main_left_none_live']} losses left "
+        f"none live; why: {report['main_loss_reasons']}); a worker was live again at most "
         f"{'-' if back is None else f'{back:.1f}'} s after its fault ended ({never} never)"
     )
 
@@ -216,7 +219,7 @@ def _chaos_run(cluster, relays: dict[str, list[Relay]], prompts, wanted, suite, 
             with lock:
                 up = [n for n in nodes if n not in down]
                 serving = [w for w in live if f"worker{w}" not in down]
-                if len(serving) < 2:  # main must keep a live worker for every layer
+                if len(serving) <= suite.keep_serving:  # main must keep a live worker for every layer
                     up = [n for n in up if not n.startswith("worker")]
                 if not up:
                     continue
@@ -273,6 +276,7 @@ def _chaos_run(cluster, relays: dict[str, list[Relay]], prompts, wanted, suite, 
     seconds = time.monotonic() - start
     main_log = cluster.node("main").log_file.read_text(errors="replace")  # main is never taken down
     back = [e["back_s"] for e in events if e.get("back_s") is not None]
+    losses = re.findall(r"^.*worker \d+ \(.*?\) lost: (.*); live: (\[.*\])$", main_log, re.M)
     return {
         **results,
         "seconds": seconds,
@@ -280,7 +284,9 @@ def _chaos_run(cluster, relays: dict[str, list[Relay]], prompts, wanted, suite, 
         **counts,
         # workers main declared lost / took back (by beats, heartbeats or failed calls), and how
         # long after a fault on a worker ended main had it live again (None: not within 60 s)
-        "main_lost": len(re.findall(r"^.*worker \d+ \(.*\) lost: ", main_log, re.M)),
+        "main_lost": len(losses),
+        "main_loss_reasons": dict(Counter(re.sub(r"[\d.]+", "N", why) for why, _ in losses)),
+        "main_left_none_live": sum(live == "[]" for _, live in losses),
         "main_rejoined": len(re.findall(r"^.*worker \d+ \(.*\) is back", main_log, re.M)),
         "back_s_max": max(back, default=None),
         "never_back": [e for e in events if "back_s" in e and e["back_s"] is None],
