@@ -273,7 +273,9 @@ class FailoverConfig:
     # consistently slower than they are, and back once it has recovered
     steer_stragglers: bool = True
     straggler_factor: float = 3.0  # a straggler: its median seconds per expert above this x its peers'
-    straggler_after: int = 8  # that median is over its last this many answers (judged once it has them)
+    # that median is over its last this many decode answers (judged once it has them): 8 were measured
+    # to flap on a loaded 2-core box, a worker starved of its core for a few iterations
+    straggler_after: int = 32
     # a straggler still gets its share of each of its group's layers every this-many-th decode
     # iteration (a probe; the layers take turns); two probe answers in a row within straggler_factor
     # of its peers' and it is given work again

@@ -108,7 +108,7 @@ def test_bad_straggler_keys_fail_with_a_readable_message(word):
 
 def test_main_watches_for_stragglers_only_with_cacheless_workers_and_steering_on():
     watch = straggler_watch(compose(["worker.cache=0", "failover.straggler_factor=2.5"]))
-    assert watch is not None and watch.factor == 2.5 and watch.window == 8
+    assert watch is not None and watch.factor == 2.5 and watch.window == 32
     assert straggler_watch(compose(["worker.cache=0", "failover.steer_stragglers=false"])) is None
     assert straggler_watch(compose(["worker.cache=4"])) is None  # homes never move
 

@@ -25,7 +25,7 @@ def test_a_slow_worker_is_steered_around_and_given_work_again_once_fast(model_di
     link as fast as the others': its probes show it, and it is given its share again."""
     path = model_dirs["mixtral"]
     want, _ = reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)
-    words = ["worker.cache=0", "failover.straggler_probe_every=4", *_link(2)]
+    words = ["worker.cache=0", "failover.straggler_after=8", "failover.straggler_probe_every=4", *_link(2)]
 
     def slow_worker3(name: str) -> NodePlacement:
         return NodePlacement(words=_link(40) if name == "worker3" else [])

@@ -34,7 +34,7 @@ from statistics import median
 @dataclass
 class StragglerWatch:
     factor: float = 3.0  # slower than this many times its peers' median: slow
-    window: int = 8  # answers a worker's time is the median of (and needed before it is judged)
+    window: int = 32  # answers a worker's time is the median of (and needed before it is judged)
     leave_after: int = 2  # answers in a row within the factor before a straggler is one no more
     recent: dict[int, deque[float]] = field(default_factory=dict)  # worker -> its last `window` seconds
     slow: frozenset[int] = frozenset()
