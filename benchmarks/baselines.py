@@ -33,10 +33,10 @@ import torch
 from transformers import AutoModelForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
-from odmoe.models.checkpoint import open_checkpoint
 from odmoe.models.expert_math import combine, expert_forward, split_by_expert
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import build_main_model, resolve_dtype
+from odmoe.models.open_model import open_checkpoint
 from odmoe.tools.memory import peak_rss_bytes
 from odmoe.worker.device_slots import device_peak_bytes
 from odmoe.worker.expert_store import DeviceSlots, ExpertKey, ExpertStore, Link, Slot

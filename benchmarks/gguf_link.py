@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from odmoe import LocalCluster
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.node_memory import process_memory
 from odmoe.tools.model_factory import ModelSpec, make_wide_model
 

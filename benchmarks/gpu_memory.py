@@ -28,7 +28,7 @@ GiB = 1 << 30
 ONE_PROCESS = """
 import json, sys, torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 path, device, n, prompt = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
 model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device)
 ids = load_tokenizer(path)(prompt, return_tensors="pt")["input_ids"].to(device)

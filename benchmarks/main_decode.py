@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 
 
 def _measure(engine, workers, requests, clock=time.thread_time) -> tuple[float, dict[str, list[int]]]:

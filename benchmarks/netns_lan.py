@@ -27,7 +27,7 @@ from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.results import write_report
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.model_names import resolve_model
 
 SUBNET, BRIDGE = "10.77.0", "odmoe-br"

@@ -36,7 +36,7 @@ import odmoe
 from odmoe.benchmarks.netns_lan import Lan
 from odmoe.benchmarks.results import write_report
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
 from odmoe.tools.model_names import resolve_model
 from odmoe.transport.security import TLS_NAME

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from odmoe import LocalCluster
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.fp8_checkpoint import quantize_fp8
 from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4

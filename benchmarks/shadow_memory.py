@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from odmoe.models.checkpoint import open_checkpoint
+from odmoe.models.open_model import open_checkpoint
 
 
 def _status() -> dict[str, int]:

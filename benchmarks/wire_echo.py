@@ -29,8 +29,8 @@ import time
 import torch
 import zmq
 
-from odmoe.models.checkpoint import open_checkpoint
 from odmoe.models.expert_math import KERNELS, expert_forward
+from odmoe.models.open_model import open_checkpoint
 from odmoe.transport.messages import ComputeExpert, ExpertResult, from_frames, to_frames
 
 

@@ -43,7 +43,8 @@ from pathlib import Path
 from odmoe.config import ModelConfig, OdmoeConfig
 from odmoe.launch.settings import compose
 from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent, popen_node  # noqa: F401 - re-exported
-from odmoe.models.checkpoint import CheckpointError, open_checkpoint
+from odmoe.models.checkpoint import CheckpointError
+from odmoe.models.open_model import open_checkpoint
 from odmoe.serving.client import Client
 from odmoe.tools.model_names import resolve_model
 from odmoe.transport.security import ClientCredentials, init_key_dir

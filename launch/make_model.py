@@ -18,7 +18,7 @@ import math
 import sys
 from dataclasses import fields
 
-from odmoe.models.checkpoint import open_checkpoint
+from odmoe.models.open_model import open_checkpoint
 from odmoe.tools.gguf_export import GGUF_TYPES
 from odmoe.tools.model_factory import FAMILIES, ModelSpec, make_model
 

@@ -18,10 +18,11 @@ import time
 
 import torch
 
-from odmoe.models.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from odmoe.models.checkpoint import Checkpoint, CheckpointError
 from odmoe.models.families import UnsupportedModelError
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
+from odmoe.models.open_model import open_checkpoint
 from odmoe.worker.compressed_tensor import DEFAULT_CHUNK_ELEMS, DEFAULT_LEVEL, decompress
 from odmoe.worker.expert_pack import PACK_DIR, ExpertPack, PackError, dtype_name, write_pack
 

@@ -28,10 +28,11 @@ from odmoe.memory_plan import (
     plan_workers,
     worker_memories,
 )
-from odmoe.models.checkpoint import Checkpoint, open_checkpoint
+from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.families import layer_of_key
 from odmoe.models.load_dtypes import meta_skeleton
 from odmoe.models.main_model import resolve_dtype
+from odmoe.models.open_model import open_checkpoint
 from odmoe.node_memory import node_memory
 from odmoe.shadow.precision import AUTO_CHOICES, PRECISIONS, choose_precision, shadow_weight_bytes
 from odmoe.shadow.shadow_model import weight_shapes

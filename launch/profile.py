@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe.lossy.substitution import profile_path
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.profiling import draw_heatmap, profile_model, save_profile
 
 

@@ -21,9 +21,9 @@ from pathlib import Path
 
 from odmoe.config import OdmoeConfig
 from odmoe.launch.local_cluster import resolve_model_path
-from odmoe.models.checkpoint import open_checkpoint
 from odmoe.models.checkpoint_index import CheckpointIndex, build_index
 from odmoe.models.families import is_expert_key, layer_of_key
+from odmoe.models.open_model import open_checkpoint
 from odmoe.models.share_pull import PullReport, pull_share
 from odmoe.nodes.ready import announce_ready
 from odmoe.rpc import odmoe_pb2_grpc

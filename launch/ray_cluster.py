@@ -54,7 +54,7 @@ from odmoe.config import OdmoeConfig, RayRoleConfig
 from odmoe.launch.local_cluster import resolve_model_path
 from odmoe.launch.ray_node import STOP_GRACE_S, NodeActor, NodeSpec, SecretFiles, model_fingerprint
 from odmoe.launch.spawn import ClusterStartError
-from odmoe.models.checkpoint import open_checkpoint
+from odmoe.models.open_model import open_checkpoint
 from odmoe.serving.client import Client
 from odmoe.transport.security import ClientCredentials, KeyDir, init_key_dir
 

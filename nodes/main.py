@@ -61,8 +61,8 @@ from odmoe.main.request_queue import END, QueueClosed, QueueFull, RequestQueue, 
 from odmoe.main.sampling import SamplingParams
 from odmoe.main.shadow_link import ShadowLink
 from odmoe.memory_plan import MemoryPlanError, unfit_homes
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.models.main_model import build_main_model, resolve_dtype
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.nodes.ready import announce_ready
 from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.serving.error_status import message_of, status_of

@@ -52,9 +52,9 @@ from odmoe.config import OdmoeConfig
 from odmoe.main.alignment import make_plan
 from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked, in_task, park
 from odmoe.models.cache_argument import with_cache
-from odmoe.models.checkpoint import load_config
 from odmoe.models.families import family_of
 from odmoe.models.main_model import experts_modules
+from odmoe.models.open_model import load_config
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
 from odmoe.shadow.hedging import GroupLimit, shadow_hedges

@@ -48,10 +48,11 @@ import zmq
 from odmoe.config import OdmoeConfig
 from odmoe.lossy.substitution import profile_path, use_rates
 from odmoe.memory_plan import CheckpointSizes, MemoryPlanError, WorkerSetup, worker_memories
-from odmoe.models.checkpoint import Checkpoint, open_checkpoint
+from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.expert_math import KERNELS, expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
+from odmoe.models.open_model import open_checkpoint
 from odmoe.node_memory import node_memory
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import LayerUnavailable

@@ -17,10 +17,11 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from odmoe.models import gguf_blocks
-from odmoe.models.checkpoint import CheckpointError, load_tokenizer, open_checkpoint
+from odmoe.models.checkpoint import CheckpointError
 from odmoe.models.families import UnsupportedModelError
 from odmoe.models.gguf_blocks import dequantize, dequantize_into
 from odmoe.models.gguf_checkpoint import GgufCheckpoint, gguf_location
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.gguf_export import GGUF_TYPES, write_gguf
 from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.worker.expert_store import ExpertStore

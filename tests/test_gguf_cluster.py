@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from odmoe import LocalCluster
-from odmoe.models.checkpoint import load_tokenizer
 from odmoe.models.gguf_checkpoint import GgufCheckpoint
+from odmoe.models.open_model import load_tokenizer
 from tests.test_cluster_fidelity import node_threads
 from tests.test_gguf_checkpoint import reference_model
 

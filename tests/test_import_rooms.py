@@ -1,7 +1,8 @@
 """The import graph between the rooms of the house has no loop (issue 33): odmoe's sub-packages and
 top-level modules, nodes/, launch/, benchmarks/. Allowed by design and left out: odmoe/__init__.py
 re-exporting LocalCluster from launch, and odmoe-bench's entry point (launch/bench.py) running the
-benchmarks."""
+benchmarks. Inside a room neither (issue 49): no module imports one that imports it back, whether
+at the top, inside a function or for type checking only."""
 
 from __future__ import annotations
 
@@ -54,6 +55,40 @@ def edges() -> dict[str, set[str]]:
     return graph
 
 
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] != "odmoe":
+        parts.insert(0, "odmoe")
+    return ".".join(parts).removesuffix(".__init__")
+
+
+def module_edges() -> dict[str, set[str]]:
+    """Every import of one of our modules by another, a package's own __init__ aside (importing a
+    package runs it first: that is not a loop a reader follows)."""
+    files = {
+        _module_name(path): path
+        for top in ("odmoe", "nodes", "launch", "benchmarks")
+        for path in (ROOT / top).rglob("*.py")
+        if "rpc" not in path.parts
+    }
+    graph: dict[str, set[str]] = {}
+    for here, path in files.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            for name in names:
+                if name in files and name != here and not here.startswith(name + "."):
+                    if files[name].name == "__init__.py" and name in ("odmoe",):
+                        continue
+                    graph.setdefault(here, set()).add(name)
+    return graph
+
+
 def reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     seen, stack = set(), [start]
     while stack:
@@ -70,9 +105,18 @@ def test_no_loop_between_rooms():
     assert not loops, {room: sorted(graph[room]) for room in loops}
 
 
+def test_no_loop_between_modules():
+    graph = module_edges()
+    loops = sorted(m for m in graph if m in reachable(graph, m))
+    assert not loops, {m: sorted(graph[m] & set(loops)) for m in loops}
+
+
 def test_the_check_sees_the_rooms():
     graph = edges()
     assert "odmoe.main" in graph["nodes"] and "odmoe.worker" in graph["nodes"]
     assert "launch" in graph["benchmarks"] and "odmoe.config" in graph["odmoe.main"]
     # and a loop is found when there is one
     assert "a" in reachable({"a": {"b"}, "b": {"a"}}, "a")
+    modules = module_edges()
+    assert "odmoe.main.exchange_records" in modules["odmoe.main.remote_experts"]
+    assert "odmoe.models.checkpoint" in modules["odmoe.models.open_model"]

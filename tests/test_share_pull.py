@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from odmoe.launch.local_cluster import LocalCluster, NodePlacement
-from odmoe.models.checkpoint import CheckpointError, open_checkpoint
+from odmoe.models.checkpoint import CheckpointError
 from odmoe.models.checkpoint_index import SHARE_STATE, build_index
 from odmoe.models.families import is_expert_key, layer_of_key
+from odmoe.models.open_model import open_checkpoint
 from odmoe.models.share_pull import ShareError, pull_share
 from odmoe.rpc import odmoe_pb2_grpc
 from odmoe.tools.model_names import resolve_model

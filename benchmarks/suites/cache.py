@@ -30,9 +30,9 @@ from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:

@@ -63,8 +63,9 @@ from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.wire_echo import busy
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
-from odmoe.models.checkpoint import Checkpoint, load_tokenizer, open_checkpoint
+from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.main_model import resolve_dtype
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.transport.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
 
 

@@ -39,7 +39,7 @@ import odmoe
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 
 EVAL_DIR = Path(__file__).resolve().parent.parent / "eval"
 NODE_THREADS = 1  # conf/cluster/local.yaml: torch_threads of every local node

@@ -30,7 +30,7 @@ from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 
 PROMPT_TOKENS = 32
 

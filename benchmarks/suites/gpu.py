@@ -49,7 +49,8 @@ from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.config import BenchConfig, GpuSuite, gpu_system
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.models.checkpoint import Checkpoint, load_tokenizer, open_checkpoint
+from odmoe.models.checkpoint import Checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
 
 NO_CUDA = (

@@ -26,7 +26,7 @@ from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
 CLUSTER_SYSTEMS = {

@@ -42,7 +42,7 @@ from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.main.alignment import AlignmentSchedule
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.hedging import shadow_hedges
 
 

@@ -28,7 +28,7 @@ from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES, prompt_ids
 from odmoe.lossy.miss_policy import MissConfig
 from odmoe.lossy.substitution import profile_path
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.shadow_model import load_shadow_model
 
 HELD_OUT_FROM = 500  # held-out windows are prompts 500.. (cluster prompts are 0..)

@@ -29,7 +29,7 @@ from odmoe.benchmarks.netns_lan import Lan
 from odmoe.benchmarks.network_faults import NEW_TOKENS, black_hole, client_cut, missing, phase
 from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 
 PROMPT_TOKENS = 16
 

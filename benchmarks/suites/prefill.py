@@ -23,7 +23,7 @@ from odmoe.benchmarks.cluster_runs import cluster_words, recall_per_token, run_c
 from odmoe.benchmarks.config import BenchConfig, prefill_configuration
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:

@@ -27,7 +27,7 @@ from odmoe.benchmarks.results import ResultsDir, fmt
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.main.recall import RecallCounter
-from odmoe.models.checkpoint import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.shadow_model import model_bytes
 
 PROMPT_TOKENS = 32

@@ -21,7 +21,7 @@ from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 
 MODES = ("on", "off")
 

@@ -37,7 +37,7 @@ from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import ClusterStartError
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
 
 PROMPT_TOKENS = 16

@@ -24,10 +24,10 @@ from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.trace import Tracer, now_us
 from odmoe.transport.messages import ExpertResult, Prediction, Step
 
-if TYPE_CHECKING:  # the records name the data path's types; it imports this module
+if TYPE_CHECKING:
     import torch
 
-    from odmoe.main.remote_experts import BatchCall, DecodeRows, RunContext
+    from odmoe.main.exchange_records import BatchCall, DecodeRows, RunContext
 
 
 @dataclass

@@ -16,10 +16,11 @@ import torch
 
 from odmoe.main.engine import Batching, MainEngine
 from odmoe.main.remote_experts import RemoteExperts
-from odmoe.models.checkpoint import Checkpoint, load_tokenizer, open_checkpoint
+from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.expert_math import expert_forward, expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import build_main_model
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.placement import Topology
 from odmoe.transport.messages import (
     ComputeExpert,

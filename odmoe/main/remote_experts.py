@@ -66,13 +66,14 @@ from odmoe.main.exchange_observers import (
     Timeline,
     TrafficAccounting,
 )
+from odmoe.main.exchange_records import BatchCall, DecodeRows, RunContext
 from odmoe.main.expert_traffic import ExpertTraffic, LayerClock
 from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
 from odmoe.main.shadow_link import ShadowLink
 from odmoe.main.stragglers import StragglerWatch
-from odmoe.models.expert_math import ExpertRows, combine, expert_input, split_by_expert
+from odmoe.models.expert_math import combine, expert_input, split_by_expert
 from odmoe.placement import LayerUnavailable, Topology
 from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
@@ -115,62 +116,11 @@ class _Call:
         return len(self.parts) == self.expected
 
 
-@dataclass
-class RunContext:
-    """One running request as the data plane sees it: its name, the iteration its forward pass is
-    computing (0: prefill), and what its exchanges cost it."""
-
-    request: str
-    iteration: int = 0
-    traffic: ExpertTraffic = field(default_factory=ExpertTraffic)
-    budget: TokenBudget | None = None  # lossy miss policy: substitutions left to this token
-
-    def begin(self, iteration: int) -> None:
-        self.iteration = iteration
-        if self.budget is not None:
-            self.budget.reset()
-
-
-@dataclass
-class DecodeRows:
-    """One request's share of a decode layer: its token's row, its router's choice, its groups."""
-
-    ctx: RunContext
-    layer: int
-    hidden: torch.Tensor  # [1, H]
-    top_k_index: torch.Tensor  # [1, k]
-    top_k_weights: torch.Tensor  # [1, k]
-    groups: list[ExpertRows]  # the experts it routes to, ascending
-    stand_in: dict[int, int]  # lossy only: missing expert -> the resident one computed instead
-    entered: float = 0.0  # perf_counter when its call began
-
-    @property
-    def experts(self) -> list[int]:
-        return [rows.expert for rows in self.groups]
-
-    def computed(self, expert: int) -> int:
-        return self.stand_in.get(expert, expert)
-
-
 @dataclass(frozen=True)
 class PrefillLayer:
     """A request's prefill parked before exchanging this MoE layer (the engine meters prefills)."""
 
     layer: int
-
-
-@dataclass
-class BatchCall:
-    """One ComputeExperts: the experts placed on one worker for a decode layer, and its answer."""
-
-    worker: int
-    experts: list[int]
-    releases: bool = False  # it says the layer is over for its worker (re-sent calls never do)
-    answer: tuple[ExpertsResult, list[torch.Tensor]] | None = None
-
-    @property
-    def done(self) -> bool:
-        return self.answer is not None
 
 
 def owed_calls(calls: dict[int, _Call], lost: set[int]) -> dict[int, int]:

@@ -17,9 +17,8 @@ odmoe.models.fp8) are read as transformers reads them on a machine without FP8 k
 tensors and `expert` dequantized exactly so; `quantized_expert` hands a worker an expert as stored.
 Other quantizations are refused.
 
-`open_checkpoint(path)` opens either kind: a `.gguf` file (odmoe.models.gguf_checkpoint, the same
-interface) or a safetensors directory; `load_tokenizer` / `load_config` give the tokenizer and the
-served config for the same path, from a GGUF file's metadata as transformers builds them.
+A GGUF file is read by odmoe.models.gguf_checkpoint (the same interface); odmoe.models.open_model
+opens either kind from a path.
 """
 
 from __future__ import annotations
@@ -70,41 +69,6 @@ def _pulled_tensors(path: Path) -> frozenset[str] | None:
 
 class CheckpointError(ValueError):
     """The directory is missing or is not a usable safetensors checkpoint."""
-
-
-def open_checkpoint(path: str | Path) -> Checkpoint:
-    """The checkpoint at `path`: a GGUF file (`*.gguf`; a shard names the set) or a safetensors directory."""
-    if str(path).endswith(".gguf"):
-        from odmoe.models.gguf_checkpoint import GgufCheckpoint
-
-        return GgufCheckpoint(path)
-    return Checkpoint(path)
-
-
-def load_tokenizer(path: str | Path):
-    """`AutoTokenizer.from_pretrained` for the model at `path`; a GGUF file's tokenizer and chat
-    template come from its metadata, as transformers builds them (`gguf_file=`)."""
-    from transformers import AutoTokenizer
-
-    if str(path).endswith(".gguf"):
-        from odmoe.models.gguf_checkpoint import gguf_location
-
-        directory, name = gguf_location(path)  # a sharded set's first shard holds the tokenizer
-        return AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    return AutoTokenizer.from_pretrained(Path(path).expanduser())
-
-
-def load_config(path: str | Path) -> PretrainedConfig:
-    """The config odmoe serves from the model at `path` (a wrapper's text model; a GGUF file's as
-    `GgufCheckpoint` reads it), without reading a tensor."""
-    if str(path).endswith(".gguf"):
-        from odmoe.models.gguf_checkpoint import GgufCheckpoint
-
-        checkpoint = GgufCheckpoint(path)
-        checkpoint.close()
-        return checkpoint.config
-    config, _ = served_config(AutoConfig.from_pretrained(Path(path).expanduser()))
-    return config
 
 
 @dataclass(frozen=True)

@@ -39,11 +39,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from transformers.activations import ACT2FN
 from transformers.models.llama4.modeling_llama4 import Llama4Router
 
-from odmoe.models.checkpoint import Checkpoint, CheckpointError, open_checkpoint
+from odmoe.models.checkpoint import Checkpoint, CheckpointError
 from odmoe.models.families import is_expert_key, layer_of_key
 from odmoe.models.fp8 import SCALE_SUFFIX, dequantize, scale_key
 from odmoe.models.load_dtypes import loaded_dtypes, meta_skeleton
 from odmoe.models.main_model import experts_modules_named, llama4_choice, resolve_dtype
+from odmoe.models.open_model import open_checkpoint
 from odmoe.node_memory import NodeMemory, node_memory
 from odmoe.shadow.hedging import GroupLimit
 from odmoe.shadow.precision import (

@@ -52,8 +52,7 @@ def text_digest(docs: tuple[str, ...] | list[str]) -> str:
 
 def build(out: Path, source_bytes: int = SOURCE_BYTES) -> Path:
     """Write a corpus file from this interpreter's standard library (code only, fixed order)."""
-    from odmoe.tools.model_factory import corpus_files
-    from odmoe.tools.training import code_only
+    from odmoe.tools.corpora import code_only, corpus_files
 
     docs = [code_only(Path(p).read_text(errors="replace")) for p in corpus_files(source_bytes)]
     lines = "".join(json.dumps(doc) + "\n" for doc in docs if doc)

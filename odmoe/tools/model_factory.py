@@ -21,7 +21,6 @@ import json
 import logging
 import os
 import shutil
-import sysconfig
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -43,6 +42,8 @@ from transformers import (
     Qwen3MoeConfig,
     Qwen3NextConfig,
 )
+
+from odmoe.tools.corpora import corpus_files
 
 log = logging.getLogger("odmoe.tools.model_factory")
 
@@ -79,17 +80,6 @@ ROUTER_WEIGHTS = ("mlp.gate.weight", "feed_forward.router.weight")
 # random-init model would have it all zero; the factory draws it (std E_BIAS_STD) so it matters.
 E_BIAS_STD = 0.05
 GPT_OSS_BIAS_STD = 0.1  # gpt-oss's expert, router and sink biases, drawn so that they matter
-# Left out of the corpus: tests, vendored or generated tables that would dominate the merges.
-_SKIP_DIRS = {
-    "test",
-    "tests",
-    "site-packages",
-    "encodings",
-    "idlelib",
-    "lib2to3",
-    "pydoc_data",
-    "__pycache__",
-}
 
 
 # ChatML-like: each message is "<|role|>\n" + content + "</s>\n"; add_generation_prompt appends
@@ -400,20 +390,6 @@ def glm4_moe_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
         rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
         num_nextn_predict_layers=0,  # no multi-token-prediction layer (main never runs one)
     )
-
-
-def corpus_files(max_bytes: int = 2_000_000) -> list[str]:
-    """Standard-library sources every Python install has, in a fixed order, up to max_bytes."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        if _SKIP_DIRS & set(path.relative_to(root).parts[:-1]):
-            continue
-        files.append(str(path))
-        total += path.stat().st_size
-        if total >= max_bytes:
-            break
-    return files
 
 
 CORPORA = ("stdlib", "demo")  # the interpreter's own sources | the shipped demo corpus

@@ -31,7 +31,6 @@ other CPUs (AMD), which train other weights and print other text (`cpu_vendor()`
 
 from __future__ import annotations
 
-import ast
 import fcntl
 import hashlib
 import json
@@ -44,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import warnings
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -54,6 +52,7 @@ from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_fun
 
 from odmoe.shadow.router_tap import RouterTap
 from odmoe.shadow.shadow_model import choice_scores
+from odmoe.tools.corpora import code_only
 from odmoe.tools.demo_corpus import CORPUS_SHA256
 from odmoe.tools.model_factory import (
     ModelSpec,
@@ -184,28 +183,6 @@ def cpu_vendor() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
-
-
-def code_only(source: str) -> str:
-    """The source without comments and docstrings, as `ast.unparse` writes it (4-space indents, one
-    quoting style). Half of the standard library's bytes are prose; a model with two minutes of
-    training spends them better on code. A file that does not parse is left out (empty string)."""
-    try:
-        with warnings.catch_warnings():  # old escapes in string literals: not our concern here
-            warnings.simplefilter("ignore", SyntaxWarning)
-            tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return ""
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            first = node.body[0] if node.body else None
-            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
-                if isinstance(first.value.value, str):
-                    node.body = node.body[1:] or [ast.Pass()]
-    try:
-        return ast.unparse(tree) + "\n"
-    except RecursionError:
-        return ""
 
 
 def _token_stream(tokenizer, settings: TrainSettings) -> torch.Tensor:

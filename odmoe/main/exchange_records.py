@@ -1,0 +1,66 @@
+"""What one exchange between main and its workers is made of, as the data path and its observers
+(odmoe.main.exchange_observers) both name it: a running request's context, one request's rows of a
+decode layer, one batched call to a worker. Plain records: this module imports neither side.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from odmoe.lossy.miss_policy import TokenBudget
+from odmoe.main.expert_traffic import ExpertTraffic
+from odmoe.models.expert_math import ExpertRows
+from odmoe.transport.messages import ExpertsResult
+
+
+@dataclass
+class RunContext:
+    """One running request as the data plane sees it: its name, the iteration its forward pass is
+    computing (0: prefill), and what its exchanges cost it."""
+
+    request: str
+    iteration: int = 0
+    traffic: ExpertTraffic = field(default_factory=ExpertTraffic)
+    budget: TokenBudget | None = None  # lossy miss policy: substitutions left to this token
+
+    def begin(self, iteration: int) -> None:
+        self.iteration = iteration
+        if self.budget is not None:
+            self.budget.reset()
+
+
+@dataclass
+class DecodeRows:
+    """One request's share of a decode layer: its token's row, its router's choice, its groups."""
+
+    ctx: RunContext
+    layer: int
+    hidden: torch.Tensor  # [1, H]
+    top_k_index: torch.Tensor  # [1, k]
+    top_k_weights: torch.Tensor  # [1, k]
+    groups: list[ExpertRows]  # the experts it routes to, ascending
+    stand_in: dict[int, int]  # lossy only: missing expert -> the resident one computed instead
+    entered: float = 0.0  # perf_counter when its call began
+
+    @property
+    def experts(self) -> list[int]:
+        return [rows.expert for rows in self.groups]
+
+    def computed(self, expert: int) -> int:
+        return self.stand_in.get(expert, expert)
+
+
+@dataclass
+class BatchCall:
+    """One ComputeExperts: the experts placed on one worker for a decode layer, and its answer."""
+
+    worker: int
+    experts: list[int]
+    releases: bool = False  # it says the layer is over for its worker (re-sent calls never do)
+    answer: tuple[ExpertsResult, list[torch.Tensor]] | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.answer is not None
