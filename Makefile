@@ -33,7 +33,7 @@ test-demo:  ## the README's first command from an empty model cache, its text co
 test-extended:  ## the multi-process tests kept out of the default run for time (~40 min)
 	$(PY) -m pytest -m extended
 
-soak:  ## 1,000 requests through random node failures (~10 min)
+soak:  ## two soaks of 1,000 requests: random node failures (~10 min), and node + network faults (~5 min)
 	$(PY) -m pytest -m slow tests/test_soak.py
 
 test-all:  ## everything, slow soak tests included
