@@ -11,7 +11,7 @@ import functools
 import sysconfig
 from pathlib import Path
 
-from odmoe.tools.model_factory import _SKIP_DIRS, corpus_files
+from odmoe.tools.corpora import _SKIP_DIRS, corpus_files
 from odmoe.tools.training import TRAINED_SETTINGS
 
 # What the trained benchmark model read, so prompts come from elsewhere (odmoe.tools.training).
