@@ -162,17 +162,17 @@ def _chaos_run(cluster, relays: dict[str, list[Relay]], prompts, wanted, suite, 
             return cluster.client.info()["live_workers"]
 
     def restart(name: str) -> None:
-        """A new process on a new port (it announces itself); tried again if it fails to start."""
+        """A new process on a new port (it announces itself; behind relays, they are retargeted and
+        main's probes take it back); tried again if it fails to start."""
         for attempt in range(3):
             try:  # fail() waits for workers itself
                 cluster.restart(name, until_used=False, announce=not relays)
-                if relays:  # main reaches it through its relays, now to the new port
-                    info = cluster.shadow_info if name == "shadow" else None
-                    index = None if info else int(name.removeprefix("worker"))
-                    targets = [info["address"], info["pub_address"]] if info else []
-                    targets = targets or [cluster.worker_addresses[index]]
-                    for relay, target in zip(relays[name], targets, strict=True):
-                        relay.retarget(target)
+                if name == "shadow":
+                    targets = [cluster.shadow_info["address"], cluster.shadow_info["pub_address"]]
+                else:
+                    targets = [cluster.worker_addresses[int(name.removeprefix("worker"))]]
+                for relay, target in zip(relays.get(name, []), targets, strict=False):
+                    relay.retarget(target)
                 return
             except ClusterStartError as exc:
                 print(f"  soak: {name} failed to restart (attempt {attempt + 1}): {exc}", flush=True)
