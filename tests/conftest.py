@@ -20,31 +20,26 @@ DEEPSEEK_NAMES = [f for f in FAMILY_NAMES if f.startswith("deepseek")]
 FOCUSED_FAMILIES = [f for f in FAMILIES if f not in FAMILY_NAMES]
 
 
-# The fast tier (`-m fast`, `make test-fast`: about a minute here): every test that starts no node
-# process and trains nothing, so the pure modules and the decode loop with in-process workers
-# checked against transformers (tests/test_engine_inprocess.py and the in-process family tests).
-# Besides the marked ones (integration, extended, slow, demo, gpu), these start processes or train.
-NOT_FAST = (
-    "test_packaging.py",  # every command's --help in its own process
-    "test_spawn.py",
-    "test_proto_drift.py",  # runs protoc
-    "test_readme_commands.py",  # odmoe-keys for real
-    "test_model_factory.py::test_cli",
-    "test_training.py",
-    "test_demo_corpus.py::test_the_demo_trains",
-    "test_security.py::test_node_refuses_world_readable_secret",  # starts a node
-    "test_config.py::test_local_cluster",
-)
-NOT_FAST_MARKS = {"integration", "extended", "slow", "demo", "gpu"}
+# The fast tier (`-m fast`, `make test-fast`): the default run's tests of the files that say they
+# start no process and train nothing (`pytestmark = pytest.mark.pure`: by inclusion, so a new file
+# is not fast until it says so), the pure modules and the decode loop with in-process workers
+# checked against transformers. A test there that starts nodes anyway is marked integration (or
+# extended, slow, demo, gpu) and stays out; one that asks for `reap_children` without such a mark
+# fails at collection (it would start processes in the fast tier).
+HEAVY_MARKS = {"integration", "extended", "slow", "demo", "gpu"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: the mark must be there when it looks
 def pytest_collection_modifyitems(items):
     for item in items:
-        nodeid = item.nodeid.removeprefix("tests/")
         marks = {mark.name for mark in item.iter_markers()}
-        if not marks & NOT_FAST_MARKS and not nodeid.startswith(NOT_FAST):
-            item.add_marker(pytest.mark.fast)
+        if "pure" not in marks or marks & HEAVY_MARKS:
+            continue
+        if "reap_children" in getattr(item, "fixturenames", ()):
+            raise pytest.UsageError(
+                f"{item.nodeid} starts processes (reap_children) in a pure file: mark it integration"
+            )
+        item.add_marker(pytest.mark.fast)
 
 
 def cluster_families(default: tuple[str, ...] | None = None) -> list:

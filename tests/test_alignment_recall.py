@@ -3,6 +3,9 @@ import pytest
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.main.recall import RecallCounter
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def test_periods_pick_iterations():
     s = AlignmentSchedule(token_period=2, kv_period=3)

@@ -17,6 +17,9 @@ from odmoe.main.inprocess import engine_in_process
 from odmoe.main.request_queue import END, RequestQueue
 from odmoe.main.sampling import SamplingParams
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def _per_row(x, weight, bias):
     return torch.cat([F.linear(x[b : b + 1], weight, bias) for b in range(x.shape[0])])

@@ -8,8 +8,13 @@ import select
 import socket
 import time
 
+import pytest
+
 from odmoe.transport.beats import BeatEcho, BeatWatch, echo_for, host_port
 from odmoe.transport.suspicion import SuspicionSettings
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 def _wait(watch: BeatWatch, take, timeout_s: float) -> tuple[list[str], float]:

@@ -21,6 +21,9 @@ from odmoe.models.checkpoint import Checkpoint
 from odmoe.tools.trace import Tracer, merge
 from odmoe.worker.expert_store import Link
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 
 

@@ -8,6 +8,7 @@ import functools
 import inspect
 import warnings
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -17,6 +18,9 @@ from odmoe.main.engine import GenerateRequest, TokenEvent
 from odmoe.main.inprocess import engine_in_process
 from odmoe.models.cache_argument import with_cache
 from odmoe.models.checkpoint import Checkpoint
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 class _Old(torch.nn.Module):

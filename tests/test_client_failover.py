@@ -22,6 +22,9 @@ from odmoe.rpc import odmoe_pb2
 from odmoe.serving.client import Client, MainsLost
 from odmoe.serving.main_ring import ClientClosed, MainRing
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 # -- the ring ------------------------------------------------------------------------------------
 class Conn:

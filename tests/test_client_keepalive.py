@@ -26,6 +26,9 @@ from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.serving.http_api import HttpServer, notice_silent_peers
 from odmoe.tools.link_relay import Relay
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 class _Info(odmoe_pb2_grpc.InferenceServicer):
     def Info(self, request, context):

@@ -5,6 +5,9 @@ import torch
 from odmoe.transport.codec import CodecError, decode, encode
 from odmoe.transport.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.bool])
 @pytest.mark.parametrize("shape", [(1, 7), (3, 5, 2), (0, 4), (1,), ()])

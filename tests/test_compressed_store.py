@@ -21,6 +21,9 @@ from odmoe.worker.compressed_tensor import CorruptChunkError, MemoryBytes, compr
 from odmoe.worker.expert_pack import ExpertPack, PackError, pack_path, write_pack
 from odmoe.worker.expert_store import DeviceSlots, ExpertStore
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 INTS = {2: torch.int16, 4: torch.int32}
 

@@ -4,6 +4,9 @@ import pytest
 
 from odmoe.launch.settings import compose
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def test_defaults_compose():
     cfg = compose([])
@@ -49,6 +52,7 @@ def test_misspelt_key_fails():
         compose(["cluster.wrkers=3"])
 
 
+@pytest.mark.integration  # starts a process
 def test_local_cluster_defaults_to_the_tiny_model_not_the_trained_demo(tmp_path, monkeypatch):
     """odmoe-launch's default is `demo` (trained on first use); LocalCluster, which tests and
     benchmarks start, defaults to `tiny` and never trains. Composing and resolving start no node."""

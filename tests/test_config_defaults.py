@@ -12,6 +12,9 @@ from omegaconf import OmegaConf
 from odmoe.config import ModelConfig, OdmoeConfig
 from odmoe.launch.settings import compose
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 CONF = Path(__file__).resolve().parent.parent / "conf"
 YAMLS = sorted(p for p in CONF.rglob("*.yaml") if "bench" not in p.relative_to(CONF).parts)
 

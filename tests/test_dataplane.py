@@ -31,6 +31,9 @@ from odmoe.transport.messages import (
     to_frames,
 )
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 STEP = Step("r-1", 3, 2)
 SAMPLES = [
     ComputeExpert(step=STEP, expert=6, kernel="eager", part=1, parts=3, per_part=True, release=True),

@@ -38,6 +38,9 @@ from odmoe.tools.model_factory import ModelSpec, make_model
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.tiny_configs import TINY
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 ROUTINGS = {  # name -> (family, topk_method)
     "v2-greedy": ("deepseek_v2", "greedy"),
     "v2-group_limited_greedy": ("deepseek_v2", "group_limited_greedy"),

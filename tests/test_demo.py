@@ -23,6 +23,9 @@ import pytest
 
 from tests.test_readme_commands import shown_commands
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 REPO = Path(__file__).resolve().parents[1]
 
 

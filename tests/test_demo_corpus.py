@@ -22,6 +22,9 @@ from odmoe.tools.training import (
     cpu_vendor,
 )
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def test_the_shipped_corpus_is_the_text_the_demo_names():
     docs = demo_corpus.documents()
@@ -47,6 +50,7 @@ def test_build_writes_one_json_string_per_module_in_a_fixed_order(tmp_path):
 
 
 @pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"), reason="x86-64 pins")
+@pytest.mark.integration  # starts a process
 def test_the_demo_trains_with_the_pinned_kernels_and_the_same_bits_twice(tmp_path):
     spec = dataclasses.replace(DEMO_SPEC, layers=2, hidden=32, intermediate=32, heads=2, kv_heads=1)
     settings = dataclasses.replace(DEMO_SETTINGS, steps=3, warmup=1, held_out_batches=1)

@@ -18,6 +18,9 @@ from odmoe.main.inprocess import engine_in_process
 from odmoe.main.request_queue import END, RequestQueue
 from odmoe.main.sampling import SamplingParams
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 PROMPTS = [
     "def fibonacci(n):",
     "import os\n\nclass Config:\n    ",

@@ -11,6 +11,9 @@ from odmoe.main.request_queue import DeadlineExceeded, QueueClosed, QueueFull
 from odmoe.serving.error_status import message_of, status_of
 from odmoe.serving.http_api import _error_of
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 C = grpc.StatusCode
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+
 from odmoe.main.engine import DoneEvent, GenerateRequest, TokenEvent
 from odmoe.main.exchange_observers import (
     DecodeExchange,
@@ -16,6 +18,9 @@ from odmoe.main.exchange_observers import (
 from odmoe.main.expert_traffic import ExpertTraffic
 from odmoe.main.inprocess import engine_in_process
 from odmoe.transport.messages import ExpertResult, ExpertsResult, Prediction, Step
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 def _tokens(engine) -> tuple[list[int], dict]:

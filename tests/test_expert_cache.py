@@ -12,6 +12,9 @@ from odmoe.placement import Topology
 from odmoe.transport.messages import ComputeExpert, ComputeExperts, Prediction, Step, from_frames
 from odmoe.worker.expert_cache import CacheBook, cache_capacity, complete, expected_distance, next_use
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 GIB = 1 << 30
 
 

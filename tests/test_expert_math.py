@@ -7,6 +7,9 @@ from transformers import AutoModelForCausalLM
 from odmoe.models.expert_math import combine, expert_forward, split_by_expert
 from tests.tiny_configs import TINY
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def remote_equivalent(experts, hidden, top_k_index, top_k_weights, kernel):
     parts = []

@@ -1,7 +1,12 @@
 """Fault injection fires once, at or past the configured point of the node's n-th request."""
 
+import pytest
+
 from odmoe.config import FaultConfig
 from odmoe.tools.faults import FaultTrigger
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 def test_fires_only_for_its_node():

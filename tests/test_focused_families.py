@@ -38,7 +38,7 @@ from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.test_engine_inprocess import check_batched_equal_alone
 from tests.test_load_dtypes import test_every_tensor_has_from_pretrained_dtype as check_dtypes
 
-pytestmark = pytest.mark.parametrize("family", FOCUSED_FAMILIES)
+pytestmark = [pytest.mark.parametrize("family", FOCUSED_FAMILIES), pytest.mark.pure]
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp16", "fp32"])

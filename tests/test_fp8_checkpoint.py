@@ -25,6 +25,9 @@ from tests.conftest import _spec
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.test_engine_inprocess import check_batched_equal_alone
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 FAMILIES = ["deepseek_v3", "qwen3_moe"]
 BLOCK = (32, 32)  # the releases' 128 x 128 is wider than these models' matrices
 

@@ -27,6 +27,9 @@ from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.worker.expert_store import ExpertStore
 from tests.conftest import GGUF_SPEC as SPEC
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 gguf = pytest.importorskip("gguf")
 
 

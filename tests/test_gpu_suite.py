@@ -16,6 +16,9 @@ from odmoe.models.checkpoint import Checkpoint
 from odmoe.tools.model_factory import ModelSpec, make_wide_model
 from odmoe.validation import check_device
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 DRY = dict(device="cpu", layers=2, hidden=64, intermediate=128, heads=4, kv_heads=2, vocab=512)
 
 

@@ -15,6 +15,9 @@ from odmoe.models.kv_rows import has_recurrent_state, newest_rows, overwrite_new
 from odmoe.shadow.shadow_batch import RowCache
 from tests.test_cluster_fidelity import PROMPTS, reference
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def _cache(model, ids: list[int]) -> DynamicCache:
     cache = DynamicCache(config=model.config)

@@ -9,6 +9,11 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 ROOT = Path(__file__).resolve().parent.parent
 ALLOWED = {("odmoe/__init__.py", "launch"), ("launch/bench.py", "benchmarks")}
 TOP = {"nodes": "nodes", "launch": "launch", "benchmarks": "benchmarks"}  # odmoe.<name> -> room

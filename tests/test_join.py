@@ -29,6 +29,9 @@ from odmoe.transport.security import ServerSecrets, init_key_dir
 from odmoe.transport.share_server import serve_share
 from tests.test_cluster_fidelity import reference
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def test_a_link_round_trips_and_a_bad_one_says_what_it_should_be():
     link = JoinLink("s" * 24, "192.168.1.10", 50053, "ab" * 32)

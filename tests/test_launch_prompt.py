@@ -11,6 +11,9 @@ import pytest
 
 from odmoe.launch.cli import PromptArgumentError, take_prompt, unparsable_prompt
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 LAUNCH = [sys.executable, "-m", "odmoe.launch.cli"]
 AWKWARD = 'def main(argv=None):\n    """Say \'héllo\' → 世界, a=b, [1, 2]."""\n    return {"x": (1,)}\n'
 
@@ -44,6 +47,7 @@ def test_only_unparsable_prompt_overrides_are_flagged():
     assert unparsable_prompt(["prompt=Hello world", "prompt='def f(x):'", "max_new_tokens=3"]) is None
 
 
+@pytest.mark.integration  # runs the command
 def test_an_unparsable_prompt_override_points_at_the_option(reap_children):
     proc = subprocess.run(
         [*LAUNCH, "role=local", "prompt=def main():"], capture_output=True, text=True, timeout=120

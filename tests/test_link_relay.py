@@ -9,9 +9,14 @@ import socket
 import threading
 import time
 
+import pytest
+
 from odmoe.tools.link_relay import Relay
 from odmoe.transport.beats import BeatEcho, BeatWatch
 from odmoe.transport.suspicion import SuspicionSettings
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 class _EchoServer:

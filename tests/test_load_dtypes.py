@@ -17,6 +17,9 @@ from odmoe.models.load_dtypes import _dtype_plan, _plan_matcher, expert_dtype, l
 from odmoe.models.main_model import build_main_model, experts_modules
 from tests.conftest import FAMILY_NAMES
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 

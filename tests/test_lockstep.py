@@ -9,6 +9,9 @@ import pytest
 from odmoe.main.lockstep import Failed, Finished, Lockstep, NotInTask, Parked, in_task, park
 from odmoe.main.request_queue import QueueFull, RequestQueue
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def _layers(name: str, layers: int, log: list):
     """A forward pass that parks at every layer with (name, layer) and adds what it is resumed with."""

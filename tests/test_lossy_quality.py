@@ -13,6 +13,9 @@ from odmoe.benchmarks.lossy_quality import inject_wrong, perplexity, score_windo
 from odmoe.benchmarks.suites.lossy import agreement
 from odmoe.lossy.miss_policy import MissConfig
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 PROMPT = 8
 
 

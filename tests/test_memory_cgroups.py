@@ -20,6 +20,9 @@ from odmoe import LocalCluster
 from odmoe.launch.memory_cgroups import CgroupHierarchy, MemoryCgroups
 from tests.test_cluster_fidelity import reference
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 MiB, GiB = 2**20, 2**30
 
 UNAVAILABLE = MemoryCgroups.available()

@@ -23,6 +23,9 @@ from odmoe.memory_plan import (
 from odmoe.placement import Topology
 from odmoe.tools.memory import parse_bytes
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 MiB, GiB = 1 << 20, 1 << 30
 # a real-width Mixtral-shaped checkpoint: 16 MoE layers x 8 experts of 21 MiB (bf16), 84 MiB the rest
 SIZES = CheckpointSizes(

@@ -8,7 +8,12 @@ import re
 import time
 from types import SimpleNamespace
 
+import pytest
+
 from odmoe.serving.metrics import ServerMetrics
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 def _stats(hits: int, evictions: int) -> dict:

@@ -19,6 +19,9 @@ from odmoe.lossy.miss_policy import (
     token_activating_entropy,
 )
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 # Expert 0 co-activates with 1 (6 times), 2 (3), 3 (1); expert 3 never with anyone but 0.
 M = np.array(
     [

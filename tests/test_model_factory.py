@@ -17,6 +17,9 @@ from odmoe.tools.model_factory import (
 )
 from tests.conftest import FAMILY_NAMES
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def digest(d: Path) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(d.glob("*.safetensors")))).hexdigest()

@@ -13,6 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from odmoe.models.checkpoint import Checkpoint
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.parametrize(
     "family, text_type, skipped, layer",

@@ -23,6 +23,9 @@ from tests.conftest import _spec
 from tests.test_cluster_fidelity import PROMPTS, check_sampling, reference
 from tests.test_engine_inprocess import check_batched_equal_alone
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture(scope="session")
 def mxfp4_dir(tmp_path_factory) -> str:

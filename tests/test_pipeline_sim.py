@@ -2,6 +2,9 @@ import pytest
 
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 # A shadow far ahead: every prediction is in before its group could use it.
 BASE = dict(layers=32, groups=4, t_main_s=1e-3, t_compute_s=2e-3, t_net_s=0.5e-3, shadow_offset_s=-1.0)
 

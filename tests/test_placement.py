@@ -47,6 +47,9 @@ def test_repair_placement_keeps_hits_and_reuses_wrongly_loaded_workers():
 # -- placement over live workers (failover) -----------------------------------------------------
 from odmoe.placement import LayerUnavailable  # noqa: E402
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def test_a_lost_group_member_leaves_the_layer_to_the_others():
     topo = Topology(workers=4, group_size=2)

@@ -10,6 +10,9 @@ import pytest
 
 from odmoe.worker.preload_schedule import Load, PreloadSchedule
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 NBYTES = 100  # what every load costs here
 
 

@@ -6,10 +6,15 @@ from __future__ import annotations
 
 import stat
 
+import pytest
+
 from odmoe.config import RayRoleConfig
 from odmoe.launch.ray_cluster import RayCluster, SecretFiles, offered, role_key_files
 from odmoe.launch.settings import compose
 from odmoe.transport.security import Curve, KeyDir, init_key_dir, revoke_node_key
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 def _node(node_id: str, alive=True, labels=None, **resources) -> dict:

@@ -7,6 +7,9 @@ import pytest
 
 from odmoe.main.request_queue import END, DeadlineExceeded, QueueClosed, QueueFull, RequestQueue
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def test_arrival_order_and_a_bound():
     q = RequestQueue(max_waiting=2, default_timeout_s=60)

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.shadow.router_tap import RouterTap, rank, wrong_experts
 from odmoe.shadow.shadow_model import choice_scores, router_modules
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 def test_the_tap_keeps_each_routers_newest_call_and_lets_go(model_dirs):

@@ -12,6 +12,9 @@ from odmoe.models.safetensors_file import SafetensorsError, SafetensorsFile
 from odmoe.node_memory import process_memory
 from tests.conftest import FAMILY_NAMES
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture
 def mixed_file(tmp_path):

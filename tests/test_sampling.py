@@ -11,6 +11,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from odmoe.main.sampling import InvalidSampling, SamplingParams, TokenChooser
 from tests.conftest import FAMILY_NAMES
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 PARAMETER_SETS = {
     "temperature": SamplingParams(do_sample=True, temperature=0.7),
     "top_p+top_k": SamplingParams(do_sample=True, top_p=0.85, top_k=12),

@@ -49,6 +49,9 @@ from odmoe.transport.security import (
 )
 from tests.test_cluster_fidelity import reference
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 PROMPT = "def fibonacci(n):"
 
 
@@ -120,6 +123,7 @@ def test_config_refuses_an_open_lan_unless_said():
     assert compose(["role=local"]).security.enabled  # on by default
 
 
+@pytest.mark.integration  # starts a process
 def test_node_refuses_world_readable_secret(tmp_path):
     keys = init_key_dir(tmp_path / "k", workers=2)
     keys.secret_key("worker0").chmod(0o604)

@@ -10,6 +10,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from odmoe.shadow.shadow_batch import RowCache, ShadowBatch, batchable
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 def _prefill(model, ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
     cache = DynamicCache(config=model.config)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 
+import pytest
 import zmq
 
 from odmoe.main.shadow_link import ShadowLink
@@ -18,6 +19,9 @@ from odmoe.transport.messages import (
     from_frames,
     to_frames,
 )
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 class _FakeShadow:

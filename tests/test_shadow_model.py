@@ -30,6 +30,9 @@ from odmoe.shadow.shadow_model import (
 from tests.conftest import FAMILY_NAMES
 from tests.tiny_configs import TINY
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 IDS = torch.tensor([[5, 9, 200, 31, 7, 100, 64]])
 
 

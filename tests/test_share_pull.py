@@ -28,6 +28,9 @@ from odmoe.transport.security import ClientCredentials, init_key_dir
 from odmoe.transport.share_server import serve_share
 from tests.test_cluster_fidelity import reference
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture
 def source(tmp_path):

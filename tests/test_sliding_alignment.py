@@ -13,6 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from odmoe.models.kv_rows import croppable, newest_rows, overwrite_newest_rows, overwrite_rows
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture(scope="module", params=["gpt_oss", "llama4_text"])
 def model(model_dirs, request):

@@ -9,6 +9,9 @@ from odmoe.placement import Topology
 from odmoe.shadow.hedging import hedges_of
 from odmoe.shadow.speculation import Speculation
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 # -- speculation --------------------------------------------------------------------------------
 def test_a_matching_token_changes_nothing_and_a_different_one_rolls_back_to_its_iteration():

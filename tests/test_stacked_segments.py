@@ -8,6 +8,9 @@ from odmoe.models.expert_math import ExpertMLP, expert_forward
 from odmoe.worker import stacked_segments
 from odmoe.worker.stacked_segments import StackedSegments
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 STANDARD = ExpertMLP("silu")
 
 

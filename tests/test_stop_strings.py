@@ -1,9 +1,13 @@
 """Stop strings over a stream of pieces: pure logic, checked against the whole text."""
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from odmoe.main.stop_strings import StopStrings
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 
 def run(pieces: list[str], stops: list[str]) -> tuple[list[str], bool]:

@@ -9,6 +9,9 @@ from odmoe.main.stragglers import StragglerWatch
 from odmoe.placement import Topology
 from odmoe.validation import straggler_watch
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 GROUP = [2, 3]  # the second group of a 4-worker cluster, groups of 2
 
 

@@ -14,6 +14,9 @@ from hypothesis import strategies as st
 
 from odmoe.transport.suspicion import Suspicion, SuspicionSettings
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 INTERVAL = 0.1
 
 

@@ -17,6 +17,9 @@ from odmoe.rpc import odmoe_pb2, odmoe_pb2_grpc
 from odmoe.serving.http_api import make_app
 from odmoe.serving.text_check import TextCheck, invalid_proto_text, invalid_text, invalid_utf8
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 LONE = "\ud800abc"  # valid JSON as "\\ud800abc", not valid Unicode
 
 

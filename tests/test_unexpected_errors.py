@@ -20,6 +20,9 @@ from odmoe import LocalCluster
 from odmoe.nodes.main import MainNode
 from tests.test_cluster_fidelity import PROMPTS, reference
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.mark.integration
 @pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core

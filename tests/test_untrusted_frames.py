@@ -16,6 +16,9 @@ from odmoe.transport.messages import from_frames
 from tests import frame_fuzz
 from tests.test_cluster_fidelity import PROMPTS, reference
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 FRAMES_PER_SOCKET = 26_000  # 2 workers + shadow control + shadow pub: > 10^5 in all
 
 

@@ -8,6 +8,9 @@ from odmoe.launch.settings import compose
 from odmoe.nodes.worker import WorkerNode
 from odmoe.transport.messages import ComputeExpert, Prediction, Step
 
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
+
 
 @pytest.fixture
 def worker(model_dirs):

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import pytest
+
 from odmoe.memory_plan import MARGIN_BYTES, PROCESS_BYTES, CheckpointSizes, WorkerSetup
 from odmoe.placement import Topology
 from odmoe.worker.share import plan_share
+
+# starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
+pytestmark = pytest.mark.pure
 
 MiB, GiB = 1 << 20, 1 << 30
 SIZES = CheckpointSizes(
