@@ -32,7 +32,7 @@ import odmoe
 from odmoe.benchmarks.results import write_report
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import NodePlacement
-from odmoe.models.checkpoint import load_tokenizer
+from odmoe.models.open_model import load_tokenizer
 
 RESULTS = Path(__file__).parent / "results"
 SLOW = "worker3"
@@ -64,7 +64,8 @@ def run_case(path: str, words: list[str], slow: list[str], prompts, wants, new_t
         tokens = seconds = different = 0.0
         experts: dict[str, float] = {}
         load_s: dict[str, float] = {}
-        rates, steered = [], []
+        rates, steered, recall = [], [], []
+        reloads = stall_s = 0.0
         for p, want in zip(prompts, wants, strict=True):
             got = cluster.client.generate(p, max_new_tokens=new_tokens)
             stats = got.stats
@@ -73,6 +74,9 @@ def run_case(path: str, words: list[str], slow: list[str], prompts, wants, new_t
             seconds += stats["decode"]["seconds"]
             rates.append(round(stats["decode_tokens_per_s"], 2))
             steered.append(stats.get("stragglers", {}))
+            reloads += stats["reloads"]  # decode experts loaded only after main asked (misses)
+            stall_s += stats["stall_s"]  # decode: per layer, the longest main waited for a load
+            recall.append(stats["timely_recall"]["overall"])
             for name, row in stats["per_worker"].items():
                 experts[name] = experts.get(name, 0) + row["experts"]
                 load_s[name] = load_s.get(name, 0) + row["load_s"]
@@ -80,6 +84,9 @@ def run_case(path: str, words: list[str], slow: list[str], prompts, wants, new_t
         "decode_tokens_per_s": round(tokens / seconds, 2) if seconds else 0.0,
         "per_request_tokens_per_s": rates,
         "different": int(different),
+        "reloads": int(reloads),
+        "stall_ms_per_token": round(1e3 * stall_s / tokens, 2) if tokens else 0.0,
+        "timely_recall": recall,
         "experts_per_worker": {k: round(v, 1) for k, v in sorted(experts.items())},
         "load_s_per_expert": {k: round(load_s[k] / experts[k], 4) for k in sorted(experts) if experts[k]},
         "stragglers": steered[-1],
