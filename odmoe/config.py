@@ -8,7 +8,6 @@ nothing of theirs but the pure placement rule and the miss policy's own dataclas
 
 from __future__ import annotations
 
-import functools
 import logging
 from dataclasses import dataclass, field
 
@@ -125,14 +124,6 @@ class LinkConfig:
 
 
 @dataclass
-class LinkAlias:
-    """Deprecated: worker.link.* is emulation.link.* (None: not given)."""
-
-    bandwidth_gbps: float | None = None  # deprecated: emulation.link.bandwidth_gbps
-    latency_ms: float | None = None  # deprecated: emulation.link.latency_ms
-
-
-@dataclass
 class EmulationConfig:
     """For tests and benchmarks, not for production: knobs that make a cluster slower or its
     predictions wrong on purpose, to measure what that costs or to test what odmoe does then. The
@@ -157,12 +148,10 @@ class WorkerConfig:
     # With only_own_layers: each layer is stored by this many groups (its own + the next R-1), so the
     # loss of a whole group is survived when R >= 2. Ignored otherwise (every worker stores every layer).
     replicas: int = 1
-    resident: bool | None = None  # deprecated: emulation.resident
     ready_timeout_s: float = 120.0  # how long the launcher waits for a node to come up
     # Per-call deadline: a worker alive by heartbeat that has not answered a call for this long (a
     # frozen process) is counted as lost and its calls re-sent. Loads over a slow link must fit in it.
     reply_timeout_s: float = 60.0
-    link: LinkAlias = field(default_factory=LinkAlias)  # deprecated: emulation.link
     # Where experts rest (odmoe.worker.expert_store): memory (decompressed in host memory) | compressed
     # (lossless: entropy-coded exponents + raw sign/mantissa, in host memory) | disk (read on each load:
     # the pack file when there is one, else the checkpoint's safetensors).
@@ -220,8 +209,6 @@ class ShadowConfig:
     # int8, nf4 (bitsandbytes: GPUs; slow on CPU)
     precision: str = "auto"
     device: str = "cpu"  # cpu | cuda | cuda:<i> (bitsandbytes int8/nf4 are meant for cuda)
-    inject_wrong: float | None = None  # deprecated: emulation.inject_wrong
-    inject_wrong_token: float | None = None  # deprecated: emulation.inject_wrong_token
     # hedged prefetch (odmoe.shadow.hedging): also preload the (k+1)-th expert when its router score is within
     # this of the k-th's (0: off); it needs a spare slot (worker.slots above what lookahead fills)
     hedge_margin: float = 0.0
@@ -419,41 +406,3 @@ class OdmoeConfig:
         replicas = self.worker.replicas if self.worker.only_own_layers else 0
         homes = str(self.worker.cache).strip().lower() not in ("", "0", "none", "off")
         return Topology(self.cluster.workers, self.cluster.group_size, replicas, homes)
-
-
-# (old key, new key): deprecated spellings that still work; `resolve_aliases` moves each to its new key.
-ALIASES = (
-    ("shadow.inject_wrong", "emulation.inject_wrong"),
-    ("shadow.inject_wrong_token", "emulation.inject_wrong_token"),
-    ("worker.resident", "emulation.resident"),
-    ("worker.link.bandwidth_gbps", "emulation.link.bandwidth_gbps"),
-    ("worker.link.latency_ms", "emulation.link.latency_ms"),
-)
-
-
-def resolve_aliases(cfg: OdmoeConfig) -> None:
-    """Move each deprecated key's value to its new key, with a one-line warning; an old and a new key
-    set to different values is an error (the new key counts as set when it is not the schema's
-    default). Afterwards the old key is None again, so nothing reads it and a second call changes
-    nothing."""
-    schema = OdmoeConfig()
-    for old_key, new_key in ALIASES:
-        old, new = _get(cfg, old_key), _get(cfg, new_key)
-        if old is not None and old != new:
-            if new != _get(schema, new_key):
-                raise ValueError(
-                    f"{old_key}={old} and {new_key}={new} disagree: {old_key} is {new_key}'s old name; "
-                    f"set only {new_key}"
-                )
-            log.warning("%s is deprecated: write %s=%s", old_key, new_key, str(old).lower())
-            _set(cfg, new_key, old)
-        _set(cfg, old_key, None)
-
-
-def _get(cfg: object, dotted: str) -> object:
-    return functools.reduce(getattr, dotted.split("."), cfg)
-
-
-def _set(cfg: object, dotted: str, value: object) -> None:
-    parent, _, name = dotted.rpartition(".")
-    setattr(_get(cfg, parent), name, value)

@@ -1,14 +1,14 @@
 """Refuse a bad configuration with one readable error, before any process starts.
 
-Contract: `validate(cfg)` resolves the deprecated keys (`odmoe.config.resolve_aliases`) and raises
-ValueError naming the key and what it may be; it asks each part for what it accepts (stores, cache
-policies, precisions, alignment plans), so the schema (`odmoe.config`) need not import them.
+Contract: `validate(cfg)` raises ValueError naming the key and what it may be; it asks each part for
+what it accepts (stores, cache policies, precisions, alignment plans), so the schema
+(`odmoe.config`) need not import them.
 `check_device` and `exposed_hosts` are also used by the launcher.
 """
 
 from __future__ import annotations
 
-from odmoe.config import FAULT_ACTIONS, PREFILL_PLACEMENTS, ROLES, SHADOW_MODES, OdmoeConfig, resolve_aliases
+from odmoe.config import FAULT_ACTIONS, PREFILL_PLACEMENTS, ROLES, SHADOW_MODES, OdmoeConfig
 from odmoe.main.alignment import make_plan
 from odmoe.main.stragglers import StragglerWatch
 from odmoe.shadow.speculation import Speculation
@@ -32,9 +32,7 @@ def straggler_watch(cfg: OdmoeConfig) -> StragglerWatch | None:
 
 def validate(cfg: OdmoeConfig) -> None:
     """Refuse a bad combination with one readable error, before any process starts. Every config
-    passes here (launch.settings.to_config: each node and LocalCluster), so it first resolves the
-    deprecated keys (`resolve_aliases`)."""
-    resolve_aliases(cfg)
+    passes here (launch.settings.to_config: each node and LocalCluster)."""
     if cfg.role.name not in ROLES:
         raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
     gguf_file = cfg.model.gguf_file
