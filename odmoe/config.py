@@ -253,6 +253,10 @@ class FailoverConfig:
     acceptable_pause_s: float = 0.5  # silence beyond the usual gap that costs no suspicion by itself
     beat_min_std_s: float = 0.05  # the answers' gaps' deviation is never taken below this
     probe_interval_s: float = 1.0  # how often main re-pings where a lost worker may be back
+    # Where no live worker holds a layer a request needs (a home router's hiccup can drop them all at
+    # once): how long the request waits for one to be taken back before it fails UNAVAILABLE naming
+    # the layer. 0: it fails at once.
+    no_worker_grace_s: float = 3.0
     client_keepalive_s: float = 1.0  # gRPC keepalive: a frozen main is noticed in about twice this
     # Stragglers (odmoe.main.stragglers; cacheless workers only: homes of cached experts never move):
     # main keeps each worker's recent load+compute seconds per decode expert and steers decode work

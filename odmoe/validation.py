@@ -54,6 +54,11 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")
     if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
         raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
+    if cfg.failover.no_worker_grace_s < 0:
+        raise ValueError(
+            f"failover.no_worker_grace_s must be >= 0 (0: fail at once), got "
+            f"{cfg.failover.no_worker_grace_s:g}"
+        )
     if cfg.failover.beat_interval_s < 0:
         raise ValueError(
             f"failover.beat_interval_s must be >= 0 (0: off), got {cfg.failover.beat_interval_s:g}"

@@ -334,3 +334,32 @@ def test_one_client_shared_by_threads_fails_over_once_when_main_is_lost(model_di
     assert all(isinstance(e, MainsLost) for e in again.errors), _tracebacks(again.errors, MainsLost)
     assert {e.code() for e in again.errors} == {grpc.StatusCode.UNAVAILABLE}  # type: ignore[union-attr]
     assert all(mains in str(e) for e in again.errors)
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # a cluster whose every worker freezes at once: ~1 min here
+def test_a_request_waits_out_a_moment_without_any_worker(model_dirs, reap_children):
+    """failover.no_worker_grace_s: every worker lost at once (frozen: a home router's hiccup looks the
+    same to main) and back within the grace: a request sent meanwhile waits and gets the reference's
+    tokens, instead of UNAVAILABLE."""
+    path = model_dirs["mixtral"]
+    want, _ = reference(path, PROMPTS[0], new_tokens=8)
+    words = ["failover.no_worker_grace_s=20"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        assert cluster.client.generate(PROMPTS[0], max_new_tokens=8).token_ids == want
+        for name in ("worker0", "worker1"):
+            cluster.freeze(name)
+        deadline = time.monotonic() + 30
+        while cluster.client.info()["live_workers"]:
+            assert time.monotonic() < deadline, "main never noticed its workers were gone"
+            time.sleep(0.1)
+        got: list = []
+        asking = threading.Thread(
+            target=lambda: got.append(cluster.client.generate(PROMPTS[0], max_new_tokens=8))
+        )
+        asking.start()
+        time.sleep(1.0)  # the request is waiting for a worker
+        for name in ("worker0", "worker1"):
+            cluster.resume(name)
+        asking.join(timeout=60)
+        assert got and got[0].token_ids == want

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -142,8 +143,11 @@ class RemoteExperts:
         substituter: Substituter | None = None,
         stragglers: StragglerWatch | None = None,
         probe_every: int = 16,
+        no_worker_grace_s: float = 0.0,
     ):
         self.members = members
+        # where no live worker holds a layer: how long to wait for one to come back before failing
+        self.no_worker_grace_s = no_worker_grace_s
         # None: no steering. Judged from decode answers only (prefill's mini-batches time rows, not loads)
         self.stragglers, self.probe_every = stragglers, probe_every
         self.num_experts, self.kernel = num_experts, kernel
@@ -311,19 +315,34 @@ class RemoteExperts:
     def _prefill_place(self, step: Step, tokens: int, groups) -> dict[int, int]:
         """Prefill: spread over every live worker storing the layer, or with worker caches each
         expert to its home (`prefill.placement`); a one-token prompt: as decode places it."""
-        live, layer, topology = self.members.live, step.layer, self.topology
-        rule = self.prefill.placement
+        layer, rule = step.layer, self.prefill.placement
         if rule in ("auto", "homes"):  # no caches, no homes: spread
-            rule = "homes" if topology.homes else "modulo"
-        try:
+            rule = "homes" if self.topology.homes else "modulo"
+
+        def place() -> dict[int, int]:
+            live, topology = self.members.live, self.topology
             if tokens > 1 and rule != "homes":
                 counts = {rows.expert: len(rows.token_idx) for rows in groups}
                 # stragglers are spared the prompt too (prefill is placed by main alone)
                 holders = topology.steered(topology.live_holders(layer, live), 0)
                 return topology.prefill_placement(counts, rule, holders)
             return topology.decode_placement(layer, [rows.expert for rows in groups], live)
-        except LayerUnavailable as exc:
-            raise WorkerUnavailable(str(exc)) from None
+
+        return self._placed(place)
+
+    def _placed(self, place: Callable[[], dict[int, int]], why: str = "") -> dict[int, int]:
+        """`place()`; where no live worker holds the layer, up to `no_worker_grace_s` spent taking
+        lost workers back (a home router's hiccup can drop them all for a moment) before the
+        request fails with WorkerUnavailable naming the layer."""
+        deadline = time.monotonic() + self.no_worker_grace_s
+        while True:
+            try:
+                return place()
+            except LayerUnavailable as exc:
+                if time.monotonic() >= deadline:
+                    raise WorkerUnavailable(f"{exc}{why}") from None
+            self.members.maintain()
+            time.sleep(0.05)
 
     # -- decode: every running request's rows of a layer at once --------------------------------
     def exchange_decode(self, layer: int, batch: list[DecodeRows]) -> list[torch.Tensor]:
@@ -382,12 +401,11 @@ class RemoteExperts:
         """Where the shadow's (union) prediction preloaded, the misses repaired (Topology)."""
         predicted = prediction.experts if prediction is not None else []
         hedges = prediction.hedges if prediction is not None else []
-        try:
-            return self.topology.repair_placement(
+        return self._placed(
+            lambda: self.topology.repair_placement(
                 step.layer, predicted, experts, self.members.live, hedges, step.iteration
             )
-        except LayerUnavailable as exc:
-            raise WorkerUnavailable(str(exc)) from None
+        )
 
     def _exchange_many(
         self, x: DecodeExchange, placement: dict[int, int], grouped: list[int], releasing: bool
@@ -616,12 +634,12 @@ class RemoteExperts:
         return _Call(worker, x, len(messages) if per_part else 1, positions=positions)
 
     def _replacement(self, step: Step, lost: dict[int, int]) -> dict[int, int]:
-        try:
-            return self.topology.replace_lost(
+        return self._placed(
+            lambda: self.topology.replace_lost(
                 step.layer, lost, self.members.live, spread=step.iteration == 0, iteration=step.iteration
-            )
-        except LayerUnavailable as exc:
-            raise WorkerUnavailable(f"{exc}; request {step.request} cannot go on") from None
+            ),
+            f"; request {step.request} cannot go on",
+        )
 
     def _resend(self, x: PrefillExchange, calls: dict[int, _Call], lost: set[int], grouped) -> None:
         step, owed = x.step, owed_calls(calls, lost)
