@@ -2,13 +2,14 @@
 
     python benchmarks/stragglers.py [--model DIR] [--bandwidth-gbps 25] [--latency-ms 0.2] [--slower 10]
         [--requests 3] [--new-tokens 64] [--cases healthy-off,slow-off,healthy-on,slow-on]
-        [--rounds 2] [--words WORD ...]
+        [--rounds 2] [--cache 0] [--words WORD ...]
 
 A cacheless cluster (the paper's: `worker.cache=0`), 4 workers in groups of 2, every worker's expert
 loads over an emulated link (`emulation.link`: `--bandwidth-gbps`, `--latency-ms`); in the `slow`
 cases worker3's link alone is `--slower` times slower in rate and latency (its own
 `emulation.link` words, LocalCluster's `place`). `off`/`on`: `failover.steer_stragglers` (main
 steers loads away from a worker consistently slower than its group's others: odmoe.main.stragglers).
+`--cache N` gives the workers caches instead (`worker.cache`): homes do not move, nothing is steered.
 Each case is one cluster answering `--requests` prompts one at a time; decode tokens/s is the
 requests' decode tokens over their decode seconds (the DoneEvent's), after one warm-up request.
 The cases run `--rounds` times, interleaved (every other round in reverse order), and each case's
@@ -103,6 +104,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--cases", default="healthy-off,slow-off,healthy-on,slow-on")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cache", default="0", help="worker.cache (0: the paper's cacheless workers)")
     parser.add_argument("--words", nargs="*", default=[])
     parser.add_argument("--out", default=str(RESULTS / "stragglers.json"))
     args = parser.parse_args()
@@ -118,6 +120,7 @@ def main() -> None:
         "slow_worker": SLOW,
         "slower": args.slower,
         "words": args.words,
+        "worker_cache": args.cache,
         "cases": {},
     }
     cases = args.cases.split(",")
@@ -125,7 +128,8 @@ def main() -> None:
     for r in range(args.rounds):  # the cases interleaved, every other round reversed: a machine
         for case in cases if r % 2 == 0 else cases[::-1]:  # whose load drifts drifts for them all
             health, steer = case.split("-")
-            words = ["worker.cache=0", *base, f"failover.steer_stragglers={steer == 'on'}", *args.words]
+            steering = f"failover.steer_stragglers={steer == 'on'}"
+            words = [f"worker.cache={args.cache}", *base, steering, *args.words]
             start = time.monotonic()
             result = run_case(path, words, slow if health == "slow" else [], prompts, wants, args.new_tokens)
             result["wall_s"] = round(time.monotonic() - start, 1)
