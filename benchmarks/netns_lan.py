@@ -31,6 +31,7 @@ from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.model_names import resolve_model
 
 SUBNET, BRIDGE = "10.77.0", "odmoe-br"
+BRIDGE_ADDRESS = f"{SUBNET}.254"  # the root namespace's side: the client (and any relay) lives here
 RESULTS = Path(__file__).parent / "results"
 
 
@@ -61,7 +62,7 @@ class Lan:
         self._remove()  # leftovers of a run that was killed
         try:
             self._run("ip", "link", "add", BRIDGE, "type", "bridge")
-            self._run("ip", "addr", "add", f"{SUBNET}.254/24", "dev", BRIDGE)
+            self._run("ip", "addr", "add", f"{BRIDGE_ADDRESS}/24", "dev", BRIDGE)
             self._run("ip", "link", "set", BRIDGE, "up")
             for i, node in enumerate(self.nodes):
                 ns, inner, outer = self.namespace(node), f"odm{i}n", f"odm{i}h"
@@ -93,17 +94,22 @@ class Lan:
         self._run(*tbf)
         self.shaping.append(" ".join(tbf[len(prefix) :]).replace(f"dev {dev} ", "dev DEV "))
 
-    def drop(self, node: str, probability: float = 1.0, peer: str | None = None) -> None:
+    def drop(
+        self, node: str, probability: float = 1.0, peer: str | None = None, bridge: bool = False
+    ) -> None:
         """Drop this share of the node's packets, both ways, on its link into the bridge (iptables in
         its namespace: `statistic --mode random`, or every packet at 1.0 — a black hole while its
         process lives); with `peer`, only its packets to and from that node (a partition between
         the two). The client's traffic (the bridge's own address) is spared: the client's link is
-        not the node's. `heal` takes every drop of the node away."""
+        not the node's — unless `bridge`, for nodes that reach each other through relays listening
+        on the bridge's address (their every packet then crosses it). `heal` takes every drop of
+        the node away."""
         ns, dev = self.namespace(node), f"odm{self.nodes.index(node)}n"
         share = ["-m", "statistic", "--mode", "random", "--probability", f"{probability:g}"]
         match = share if probability < 1 else []
         for chain, way, side in (("INPUT", "-i", "-s"), ("OUTPUT", "-o", "-d")):
-            whom = [side, self.address(peer)] if peer else ["!", side, f"{SUBNET}.254"]
+            spare = [] if bridge else ["!", side, BRIDGE_ADDRESS]
+            whom = [side, self.address(peer)] if peer else spare
             rule = [chain, way, dev, *whom, *match, "-j", "DROP"]
             self._run("ip", "netns", "exec", ns, "iptables", "-w", "-A", *rule)
 

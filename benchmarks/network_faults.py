@@ -1,20 +1,31 @@
 """Lossy links and black holes measured on a cluster in network namespaces (benchmarks/netns_lan.py).
 
-    python benchmarks/network_faults.py [--model tiny|DIR] [--loss 0.03] [--seconds 120]
-        [--hole-s 30] [--streams 4] [--words failover.beat_interval_s=0 ...]
+    python benchmarks/network_faults.py [--model tiny|DIR] [--cases loss,black_hole] [--loss 0.03]
+        [--jitter-ms 20] [--seconds 120] [--hole-s 30] [--cut-s 30] [--streams 4]
+        [--words failover.beat_interval_s=0 ...]
 
-Needs root, iproute2 and iptables. One cluster (4 workers in groups of 2, every node in its own
-namespace) runs `--streams` requests at a time, again and again:
-1. healthy, `--seconds`/4: decode tokens/s;
-2. every node's link losing `--loss` of its packets both ways (iptables `statistic` in each
-   namespace; the client's own link is spared), `--seconds`: tokens/s, requests, how many workers
-   were declared lost (false losses: every process lives);
-3. worker1's link dropping everything for `--hole-s` (its process lives), then healed: time to
-   detect, the longest stall of a stream, time from the link's return to worker1 serving again.
-(`odmoe-bench suite=network` runs these phases, and `client_cut`: a client whose own link
+Needs root, iproute2 and iptables. Clusters of 4 workers in groups of 2 + the shadow, every node in
+its own namespace, run `--streams` requests at a time, again and again. `--cases`:
+- `loss` and `black_hole` share one cluster: healthy, `--seconds`/4 (at least 10 s): tokens/s;
+  `loss`: every node's link losing `--loss` of its packets both ways (iptables `statistic` in each
+  namespace; the client's own link is spared), `--seconds`: tokens/s, requests, how many workers
+  were declared lost (false losses: every process lives); `black_hole`: worker1's link dropping
+  everything for `--hole-s` (its process lives), then healed: time to detect, the longest stall of
+  a stream, time from the link's return to worker1 serving again.
+- `jitter_loss`, a cluster of its own: a link relay (odmoe/tools/link_relay.py: no sch_netem here)
+  in front of every worker and the shadow holds each chunk and beat 0..`--jitter-ms` each way, and
+  every node's link (relayed hops and the client's included) loses `--loss`, for `--seconds`;
+  against the same cluster through clean relays.
+- `shadow_cut`, a cluster of its own (cacheless workers, fp32 shadow): main <-> shadow drops
+  everything for `--cut-s` under load: when main calls the shadow lost, and from the link's return
+  until a decode iteration uses predictions again.
+- `straggler`: cacheless workers, every worker's expert loads over an emulated 25 Gbit/s + 0.2 ms
+  link, worker3's 10x slower (as benchmarks/stragglers.py), `--seconds` each, healthy then slow:
+  tokens/s against healthy, when main steered away from worker3.
+(`odmoe-bench suite=network` runs these cases, and `client_cut`: a client whose own link
 black-holes mid-stream, until main cancels its request.)
 Every request's tokens are compared with transformers' greedy generate(). `--words` are more
-odmoe-launch words for the cluster (e.g. the detector before issue 47:
+odmoe-launch words for the clusters (e.g. the detector before issue 47:
 `failover.beat_interval_s=0 failover.heartbeat_timeout_s=1.0`). Prints the figures and writes JSON
 (benchmarks/results/network-faults.json).
 """
@@ -22,6 +33,7 @@ odmoe-launch words for the cluster (e.g. the detector before issue 47:
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import re
 import shutil
@@ -33,9 +45,10 @@ from pathlib import Path
 import httpx
 
 import odmoe
-from odmoe.benchmarks.netns_lan import Lan
+from odmoe.benchmarks.netns_lan import BRIDGE_ADDRESS, Lan
 from odmoe.benchmarks.results import write_report
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
 from odmoe.tools.model_names import resolve_model
@@ -45,6 +58,7 @@ RESULTS = Path(__file__).parent / "results"
 WORKERS = 4
 NODES = ["main", "shadow", *[f"worker{i}" for i in range(WORKERS)]]
 NEW_TOKENS = 48
+CASES = ("loss", "black_hole", "jitter_loss", "shadow_cut", "straggler")
 
 
 class Load:
@@ -116,6 +130,7 @@ def phase(cluster, prompts, wants, seconds: float) -> dict:
     return {
         "seconds": round(took, 1),
         "requests": load.requests,
+        "tokens": load.tokens,
         "tokens_per_s": round(load.tokens / took, 2),
         "different": load.different,
         "lost_requests": len(load.errors),
@@ -152,10 +167,209 @@ def black_hole(lan: Lan, cluster, prompts, wants, hole_s: float) -> dict:
         "serving_again_s": round(back[0]["at_us"] / 1e6 - healed, 3) if back else None,
         "longest_stall_s": round(load.longest_stall_s(start), 3),
         "requests": load.requests,
+        "tokens": load.tokens,
         "tokens_per_s": round(load.tokens / took, 2),
         "different": load.different,
         "lost_requests": len(load.errors),
     }
+
+
+class Relays:
+    """A link relay (odmoe/tools/link_relay.py) in front of every worker and the shadow, listening
+    on the bridge's address so the nodes' namespaces reach it: pass `through` to LocalCluster.
+    Every link main has then runs through one (main <-> worker, main <-> shadow, and the shadow's
+    predictions to the workers, whose address main hands them), and `set` jitters them all."""
+
+    def __init__(self) -> None:
+        self.relays: list[Relay] = []
+
+    def through(self, name: str, address: str) -> str:
+        relay = Relay(address, host=BRIDGE_ADDRESS, seed=len(self.relays))
+        self.relays.append(relay)
+        return relay.address
+
+    def set(self, delay_s: float = 0.0, jitter_s: float = 0.0) -> None:
+        for relay in self.relays:
+            relay.set(delay_s=delay_s, jitter_s=jitter_s)
+
+    def close(self) -> None:
+        for relay in self.relays:
+            relay.close()
+
+
+def healthy_seconds(seconds: float) -> float:
+    """How long a healthy baseline runs beside a case of `seconds`: a quarter, 10 to 60 s."""
+    return min(max(seconds / 4, 10), 60)
+
+
+def jitter_and_loss(lan: Lan, path: str, words: list[str], prompts, wants, loss: float, jitter_s: float,
+                    seconds: float) -> dict:  # fmt: skip
+    """A cluster of its own whose every link both jitters and loses packets, under load.
+
+    Jitter: a relay in front of every worker and the shadow holds each chunk and beat a uniformly
+    random 0..`jitter_s` each way (no sch_netem here). Loss: every node's link drops `loss` of its
+    packets both ways (iptables), its relayed traffic included (`Lan.drop(bridge=True)`: the relays
+    listen on the bridge's address), so the client's link to main is lossy too. The baseline is the
+    same cluster through the same relays, clean, for `healthy_seconds`; the faulty phase `seconds`."""
+    relays = Relays()
+    try:
+        with odmoe.LocalCluster(
+            path, overrides=words, place=lan.placement, through=relays.through
+        ) as cluster:
+            cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
+            healthy = phase(cluster, prompts, wants, healthy_seconds(seconds))
+            relays.set(jitter_s=jitter_s)
+            for node in lan.nodes:
+                lan.drop(node, loss, bridge=True)
+            try:
+                faulty = phase(cluster, prompts, wants, seconds)
+            finally:
+                for node in lan.nodes:
+                    lan.heal(node)
+    finally:
+        relays.close()
+    faulty["healthy_tokens_per_s"] = healthy["tokens_per_s"]
+    faulty["tokens_per_s_vs_healthy"] = round(faulty["tokens_per_s"] / max(healthy["tokens_per_s"], 1e-9), 3)
+    return {"healthy": healthy, "jitter_loss": faulty, "loss": loss, "jitter_s": jitter_s}
+
+
+def _log_times(cluster, node: str, pattern: str) -> list[float]:
+    """Wall-clock times of the lines of `node`'s log matching `pattern` (logging's asctime: local)."""
+    text = cluster.node(node).log_file.read_text(errors="replace")
+    stamps = re.findall(rf"^(\d{{4}}-\d\d-\d\d \d\d:\d\d:\d\d,\d{{3}}) .*{pattern}", text, re.M)
+    return [datetime.datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f").timestamp() for t in stamps]
+
+
+class Watched:
+    """One more client asking requests back to back with generate() (whose stats carry each decode
+    iteration's recall): per request its wall start and stats, so an iteration's time can be read
+    back (start + TTFT + the decode seconds shared evenly over its iterations)."""
+
+    def __init__(self, cluster, prompt: list[int], want: list[int]):
+        self.runs: list[tuple[float, dict]] = []
+        self.different = self.requests = self.tokens = 0
+        self.errors: list[str] = []
+        self.stopping = threading.Event()
+
+        def ask() -> None:
+            while not self.stopping.is_set():
+                start = time.time()
+                try:
+                    got = cluster.client.generate(prompt, max_new_tokens=NEW_TOKENS)
+                except Exception as exc:  # a lost request: counted
+                    self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
+                    continue
+                self.runs.append((start, got.stats))
+                self.requests += 1
+                self.tokens += len(got.token_ids)
+                self.different += got.token_ids != want
+
+        self.thread = threading.Thread(target=ask, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=300)
+
+    def predicted_again(self, since: float) -> float | None:
+        """The wall time of the first decode iteration after `since` that used predictions (recall
+        above 0), interpolated within its request; None if none did."""
+        for start, stats in self.runs:
+            per_token = {int(n): r for n, r in stats["recall"]["per_token"].items()}
+            n_max = max(per_token, default=0)
+            first = start + stats["ttft_s"]
+            step = stats["decode"]["seconds"] / max(n_max, 1)
+            for n in sorted(per_token):
+                at = first + n * step
+                if at >= since and per_token[n] > 0:
+                    return at
+        return None
+
+
+def shadow_cut(lan: Lan, path: str, words: list[str], prompts, wants, cut_s: float) -> dict:
+    """A cluster of its own (cacheless workers, so every expert waits on a prediction or a load
+    after routing; an fp32 shadow, so a prediction that arrives is right): main <-> shadow alone
+    drops everything for `cut_s` under load (main still reaches the workers, the shadow too), then
+    heals. Detect: main's log calls the shadow lost; recover: from the link's return to the first
+    decode iteration of the watched client that used predictions again."""
+    words = [*words, "worker.cache=0", "shadow.precision=fp32"]
+    with odmoe.LocalCluster(path, overrides=words, place=lan.placement) as cluster:
+        cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
+        healthy = phase(cluster, prompts, wants, 10)
+        load, watched = Load(cluster, prompts[1:], wants[1:]), Watched(cluster, prompts[0], wants[0])
+        start = time.monotonic()
+        time.sleep(5)
+        cut = time.time()
+        lan.drop("shadow", peer="main")
+        time.sleep(cut_s)
+        healed = time.time()
+        lan.heal("shadow")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and watched.predicted_again(healed) is None:
+            time.sleep(0.2)
+        time.sleep(3)
+        load.stop()
+        watched.stop()
+        took = time.monotonic() - start
+        lost = [t for t in _log_times(cluster, "main", r"shadow \(.*\) lost") if t >= cut]
+        back = [t for t in _log_times(cluster, "main", r"shadow \(.*\) answers beats again") if t >= healed]
+        again = watched.predicted_again(healed)
+        events = _events(cluster, cut)
+    tokens = load.tokens + watched.tokens
+    return {
+        "cut_s": cut_s,
+        "detect_s": round(lost[0] - cut, 3) if lost else None,
+        "detected_by": "main's beats to the shadow" if lost else None,
+        "beats_answered_again_s": round(back[0] - healed, 3) if back else None,
+        "serving_again_s": None if again is None else round(again - healed, 3),
+        "longest_stall_s": round(load.longest_stall_s(start), 3),
+        "requests": load.requests + watched.requests,
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / took, 2),
+        "healthy_tokens_per_s": healthy["tokens_per_s"],
+        "different": load.different + watched.different,
+        "lost_requests": len(load.errors) + len(watched.errors),
+        "workers_declared_lost": sum(e["event"] == "lost" for e in events),
+    }
+
+
+def link_words(bandwidth_gbps: float, latency_ms: float) -> list[str]:
+    return [f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}", f"emulation.link.latency_ms={latency_ms:g}"]
+
+
+def straggler(lan: Lan, path: str, words: list[str], prompts, wants, seconds: float, slower: float = 10.0,
+              bandwidth_gbps: float = 25.0, latency_ms: float = 0.2) -> dict:  # fmt: skip
+    """One worker of four on a `slower`x slower link, as benchmarks/stragglers.py makes it:
+    cacheless workers (`worker.cache=0`: steering applies to them), every worker's expert loads over
+    an emulated link (`emulation.link`), worker3's alone `slower` times slower in rate and latency;
+    main steers (`failover.steer_stragglers`, the default). Two clusters in the namespaces, healthy
+    then worker3 slow, each under load for `seconds`. Detect: from the load's start to main's log
+    naming worker3 a straggler. Recover: none (its link stays slow)."""
+    words = [*words, "worker.cache=0", *link_words(bandwidth_gbps, latency_ms)]
+    slow = link_words(bandwidth_gbps / slower, latency_ms * slower)
+
+    def run(slow_words: list[str]) -> dict:
+        def place(name: str) -> NodePlacement:
+            at = lan.placement(name)
+            return NodePlacement(
+                prefix=at.prefix, words=[*at.words, *(slow_words if name == "worker3" else [])]
+            )
+
+        with odmoe.LocalCluster(path, overrides=words, place=place) as cluster:
+            cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
+            start = time.time()
+            measured = phase(cluster, prompts, wants, seconds)
+            steered = [t for t in _log_times(cluster, "main", r"stragglers now \[3\]") if t >= start]
+        measured["steered_after_s"] = round(steered[0] - start, 3) if steered else None
+        return measured
+
+    healthy, slowed = run([]), run(slow)
+    slowed["healthy_tokens_per_s"] = healthy["tokens_per_s"]
+    slowed["tokens_per_s_vs_healthy"] = round(slowed["tokens_per_s"] / max(healthy["tokens_per_s"], 1e-9), 3)
+    slowed["detect_s"] = slowed.pop("steered_after_s")
+    slowed["detected_by"] = "main's straggler watch" if slowed["detect_s"] is not None else None
+    slowed["serving_again_s"] = None
+    return {"healthy": healthy, "straggler": slowed, "slower": slower}
 
 
 CANCELLED = 'odmoe:requests_total{finish_reason="cancelled"}'
@@ -204,6 +418,7 @@ def client_cut(cluster, prompts, wants, context: int) -> dict:
         "serving_again_s": None,
         "longest_stall_s": round(load.longest_stall_s(holed), 3),
         "requests": load.requests,
+        "tokens": load.tokens + len(first),
         "tokens_per_s": round(load.tokens / took, 2),
         "different": load.different + (first != wants[0][:3]),
         "lost_requests": len(load.errors),
@@ -213,13 +428,19 @@ def client_cut(cluster, prompts, wants, context: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--cases", default="loss,black_hole", help=f"some of {','.join(CASES)}")
     parser.add_argument("--loss", type=float, default=0.03, help="share of packets each node's link drops")
+    parser.add_argument("--jitter-ms", type=float, default=20, help="jitter_loss: each hop's 0..J ms")
     parser.add_argument("--seconds", type=float, default=120)
     parser.add_argument("--hole-s", type=float, default=30)
+    parser.add_argument("--cut-s", type=float, default=30, help="shadow_cut: main <-> shadow cut this long")
     parser.add_argument("--streams", type=int, default=4)
     parser.add_argument("--words", nargs="*", default=[])
     parser.add_argument("--out", default=str(RESULTS / "network-faults.json"))
     args = parser.parse_args()
+    cases = args.cases.split(",")
+    if bad := set(cases) - set(CASES):
+        raise SystemExit(f"network_faults: unknown cases {sorted(bad)} (known: {', '.join(CASES)})")
     if why := missing():
         raise SystemExit(f"network_faults: {why}")
     path = resolve_model(args.model)
@@ -228,26 +449,38 @@ def main() -> None:
     wants = [reference_tokens(path, p, NEW_TOKENS) for p in prompts]
     report: dict = {"model": path, "loss_per_link": args.loss, "words": args.words, "streams": args.streams}
     words = [f"cluster.workers={WORKERS}", "cluster.group_size=2", *args.words]
-    with (
-        Lan(NODES, 1.0, 0.1) as lan,
-        odmoe.LocalCluster(path, overrides=words, place=lan.placement) as cluster,
-    ):
-        cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
-        report["healthy"] = phase(cluster, prompts, wants, max(args.seconds / 4, 10))
-        for node in NODES:
-            lan.drop(node, args.loss)
-        report["lossy"] = phase(cluster, prompts, wants, args.seconds)
-        for node in NODES:
-            lan.heal(node)
-        report["lossy"]["tokens_per_s_vs_healthy"] = round(
-            report["lossy"]["tokens_per_s"] / max(report["healthy"]["tokens_per_s"], 1e-9), 3
-        )
-        if args.hole_s > 0:
-            report["black_hole"] = black_hole(lan, cluster, prompts, wants, args.hole_s)
-    for name in ("healthy", "lossy", "black_hole"):
+    with Lan(NODES, 1.0, 0.1) as lan:
+        if "loss" in cases or "black_hole" in cases:
+            with odmoe.LocalCluster(path, overrides=words, place=lan.placement) as cluster:
+                cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
+                report["healthy"] = phase(cluster, prompts, wants, max(args.seconds / 4, 10))
+                if "loss" in cases:
+                    for node in NODES:
+                        lan.drop(node, args.loss)
+                    report["lossy"] = phase(cluster, prompts, wants, args.seconds)
+                    for node in NODES:
+                        lan.heal(node)
+                    report["lossy"]["tokens_per_s_vs_healthy"] = round(
+                        report["lossy"]["tokens_per_s"] / max(report["healthy"]["tokens_per_s"], 1e-9), 3
+                    )
+                if "black_hole" in cases:
+                    report["black_hole"] = black_hole(lan, cluster, prompts, wants, args.hole_s)
+        if "jitter_loss" in cases:
+            both = jitter_and_loss(
+                lan, path, words, prompts, wants, args.loss, args.jitter_ms / 1e3, args.seconds
+            )
+            report["healthy_relayed"], report["jitter_loss"] = both["healthy"], both["jitter_loss"]
+            report["jitter_loss"]["jitter_s"] = both["jitter_s"]
+        if "shadow_cut" in cases:
+            report["shadow_cut"] = shadow_cut(lan, path, words, prompts, wants, args.cut_s)
+        if "straggler" in cases:
+            both = straggler(lan, path, words, prompts, wants, args.seconds)
+            report["healthy_cacheless"], report["straggler"] = both["healthy"], both["straggler"]
+    for name in ("healthy", "lossy", "black_hole", "healthy_relayed", "jitter_loss", "shadow_cut",
+                 "healthy_cacheless", "straggler"):  # fmt: skip
         if name in report:
             row = {k: v for k, v in report[name].items() if k not in ("events", "errors")}
-            print(f"{name:11} {row}")
+            print(f"{name:11} {row}", flush=True)
     write_report(args.out, report)
 
 
