@@ -220,9 +220,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
     # -- what both front doors call ----------------------------------------------------------
     def submit(self, request: GenerateRequest, timeout_s: float | None = None) -> Ticket:
         """Validate and queue a request (InvalidRequest / QueueFull at once)."""
-        self.engine.prompt_ids(request)
+        ids = self.engine.prompt_ids(request)
         try:
-            return self.requests.submit(request, timeout_s)
+            return self.requests.submit(request, timeout_s, prompt_ids=ids)
         except QueueFull:
             self.metrics.ended(None, "rejected")
             raise

@@ -51,6 +51,7 @@ from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule
 from odmoe.main.batched_decode import BatchedDecode
 from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
+from odmoe.main.request_limits import MAX_LOGPROBS, MAX_STOPS
 from odmoe.main.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
 from odmoe.main.request_run import (
     DoneEvent,
@@ -62,7 +63,6 @@ from odmoe.main.request_run import (
 )
 from odmoe.main.run_stats import request_stats
 from odmoe.main.sampling import InvalidSampling
-from odmoe.main.stop_strings import MAX_STOPS
 from odmoe.models.kv_rows import newest_rows
 from odmoe.models.main_model import MainModel
 
@@ -78,7 +78,6 @@ __all__ = [
     "TokenEvent",
 ]
 IDLE_WAIT_S = 0.2  # an idle engine looks after the membership this often
-MAX_LOGPROBS = 20  # most likely tokens reported per position (OpenAI's limit)
 RECALL_WAIT_S = 1.0  # how long a finished request's paper recall waits for predictions in flight
 
 
@@ -138,7 +137,16 @@ class MainEngine:
         self.batched = BatchedDecode(main) if together else None
 
     # -- requests ------------------------------------------------------------------------------
+    def validated_ids(self, ticket: Ticket) -> list[int]:
+        """The ticket's prompt ids, validated once: at submit (main's front doors) or here, the first
+        time the engine looks at a ticket made without them."""
+        if ticket.prompt_ids is None:
+            ticket.prompt_ids = self.prompt_ids(ticket.request)
+        return ticket.prompt_ids
+
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
+        """The request checked against the model and the limits (InvalidRequest naming what is
+        wrong), its prompt tokenized: its token ids."""
         if request.token_ids and request.prompt:
             raise InvalidRequest("give either a prompt or token_ids, not both")
         ids = list(request.token_ids) if request.token_ids else self.tokenizer(request.prompt)["input_ids"]
@@ -250,7 +258,7 @@ class MainEngine:
             return False  # not measured yet: one request at a time until the first prefill is done
         held = sum(r.prompt_len + r.request.max_new_tokens for _, r in self.running)
         try:
-            need = len(self.prompt_ids(ticket.request))
+            need = len(self.validated_ids(ticket))
         except InvalidRequest:
             return True  # admitted only to be refused, with the reason
         return (held + need + ticket.request.max_new_tokens) * self.kv_bytes_per_position <= budget
@@ -260,7 +268,7 @@ class MainEngine:
         admitted between two layers of a decode pass, where only a plain prefill may go at once."""
         request = ticket.request
         try:
-            ids = self.prompt_ids(request)
+            ids = self.validated_ids(ticket)
         except InvalidRequest as exc:
             ticket.put(exc)
             requests.done(ticket)

@@ -43,6 +43,9 @@ class Ticket:
     arrived: float = field(default_factory=time.monotonic)
     cancelled: threading.Event = field(default_factory=threading.Event)
     events: queue.Queue = field(default_factory=queue.Queue)
+    # the request's token ids as its validation made them (None: not checked yet): the prompt is
+    # tokenized once, where it is submitted, not again each time the engine looks at the ticket
+    prompt_ids: list[int] | None = None
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -81,10 +84,11 @@ class RequestQueue:
     def waiting(self) -> int:
         return len(self._waiting)
 
-    def submit(self, request, timeout_s: float | None = None) -> Ticket:
-        """`timeout_s` may shorten the server's default deadline, never lengthen it."""
+    def submit(self, request, timeout_s: float | None = None, prompt_ids: list[int] | None = None) -> Ticket:
+        """`timeout_s` may shorten the server's default deadline, never lengthen it; `prompt_ids`:
+        the request's token ids, validated (they travel with its ticket)."""
         limit = self.default_timeout_s if not timeout_s else min(timeout_s, self.default_timeout_s)
-        ticket = Ticket(request, deadline=time.monotonic() + limit)
+        ticket = Ticket(request, deadline=time.monotonic() + limit, prompt_ids=prompt_ids)
         with self._ready:
             if self.closed:
                 raise QueueClosed("main is shutting down")

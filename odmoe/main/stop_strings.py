@@ -15,8 +15,6 @@ pieces (tokens): with stops "c" and "aca", "aca" gives "a" whether it arrives wh
 
 from __future__ import annotations
 
-MAX_STOPS = 4  # OpenAI's limit
-
 
 class StopStrings:
     def __init__(self, stops: tuple[str, ...] | list[str] = ()):

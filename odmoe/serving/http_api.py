@@ -63,6 +63,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from odmoe.main.engine import DoneEvent, GenerateRequest, InvalidRequest, PromptEvent, TokenEvent
+from odmoe.main.request_limits import MAX_LOGPROBS, MAX_STOPS
 from odmoe.main.request_queue import END, QueueClosed, QueueFull
 from odmoe.main.sampling import MAX_SEED, SamplingParams
 from odmoe.serving.error_status import message_of, status_of
@@ -72,7 +73,6 @@ from odmoe.transport.security import ServerSecrets
 
 log = logging.getLogger("odmoe.http")
 POLL_S = 0.1  # how often a waiting handler looks whether its client is still there
-MAX_LOGPROBS = 20  # best tokens per position (OpenAI's limit)
 MAX_PROMPTS = 1024  # prompts in one completions request
 MAX_N = 64  # choices per request (each runs as a request of its own, sharing the prompt's prefill)
 
@@ -140,8 +140,8 @@ class _Common(BaseModel):
 
     def stops(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4 or not all(stops):
-            raise ApiError(400, "stop takes at most 4 non-empty strings", "stop")
+        if len(stops) > MAX_STOPS or not all(stops):
+            raise ApiError(400, f"stop takes at most {MAX_STOPS} non-empty strings", "stop")
         return tuple(stops)
 
     def sampling(self) -> SamplingParams:
