@@ -3,9 +3,10 @@
 Contract:
 - `model_path_for(cfg, role)`: with `model.pull_from` empty, `resolve_model_path(cfg)`; else this
   role's share of the source's checkpoint pulled into `model.pull_dir` (odmoe.models.share_pull) and
-  that directory: a worker the experts of the layers it stores (odmoe.placement's `stored_layers`: its
-  group's with worker.only_own_layers, else all), main the non-expert tensors, the shadow every
-  tensor (it computes the whole model at its own precision).
+  that directory (of a GGUF model, its first shard there: sparse, like a safetensors file's copy):
+  a worker the experts of the layers it stores (odmoe.placement's `stored_layers`: its group's with
+  worker.only_own_layers, else all), main the non-expert tensors, the shadow every tensor (it
+  computes the whole model at its own precision).
 - `serve_checkpoint(cfg, model_path)` starts the Share service on `cluster.join_port` (None when
   -1), with the cluster's TLS and token; `run_seed` serves until SIGINT/SIGTERM, writing its address
   to the ready file.
@@ -23,6 +24,7 @@ from odmoe.config import OdmoeConfig
 from odmoe.launch.local_cluster import resolve_model_path
 from odmoe.models.checkpoint_index import CheckpointIndex, build_index
 from odmoe.models.families import is_expert_key, layer_of_key
+from odmoe.models.gguf_checkpoint import GgufCheckpoint
 from odmoe.models.open_model import open_checkpoint
 from odmoe.models.share_pull import PullReport, pull_share
 from odmoe.nodes.ready import announce_ready
@@ -50,7 +52,7 @@ def choose_for(cfg: OdmoeConfig, role: str):
     def choose(index: CheckpointIndex, dest: Path) -> set[str]:
         if role == "shadow":
             return {t.name for t in index.tensors}
-        checkpoint = open_checkpoint(dest)  # the headers are there: nothing read but them
+        checkpoint = open_checkpoint(pulled_model(dest))  # the headers are there: nothing read but them
         keys = list(checkpoint.weight_map)
         if role == "worker":
             topology = cfg.topology.for_model(checkpoint.moe_layers, checkpoint.num_experts)
@@ -58,9 +60,19 @@ def choose_for(cfg: OdmoeConfig, role: str):
             keys = [k for k in keys if is_expert_key(k) and layer_of_key(k) in layers]
         else:
             keys = [k for k in keys if not is_expert_key(k)]
+        if isinstance(checkpoint, GgufCheckpoint):  # a key's tensors in the file, by their names there
+            return {name for k in keys for name in checkpoint.file_tensors(k)}
         return {checkpoint.disk_key.get(k, k) for k in keys}
 
     return choose
+
+
+def pulled_model(dest: Path) -> Path:
+    """What a pulled copy serves: a GGUF set's first shard where it holds one, else the directory."""
+    ggufs = sorted(dest.glob("*.gguf"))
+    if not ggufs:
+        return dest
+    return next((f for f in ggufs if "-00001-of-" in f.name), ggufs[0])
 
 
 def pull_for(cfg: OdmoeConfig, role: str) -> tuple[Path, PullReport]:
@@ -82,7 +94,7 @@ def model_path_for(cfg: OdmoeConfig, role: str) -> str:
     if not cfg.model.pull_from:
         return resolve_model_path(cfg)
     dest, _ = pull_for(cfg, role)
-    return str(dest)
+    return str(pulled_model(dest))
 
 
 def serve_checkpoint(
@@ -96,11 +108,11 @@ def serve_checkpoint(
     `secrets` default to security.key_dir's; `also` / `token_check` as odmoe.transport.share_server's."""
     if cfg.cluster.join_port < 0:
         return None
-    index = build_index(model_path, _cache_root(cfg) / "share-index")
+    index = build_index(model_path, _cache_root(cfg) / "share-index")  # a GGUF file: its shards alone
     if secrets is None and cfg.security.enabled:
         secrets = ServerSecrets.from_key_dir(cfg.security.key_dir)
     return serve_share(
-        model_path,
+        Path(model_path).parent if Path(model_path).is_file() else model_path,
         index,
         cfg.cluster.host,
         cfg.cluster.join_port,

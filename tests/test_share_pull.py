@@ -151,6 +151,51 @@ def test_an_interrupted_pull_resumes_where_it_stopped(source, tmp_path):
     assert all(torch.equal(pulled.tensor(k), whole.tensor(k)) for k in whole.weight_map)
 
 
+@pytest.mark.parametrize("qtype,shards", [("Q4_K", 1), ("Q8_0", 2)])
+def test_a_gguf_model_is_pulled_tensor_by_tensor(gguf_file, tmp_path, qtype, shards):
+    """A GGUF file (or a sharded set) is pulled like a safetensors checkpoint: each file's header, then
+    only the role's tensors (a worker its layers' fused expert tensors as stored), into a sparse copy
+    whose experts dequantize to the source's bits; main gets the rest; a second pull moves nothing."""
+    from odmoe.launch.pull import choose_for, pulled_model
+    from odmoe.launch.settings import compose
+
+    source = gguf_file("qwen3_moe", qtype, shards)
+    index = build_index(source)
+    assert len(index.files) == shards and all(f.header_end for f in index.files)
+    first = sorted(f.name for f in index.files)[0]
+    server, port, _ = serve_share(os.path.dirname(source), index, "127.0.0.1", 0, None)
+    try:
+        stub = odmoe_pb2_grpc.ShareStub(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        words = [
+            "cluster.workers=2",
+            "cluster.group_size=1",
+            "worker.only_own_layers=true",
+            "security.enabled=false",
+        ]
+        cfg = compose(["role=worker", *words, "worker.index=1"])
+        dest = tmp_path / "worker1"
+        report = pull_share(stub, dest, choose_for(cfg, "worker"))
+        held = json.loads((dest / SHARE_STATE).read_text())["tensors"]
+        assert set(held) == {
+            f"blk.1.ffn_{w}_exps.weight" for w in ("gate", "up", "down")
+        }  # layer 1's experts
+        heads = sum(f.header_end for f in index.files)
+        assert report.pulled_bytes == heads + sum(t.nbytes for t in index.tensors if t.name in held)
+        mine, theirs = open_checkpoint(pulled_model(dest)), open_checkpoint(source)
+        assert pulled_model(dest).name == first
+        for e in range(theirs.num_experts):
+            a, b = mine.expert(1, e), theirs.expert(1, e)
+            assert torch.equal(a.gate_up.view(torch.int32), b.gate_up.view(torch.int32))
+            assert torch.equal(a.down.view(torch.int32), b.down.view(torch.int32))
+        assert pull_share(stub, dest, choose_for(cfg, "worker")).pulled_bytes == 0
+        main = pull_share(stub, tmp_path / "main", choose_for(compose(["role=worker", *words]), "main"))
+        main_held = set(json.loads((tmp_path / "main" / SHARE_STATE).read_text())["tensors"])
+        assert main_held == {t.name for t in index.tensors if "_exps." not in t.name}
+        assert main.pulled_bytes < index.total_bytes / 2
+    finally:
+        server.stop(grace=0)
+
+
 @pytest.mark.integration
 @pytest.mark.extended  # two cluster starts and a seed: ~1 min quiet, ~3 min on a busy box
 def test_nodes_without_the_checkpoint_pull_their_share_and_serve_the_same_tokens(tmp_path, reap_children):
@@ -209,3 +254,44 @@ def test_nodes_without_the_checkpoint_pull_their_share_and_serve_the_same_tokens
         seed.terminate()
         seed.wait(timeout=10)
     assert not os.path.exists(tmp_path / "main")  # main used its own checkpoint
+
+
+@pytest.mark.integration
+@pytest.mark.extended  # a seed and a cluster whose workers and shadow pull a GGUF file: ~1 min here
+def test_a_cluster_pulls_its_shares_of_a_gguf_file_and_serves_it_exactly(gguf_file, tmp_path, reap_children):
+    """role=seed serves a Q4_K GGUF file; the workers (one group each, their own layers) and the shadow
+    pull their shares of it, sparse, and the cluster's tokens equal transformers' GGUF loading."""
+    from tests.test_gguf_cluster import PROMPT, generate_reference
+
+    source = gguf_file("qwen3_moe", "Q4_K")
+    keys = init_key_dir(tmp_path / "keys", 2)
+    ready = tmp_path / "seed.json"
+    seed = subprocess.Popen(
+        [sys.executable, "-m", "odmoe.launch.cli", "role=seed", f"model.path={source}",
+         "cluster.join_port=0", f"security.key_dir={keys.root}", f"ready_file={ready}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and seed.poll() is None:
+            time.sleep(0.05)
+        address = json.loads(ready.read_text())["share_address"]
+
+        def place(name: str) -> NodePlacement:
+            if name.startswith("main"):
+                return NodePlacement()
+            return NodePlacement(words=[f"model.pull_from={address}", f"model.pull_dir={tmp_path / name}"])
+
+        words = [f"security.key_dir={keys.root}", "worker.only_own_layers=true", "worker.cache=0"]
+        want, _, _ = generate_reference(source, 12)
+        with LocalCluster(source, workers=2, group_size=1, overrides=words, place=place) as cluster:
+            assert list(cluster.client.generate(PROMPT, max_new_tokens=12).token_ids) == want
+        index = build_index(source)
+        for i in range(2):  # 2 groups of one: worker i stores layer i (GGUF_SPEC: 2 MoE layers)
+            held = set(json.loads((tmp_path / f"worker{i}" / SHARE_STATE).read_text())["tensors"])
+            assert held == {f"blk.{i}.ffn_{w}_exps.weight" for w in ("gate", "up", "down")}
+        shadow = json.loads((tmp_path / "shadow" / SHARE_STATE).read_text())
+        assert shadow["pulled_bytes_total"] == sum(t.nbytes for t in index.tensors)
+    finally:
+        seed.terminate()
+        seed.wait(timeout=10)

@@ -1,11 +1,13 @@
-"""A checkpoint directory's index: every file's and every safetensors tensor's bytes and sha256.
+"""A checkpoint directory's index: every file's and every tensor's bytes and sha256 (safetensors, GGUF).
 
 Contract (pure but for reading the directory):
 - `build_index(directory)` lists the directory's regular files (not hidden ones, not this module's
   `SHARE_STATE` of a pulled copy) with size and sha256; for each `*.safetensors` file also where its
   header ends (8 bytes of length + the JSON header) and every tensor's absolute byte range and
-  sha256. Hashing reads every byte once; the result is kept in `cache_dir` under a key made of the
-  directory's path and each file's size and mtime, so a second start reads nothing.
+  sha256; a `*.gguf` file the same (its header: metadata and tensor infos, up to the data section).
+  Given a GGUF file rather than a directory, it indexes that file's shard set alone. Hashing reads
+  every byte once; the result is kept in `cache_dir` under a key made of the directory's path and
+  each file's size and mtime, so a second start reads nothing.
 - `CheckpointIndex.to_json()` / `from_json()` round-trip it; `digest` names one index (a node that
   pulled from another index knows its copy is of another checkpoint).
 - A node holding the index can tell which of its bytes are the checkpoint's without trusting the
@@ -21,6 +23,8 @@ import struct
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from odmoe.models.gguf_files import gguf_layout, shard_set
 
 log = logging.getLogger("odmoe.models.checkpoint_index")
 SHARE_STATE = "odmoe-share.json"  # a pulled copy's record of what it holds (not the checkpoint's)
@@ -114,9 +118,12 @@ def _sha256_range(f, start: int, end: int) -> str:
     return digest.hexdigest()
 
 
-def _files(directory: Path) -> list[Path]:
+def _files(path: Path) -> list[Path]:
+    """A directory's files; for a GGUF file, its shard set alone (its directory may hold others)."""
+    if path.is_file():
+        return [p for p in shard_set(path) if p.is_file()]
     return sorted(
-        p for p in directory.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != SHARE_STATE
+        p for p in path.iterdir() if p.is_file() and not p.name.startswith(".") and p.name != SHARE_STATE
     )
 
 
@@ -129,7 +136,8 @@ def _cache_key(directory: Path) -> str:
 
 
 def build_index(directory: str | Path, cache_dir: str | Path | None = None) -> CheckpointIndex:
-    """The directory's index (module contract), from `cache_dir` when its files have not changed."""
+    """The directory's index (module contract), from `cache_dir` when its files have not changed;
+    `directory` may also be a GGUF file: its shard set is indexed (names relative to its directory)."""
     directory = Path(directory)
     cached = Path(cache_dir) / f"{_cache_key(directory)}.json" if cache_dir else None
     if cached is not None and cached.is_file():
@@ -140,8 +148,8 @@ def build_index(directory: str | Path, cache_dir: str | Path | None = None) -> C
     for p in _files(directory):
         with open(p, "rb") as f:
             whole = _sha256_range(f, 0, p.stat().st_size)
-            if p.suffix == ".safetensors":
-                header_end, ranges = safetensors_layout(p)
+            if p.suffix in (".safetensors", ".gguf"):  # pulled sparse: the header, then tensor by tensor
+                header_end, ranges = safetensors_layout(p) if p.suffix == ".safetensors" else gguf_layout(p)
                 files.append(
                     FileEntry(p.name, p.stat().st_size, whole, header_end, _sha256_range(f, 0, header_end))
                 )

@@ -49,6 +49,7 @@ import torch
 from odmoe.models.checkpoint import Checkpoint, CheckpointError, ExpertWeights
 from odmoe.models.families import UnsupportedModelError, family_of, is_expert_key, layer_of_key
 from odmoe.models.gguf_blocks import dequantize, dequantize_into
+from odmoe.models.gguf_files import shard_set
 from odmoe.models.safetensors_file import TensorInfo
 
 log = logging.getLogger("odmoe.models.gguf_checkpoint")
@@ -63,7 +64,6 @@ NOT_LOADED = {
     "deepseek2": "transformers cannot load DeepSeek's architecture from GGUF",
     "minimax-m2": "odmoe does not serve MiniMax-M2",
 }
-_SHARD = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 _EXPERTS = re.compile(r"^blk\.(?P<layer>\d+)\.ffn_(?P<w>gate|up|down)_exps\.weight$")
 _WIDTHS = (  # (config field transformers leaves at its default, the GGUF key that holds it)
     ("moe_intermediate_size", "expert_feed_forward_length"),
@@ -84,11 +84,7 @@ def gguf_location(path: str | Path) -> tuple[Path, str]:
 
 def shard_files(path: Path, check: bool = True) -> list[Path]:
     """Every shard of `path` (a file; `-0000K-of-0000N.gguf` names its N shards), in order."""
-    match = _SHARD.match(path.name)
-    if match is None:
-        return [path]
-    count = int(match["count"])
-    files = [path.with_name(f"{match['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    files = shard_set(path)
     missing = [f.name for f in files if not f.is_file()]
     if missing and check:
         raise CheckpointError(f"{path}: shards missing beside it: {', '.join(missing)}")
@@ -325,6 +321,14 @@ class GgufCheckpoint(Checkpoint):
         elif t.name.startswith("blk.") and "ffn_gate_inp_shexp" in t.name:  # [H] -> [1, H], as loaded
             shape = (1, *shape)
         return TensorInfo(torch.float32, shape, t.start, t.start + nbytes)
+
+    def file_tensors(self, key: str) -> list[str]:
+        """The file's tensors behind one of the model's keys (a fused gate_up_proj: the gate's and the
+        up's): what a node pulls to have that key (launch.pull)."""
+        name = self.weight_map[key]
+        if key.endswith("experts.gate_up_proj") and (m := _EXPERTS.match(name)):
+            return [f"blk.{m['layer']}.ffn_{w}_exps.weight" for w in ("gate", "up")]
+        return [name]
 
     def _expert_tensors(self, layer: int) -> tuple[GgufTensor, GgufTensor, GgufTensor]:
         return tuple(self.tensors[f"blk.{layer}.ffn_{w}_exps.weight"] for w in ("gate", "up", "down"))  # type: ignore[return-value]
