@@ -32,11 +32,13 @@ def flat(node: dict, prefix: str = "") -> dict[str, object]:
 
 def keys_set(path: Path) -> dict[str, object]:
     """What a conf/ file sets, as dotted keys of OdmoeConfig: a group option's under its group's name
-    unless it says `# @package _global_`; the root's without its defaults list and hydra node."""
+    unless it says `# @package _global_`; without a defaults list (an ablation case's takes the paper
+    preset), nor the root's hydra node."""
     text = path.read_text()
     node = yaml.safe_load(text) or {}
+    node = {k: v for k, v in node.items() if k != "defaults"}  # a defaults list is Hydra's, not a key
     if path.parent == CONF:
-        return flat({k: v for k, v in node.items() if k not in ("defaults", "hydra")})
+        return flat({k: v for k, v in node.items() if k != "hydra"})
     return flat(node, "" if text.startswith("# @package _global_") else f"{path.parent.name}.")
 
 
