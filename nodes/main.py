@@ -159,6 +159,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             substituter=Substituter.build(cfg.miss, model_path, main.model, self.checkpoint.num_experts),
             stragglers=straggler_watch(cfg),
             probe_every=cfg.failover.straggler_probe_every,
+            move_horizon=cfg.failover.straggler_move_horizon,
             no_worker_grace_s=cfg.failover.no_worker_grace_s,
         )
         self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))

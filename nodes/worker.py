@@ -320,7 +320,8 @@ class WorkerNode:
         again only when the live workers or the cache's contents changed)."""
         if not self.cache.enabled:
             return []
-        memo = (tuple(self.live or ()), self.topology.rooms, self.cache.version)
+        t = self.topology
+        memo = (tuple(self.live or ()), t.rooms, t.slow, t.slow_rooms, self.cache.version)
         if self._home_memo[0] != memo:
             home = sum(self._serves(k) for k in self.store.keys())
             cached = sum(self._serves(k) for k in self.cache.cached)
@@ -428,7 +429,7 @@ class WorkerNode:
             if self.topology.homes and len(message.rooms) == self.topology.workers:
                 self.topology = self.topology.with_rooms(message.rooms)  # homes as main deals them
             # the stragglers main steers away from: predictions dealt as main will place them
-            self.topology = self.topology.with_slow(message.slow, message.probe_every)
+            self.topology = self.topology.with_slow(message.slow, message.probe_every, message.slow_rooms)
             self._subscribe(message.shadow_pub)
             return None
         if isinstance(message, Ping):

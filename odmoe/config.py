@@ -258,10 +258,11 @@ class FailoverConfig:
     # the layer. 0: it fails at once.
     no_worker_grace_s: float = 3.0
     client_keepalive_s: float = 1.0  # gRPC keepalive: a frozen main is noticed in about twice this
-    # Stragglers (odmoe.main.stragglers; cacheless workers only: homes of cached experts never move):
-    # main keeps each worker's recent load+compute seconds per decode expert and steers decode work
-    # (its placement and the workers' preloads alike) to the group's other workers while one is
-    # consistently slower than they are, and back once it has recovered
+    # Stragglers (odmoe.main.stragglers): main keeps each worker's recent load+compute seconds per
+    # decode expert (with worker caches, of the answers that loaded) and steers decode work (its
+    # placement and the workers' preloads alike) to the group's other workers while one is
+    # consistently slower than they are, and back once it has recovered. With caches that means
+    # moving the straggler's homes, done only when it pays (straggler_move_horizon)
     steer_stragglers: bool = True
     straggler_factor: float = 3.0  # a straggler: its median seconds per expert above this x its peers'
     # that median is over its last this many decode answers (judged once it has them): 8 were measured
@@ -271,6 +272,10 @@ class FailoverConfig:
     # iteration (a probe; the layers take turns); two probe answers in a row within straggler_factor
     # of its peers' and it is given work again
     straggler_probe_every: int = 16
+    # with worker caches: a straggler's homes move to its peers only when its measured extra seconds a
+    # token, over this many tokens, exceed the move's cost (the reloads it causes at the peers'
+    # measured seconds per load). 0: homes never move
+    straggler_move_horizon: int = 256
 
 
 @dataclass

@@ -30,12 +30,16 @@ dealt (water-filling), so a worker keeps all it can and the rest, read from disk
 spread evenly. Rooms count at most the experts the group serves, so members that could each keep
 them all share evenly. Equal rooms (or none known) give e mod n as above.
 
-Stragglers (`slow`, without homes): a worker main has found consistently slower than its group's
-others (odmoe.main.stragglers) is left out when a layer's decode experts are dealt over its group,
-except on probes (each of the group's layers every `probe_every`-th iteration, the layers taking
-turns: its share again, so its recovery can be seen) or when no other member is live. Main sends
-the set with the live set, and the workers deal the shadow's predictions by it too, so the preloads
-land where main sends the rows. With homes the experts stay at home: moving a home costs its cache.
+Stragglers (`slow`): a worker main has found consistently slower than its group's others
+(odmoe.main.stragglers). Without homes it is left out when a layer's decode experts are dealt over
+its group; with homes it is home for fewer experts: `slow_rooms` (one per straggler, main's choice
+from its measured speed) is the share it is dealt by, at most what its room gives it, and the rest
+of the group's experts, cached or not, is water-filled over its other members (a straggler is never
+given the uncached rest). Either way, except on probes (each of the group's layers every
+`probe_every`-th iteration, the layers taking turns: its share, or its unsteered homes, again, so
+its recovery can be seen) or when every live member is one. Main sends the set (and the rooms) with
+the live set, and the workers deal the shadow's predictions and keep their caches by it too, so the
+preloads land where main sends the rows. Main moves homes only when that pays (odmoe.main.stragglers).
 """
 
 from __future__ import annotations
@@ -67,11 +71,12 @@ class Topology:
     # homes are e mod n. Only read with `homes`.
     rooms: tuple[int, ...] = ()
     # Stragglers main steers decode work away from (odmoe.main.stragglers), told with the live set: a
-    # group's decode experts are dealt over its other members, except every probe_every-th decode
-    # iteration (a probe: the straggler's share again, so its recovery is seen). Without homes only:
-    # a cached expert's home never moves.
+    # group's decode experts are dealt over its other members (with homes: each straggler is home for
+    # at most its `slow_rooms` entry, aligned with `slow`), except every probe_every-th decode
+    # iteration (a probe: the straggler's share again, so its recovery is seen).
     slow: tuple[int, ...] = ()
     probe_every: int = 0
+    slow_rooms: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -102,9 +107,20 @@ class Topology:
             raise ValueError(f"{len(rooms)} cache rooms for {self.workers} workers")
         return replace(self, rooms=rooms)
 
-    def with_slow(self, slow: Collection[WorkerId], probe_every: int) -> Topology:
-        """This topology steering decode work away from the stragglers `slow`."""
-        return replace(self, slow=tuple(sorted(slow)), probe_every=probe_every)
+    def with_slow(
+        self, slow: Collection[WorkerId], probe_every: int, slow_rooms: Collection[int] = ()
+    ) -> Topology:
+        """This topology steering decode work away from the stragglers `slow` (with homes: each is
+        home for at most its entry of `slow_rooms`, in the order of sorted `slow`; none given: 0)."""
+        ordered = tuple(sorted(slow))
+        rooms = tuple(max(0, int(r)) for r in slow_rooms) or (0,) * len(ordered)
+        if len(rooms) != len(ordered):
+            raise ValueError(f"{len(rooms)} straggler rooms for stragglers {list(ordered)}")
+        return replace(self, slow=ordered, probe_every=probe_every, slow_rooms=rooms)
+
+    def unsteered(self) -> Topology:
+        """This topology with no stragglers (a probe's placement, or the homes before a move)."""
+        return replace(self, slow=(), slow_rooms=()) if self.slow else self
 
     def steered(self, members: list[WorkerId], iteration: int, layer: int = 0) -> list[WorkerId]:
         """A serving group's members less its stragglers (all of them on a probe, or when every
@@ -112,6 +128,14 @@ class Topology:
         if not self.slow or self.homes or self.probe(iteration, layer):
             return members
         return [w for w in members if w not in self.slow] or members
+
+    def _steers_homes(self, members: list[WorkerId]) -> bool:
+        """Whether this group's homes are dealt around stragglers: some but not all members are
+        stragglers, and the model's shape is given (homes are dealt over every layer the group serves)."""
+        if not (self.homes and self.slow and self.experts and self.moe_layers):
+            return False
+        slow = [w for w in members if w in self.slow]
+        return 0 < len(slow) < len(members)
 
     def probe(self, iteration: int, layer: int) -> bool:
         """Whether stragglers get their share of this decode layer again (iteration 0: prefill,
@@ -202,8 +226,9 @@ class Topology:
         `homes`, each to its home."""
         members = self.serving_group(layer, live)
         if self.homes:
-            if self._weighted(members):
-                homes = _weighted_homes(self, tuple(members), _live_key(live))
+            placed = self.unsteered() if self.probe(iteration, layer) else self
+            if placed._weighted(members):
+                homes = _weighted_homes(placed, tuple(members), _live_key(live))
                 return {e: homes[layer, e] for e in experts}
             return {e: members[e % len(members)] for e in experts}
         # A top-1 model's decode expert thus always goes to the group's first member. Taking turns
@@ -224,7 +249,10 @@ class Topology:
         return members[expert % len(members)]
 
     def _weighted(self, members: list[WorkerId]) -> bool:
-        """Whether homes follow the members' rooms (known, unequal, and the model's shape given)."""
+        """Whether homes follow the members' rooms (known, unequal, and the model's shape given), or
+        are dealt around a straggler."""
+        if self._steers_homes(members):
+            return True
         if not (self.rooms and self.experts and self.moe_layers and len(members) > 1):
             return False
         return len({self.rooms[w] for w in members}) > 1
@@ -268,7 +296,8 @@ class Topology:
         if not hedges or not predicted:
             return {}
         if self.homes:
-            return {h: w for h, w in self.decode_placement(layer, hedges, live).items() if h not in predicted}
+            placed = self.decode_placement(layer, hedges, live, iteration)
+            return {h: w for h, w in placed.items() if h not in predicted}
         twin = self.decode_placement(layer, predicted, live, iteration)[predicted[-1]]
         return {h: twin for h in hedges if h not in predicted}
 
@@ -289,7 +318,7 @@ class Topology:
         is the same either way, only the load is late.
         """
         if self.homes:  # everything at home: a missed expert may be cached there
-            return self.decode_placement(layer, activated, live)
+            return self.decode_placement(layer, activated, live, iteration)
         preloaded = self.decode_placement(layer, predicted, live, iteration)
         hedged = self.hedge_placement(layer, predicted, list(hedges), live, iteration)
         placement = {e: preloaded[e] for e in activated if e in preloaded}
@@ -316,6 +345,16 @@ class Topology:
         return self.decode_placement(layer, list(lost), live, iteration)
 
 
+def moved_homes(before: Topology, after: Topology, live: Collection[WorkerId] | None = None) -> int:
+    """How many (layer, expert) of the model change home from `before` to `after`: each is uncached
+    at its new home, so one reload (what moving a straggler's homes costs)."""
+    return sum(
+        before.home(layer, e, live) != after.home(layer, e, live)
+        for layer in before.moe_layers
+        for e in range(before.experts)
+    )
+
+
 def _live_key(live: Collection[WorkerId] | None) -> tuple[WorkerId, ...] | None:
     return None if live is None else tuple(sorted(live))
 
@@ -335,8 +374,15 @@ def _weighted_homes(
         for e in range(topology.experts)
     ]
     total = len(keys)
-    rooms = [min(topology.rooms[w], total) for w in members]
+    known = topology.rooms or (total,) * topology.workers  # no rooms told: equal
+    rooms = [min(known[w], total) for w in members]
     shares = _water_fill(rooms, total)
+    if topology._steers_homes(list(members)):  # stragglers: at most their rooms' share, the rest to others
+        cap = dict(zip(topology.slow, topology.slow_rooms, strict=True))
+        fixed = [min(shares[m], cap[w]) if w in cap else None for m, w in enumerate(members)]
+        rest = [r for r, f in zip(rooms, fixed, strict=True) if f is None]
+        filled = iter(_water_fill(rest, total - sum(f for f in fixed if f is not None)))
+        shares = [f if f is not None else next(filled) for f in fixed]
     given = [0] * len(members)
     homes = {}
     for i, key in enumerate(keys, start=1):
@@ -346,12 +392,12 @@ def _weighted_homes(
     return homes
 
 
-def _water_fill(rooms: list[int], total: int) -> list[float]:
+def _water_fill(rooms: list[int], total: float) -> list[float]:
     """Shares summing to `total`: where the rooms hold them all, in proportion to the rooms (each
     within its room); where they hold fewer than `total`, max(room, L) (each keeps what it can, the
     rest spread evenly)."""
     short = sum(rooms) < total
-    if not short:
+    if not short and sum(rooms) > 0:
         return [total * r / sum(rooms) for r in rooms]
 
     def dealt(level: float) -> float:

@@ -22,10 +22,10 @@ def suspicion_settings(cfg: OdmoeConfig) -> SuspicionSettings:
 
 
 def straggler_watch(cfg: OdmoeConfig) -> StragglerWatch | None:
-    """failover.*'s straggler keys as main's watch (odmoe.main.stragglers); None when steering is off.
-    Homes of cached experts never move, so with worker caches there is nothing to steer."""
+    """failover.*'s straggler keys as main's watch (odmoe.main.stragglers); None when steering is off,
+    or with worker caches whose homes may not move (straggler_move_horizon 0)."""
     f = cfg.failover
-    if not f.steer_stragglers or cfg.topology.homes:
+    if not f.steer_stragglers or (cfg.topology.homes and f.straggler_move_horizon == 0):
         return None
     return StragglerWatch(f.straggler_factor, f.straggler_after)
 
@@ -76,6 +76,11 @@ def validate(cfg: OdmoeConfig) -> None:
     for key in ("straggler_after", "straggler_probe_every"):
         if getattr(f, key) < 1:
             raise ValueError(f"failover.{key} must be >= 1, got {getattr(f, key)}")
+    if f.straggler_move_horizon < 0:
+        raise ValueError(
+            f"failover.straggler_move_horizon must be >= 0 tokens (0: homes never move), got "
+            f"{f.straggler_move_horizon}"
+        )
     if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
     if cfg.server.client_ping_s < 0.1 or cfg.server.client_ping_timeout_s < 0.1:

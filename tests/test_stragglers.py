@@ -1,12 +1,14 @@
 """Stragglers: main's watch (odmoe.main.stragglers, pure) and placement steering away from them."""
 
+from collections import Counter
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odmoe.launch.settings import compose
-from odmoe.main.stragglers import StragglerWatch
-from odmoe.placement import Topology
+from odmoe.main.stragglers import StragglerWatch, home_move, straggler_room
+from odmoe.placement import Topology, moved_homes
 from odmoe.validation import straggler_watch
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
@@ -102,18 +104,25 @@ def test_a_worker_slower_by_more_than_the_factor_is_caught_and_its_peer_never(fa
 
 
 @pytest.mark.parametrize(
-    "word", ["failover.straggler_factor=1", "failover.straggler_after=0", "failover.straggler_probe_every=0"]
+    "word",
+    [
+        "failover.straggler_factor=1",
+        "failover.straggler_after=0",
+        "failover.straggler_probe_every=0",
+        "failover.straggler_move_horizon=-1",
+    ],
 )
 def test_bad_straggler_keys_fail_with_a_readable_message(word):
     with pytest.raises(ValueError, match=word.split("=")[0]):
         compose([word])
 
 
-def test_main_watches_for_stragglers_only_with_cacheless_workers_and_steering_on():
+def test_main_watches_for_stragglers_with_steering_on_and_homes_that_may_move():
     watch = straggler_watch(compose(["worker.cache=0", "failover.straggler_factor=2.5"]))
     assert watch is not None and watch.factor == 2.5 and watch.window == 32
     assert straggler_watch(compose(["worker.cache=0", "failover.steer_stragglers=false"])) is None
-    assert straggler_watch(compose(["worker.cache=4"])) is None  # homes never move
+    assert straggler_watch(compose(["worker.cache=4"])) is not None  # homes move when it pays
+    assert straggler_watch(compose(["worker.cache=4", "failover.straggler_move_horizon=0"])) is None
 
 
 # -- placement ---------------------------------------------------------------------------------
@@ -139,10 +148,111 @@ def test_repair_and_hedges_follow_the_steered_placement():
     assert topo.replace_lost(1, {4: 2}, live=[0, 1, 3], spread=False, iteration=3) == {4: 3}
 
 
-def test_homes_never_move_for_a_straggler():
+def test_homes_without_the_models_shape_stay_where_they_are():
     topo = Topology(workers=4, group_size=2, homes=True).with_slow([3], probe_every=16)
     assert topo.decode_placement(1, [7, 2], iteration=5) == {2: 2, 7: 3}
     assert topo.steered([2, 3], 5) == [2, 3]
+
+
+def homes_count(topo: Topology, live=None) -> Counter:
+    return Counter(topo.home(layer, e, live) for layer in range(8) for e in range(8))
+
+
+CACHED = Topology(workers=4, group_size=2, homes=True).for_model(list(range(8)), 8).with_rooms([8] * 4)
+
+
+def test_a_stragglers_homes_move_to_its_peer_and_come_back_on_probes():
+    """8 layers of 8 experts, group 1 serves 32 (16 homes each): worker3 a straggler dealt room 0
+    is home for none, worker2 for all 32; with room 5, for 5. Group 0 is untouched, and a probe
+    iteration places by the unsteered homes (so the straggler's recovery can be seen)."""
+    assert homes_count(CACHED) == {0: 16, 1: 16, 2: 16, 3: 16}
+    moved = CACHED.with_slow([3], 16, [0])
+    assert homes_count(moved) == {0: 16, 1: 16, 2: 32}
+    assert homes_count(CACHED.with_slow([3], 16, [5])) == {0: 16, 1: 16, 2: 27, 3: 5}
+    assert homes_count(CACHED.with_slow([3], 16, [100])) == homes_count(CACHED)  # never more than before
+    assert set(moved.decode_placement(1, list(range(8)), iteration=3).values()) == {2}
+    assert moved.decode_placement(1, list(range(8)), iteration=16) == CACHED.decode_placement(
+        1, list(range(8)), iteration=16
+    )
+    assert moved.repair_placement(1, [0, 1], [0, 1], iteration=16) == CACHED.decode_placement(1, [0, 1])
+    assert moved_homes(CACHED, moved) == 16 and moved_homes(CACHED, CACHED) == 0
+    # every member of its group a straggler (or the peer lost): homes as without stragglers
+    assert homes_count(CACHED.with_slow([2, 3], 16, [0, 0])) == homes_count(CACHED)
+    assert homes_count(moved, live=[0, 1, 3]) == {0: 16, 1: 16, 3: 32}
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    rooms=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+    slow=st.sets(st.integers(0, 3)),
+    kept=st.lists(st.integers(0, 40), min_size=4, max_size=4),
+    live=st.sets(st.integers(0, 3), min_size=1),
+)
+def test_a_straggler_is_never_home_for_more_and_every_expert_has_a_live_home(rooms, slow, kept, live):
+    before = CACHED.with_rooms(rooms)
+    after = before.with_slow(slow, 16, kept[: len(slow)])
+    was, now = homes_count(before, live), homes_count(after, live)
+    assert sum(now.values()) == 64 and set(now) <= live
+    for w in live:
+        peers = [p for p in live if p // 2 == w // 2]
+        if w in slow and any(p not in slow for p in peers):
+            assert now[w] <= max(was[w], 0) and now[w] <= kept[sorted(slow).index(w)] + 1
+        elif w not in slow and any(p in slow for p in peers):
+            assert now[w] >= was[w]  # its peers take the straggler's experts
+        else:
+            assert now[w] == was[w]
+
+
+def test_a_move_is_made_only_when_its_saving_over_the_horizon_exceeds_its_reloads():
+    # 15 reloads at 2 ms = 30 ms; 40 ms a token saved: worth it over 256 tokens, not over 0
+    move = home_move(3, moved=15, reference_s=0.002, extra_s_per_token=0.04, horizon=256, room=0)
+    assert move.worth and move.move_s == pytest.approx(0.03) and move.saving_s == pytest.approx(10.24)
+    assert not home_move(3, 15, 0.002, 0.04, horizon=0, room=0).worth
+    assert not home_move(3, 15, 0.002, 0.0001, horizon=100, room=0).worth  # 10 ms saved < 30 ms
+    assert not home_move(3, 0, 0.002, 0.04, 256, 0).worth  # nothing would move
+    assert move.report(True) == {
+        "worker": 3,
+        "reloads": 15,
+        "move_s": 0.03,
+        "extra_s_per_token": 0.04,
+        "saving_s": 10.24,
+        "horizon": 256,
+        "room": 0,
+        "moved": True,
+    }
+
+
+@given(
+    moved=st.integers(0, 1000),
+    reference=st.floats(1e-5, 1.0),
+    extra=st.floats(0, 1.0),
+    horizon=st.integers(0, 10_000),
+)
+def test_a_longer_horizon_or_a_costlier_straggler_never_turns_a_move_down(moved, reference, extra, horizon):
+    move = home_move(0, moved, reference, extra, horizon, 0)
+    assert move.worth == (moved > 0 and extra * horizon > moved * reference)
+    if move.worth:
+        assert home_move(0, moved, reference, extra, horizon + 1, 0).worth
+        assert home_move(0, moved, reference, extra * 2, horizon, 0).worth
+
+
+def test_a_straggler_keeps_its_room_times_its_speed():
+    assert straggler_room(8, time=0.022, reference=0.0022) == 0  # 10x slower: 0.8 of an expert
+    assert straggler_room(16, time=0.004, reference=0.001) == 4
+    assert straggler_room(8, time=0.001, reference=0.002) == 8  # never more than its room
+    assert straggler_room(8, time=0.0, reference=0.002) == 8
+
+
+def test_a_stragglers_extra_seconds_a_token_are_its_excess_times_its_answers_a_token():
+    watch = StragglerWatch(factor=3.0, window=8)
+    for it in range(1, 9):  # worker3 loads twice an iteration at 22 ms, worker2 once at 2 ms
+        watch.observe(2, 0.002, GROUP, at=it)
+        watch.observe(3, 0.022, GROUP, at=it)
+        watch.observe(3, 0.022, GROUP, at=it)
+    assert watch.slow == {3}
+    assert watch.per_token(3) == pytest.approx(8 / 4)  # its last 8 answers over iterations 5..8
+    assert watch.extra_per_token(3, GROUP) == pytest.approx(0.040)
+    assert watch.extra_per_token(2, GROUP) == 0.0  # its reference, worker3, is a straggler: none
 
 
 @settings(max_examples=300, deadline=None)

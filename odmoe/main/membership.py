@@ -341,19 +341,25 @@ class Membership:
         rooms = self.rooms() if self.homes_by_room else []
         if self.topology.homes and rooms:
             self.topology = self.topology.with_rooms(rooms)  # main places by the rooms it tells
-        slow, every = list(self.topology.slow), self.topology.probe_every
-        message = to_frames(LiveWorkers(sorted(self.links), self.shadow_pub, rooms, slow, every))
+        t = self.topology
+        message = to_frames(
+            LiveWorkers(
+                sorted(self.links), self.shadow_pub, rooms, list(t.slow), t.probe_every, list(t.slow_rooms)
+            )
+        )
         for worker in list(self.links):
             self.send(worker, message)
 
-    def steer(self, slow: frozenset[int], probe_every: int) -> None:
-        """From now on decode work is steered away from the stragglers `slow` (odmoe.main.stragglers):
-        main places by it, and every live worker is told, so its preloads agree."""
-        self.topology = self.topology.with_slow(slow, probe_every)
+    def steer(self, slow: frozenset[int], probe_every: int, slow_rooms: list[int] | None = None) -> None:
+        """From now on decode work is steered away from the stragglers `slow` (odmoe.main.stragglers;
+        with homes, each is home for at most its `slow_rooms` entry, in sorted order): main places
+        by it, and every live worker is told, so its preloads and its cache agree."""
+        self.topology = self.topology.with_slow(slow, probe_every, slow_rooms or ())
         log.warning(
-            "stragglers now %s: decode work steered to their groups' other workers (probed every %d "
+            "stragglers now %s%s: decode work steered to their groups' other workers (probed every %d "
             "iterations)",
             sorted(slow) or "none",
+            f" (homes dealt by rooms {slow_rooms})" if slow_rooms else "",
             probe_every,
         )
         self.broadcast()

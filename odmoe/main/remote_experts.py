@@ -28,12 +28,15 @@ When no live worker stores the layer the exchange fails at once with `WorkerUnav
 layer; a worker that answers with an error (e.g. it lacks that expert) raises `WorkerFailed`.
 Frames that do not decode are dropped.
 
-Stragglers (`failover.steer_stragglers`, cacheless workers): each decode answer's per-expert load +
-compute seconds go to a `StragglerWatch` (odmoe.main.stragglers); when its set of stragglers changes,
-Membership tells every worker and places by it (odmoe.placement's `slow`), so the group's other
-members take a straggler's decode experts, preloads included, but on its probe iterations. Prefill
-spares it too. Where a prediction was dealt by the old set, the expert is loaded after routing: time,
-never tokens.
+Stragglers (`failover.steer_stragglers`): each decode answer's per-expert load + compute seconds go
+to a `StragglerWatch` (odmoe.main.stragglers; with worker caches only the answers that loaded); when
+its set of stragglers changes, Membership tells every worker and places by it (odmoe.placement's
+`slow`). Cacheless, the group's other members take a straggler's decode experts, preloads included,
+but on its probe iterations; prefill spares it too. With caches, a straggler's homes move to its
+peers (it keeps `straggler_room` of its room) when `home_move` says the move pays within
+`failover.straggler_move_horizon` tokens, weighed again every `straggler_after` decode iterations
+while it does not; a recovered one gets its homes back. Where a prediction was dealt by the old set,
+the expert is loaded after routing: time, never tokens.
 
 Misses: by default a missed expert is loaded and waited for (lossless). With a lossy miss policy
 (`odmoe.lossy.substitution`, opt-in) a decode miss may instead be computed by a resident expert, the
@@ -73,9 +76,9 @@ from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
 from odmoe.main.shadow_link import ShadowLink
-from odmoe.main.stragglers import StragglerWatch
+from odmoe.main.stragglers import StragglerWatch, home_move, straggler_room
 from odmoe.models.expert_math import combine, expert_input, split_by_expert
-from odmoe.placement import LayerUnavailable, Topology
+from odmoe.placement import LayerUnavailable, Topology, moved_homes
 from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
@@ -144,12 +147,17 @@ class RemoteExperts:
         stragglers: StragglerWatch | None = None,
         probe_every: int = 16,
         no_worker_grace_s: float = 0.0,
+        move_horizon: int = 256,
     ):
         self.members = members
         # where no live worker holds a layer: how long to wait for one to come back before failing
         self.no_worker_grace_s = no_worker_grace_s
         # None: no steering. Judged from decode answers only (prefill's mini-batches time rows, not loads)
         self.stragglers, self.probe_every = stragglers, probe_every
+        # with homes: tokens a straggler's home move must pay for itself within (0: homes never move)
+        self.move_horizon = move_horizon
+        self._iterations, self._last_step = 0, ("", -1)  # decode iterations main has run (their rate)
+        self._weigh_at = 0  # with homes: the iteration count at which unmoved stragglers are weighed again
         self.num_experts, self.kernel = num_experts, kernel
         self.shadow = shadow
         self.prefill = prefill or PrefillConfig()
@@ -363,7 +371,7 @@ class RemoteExperts:
         outputs = self._split_answers(x)
         self.observe.gathered(x.step)
         if self.stragglers is not None:
-            self._judge_stragglers(x.step.layer, x.calls)
+            self._judge_stragglers(x.step, x.calls)
         if releasing:
             self._release(x.step, x.calls)
         out = []
@@ -376,19 +384,75 @@ class RemoteExperts:
         self.observe.decode_done(x)
         return out
 
-    def _judge_stragglers(self, layer: int, calls: list[BatchCall]) -> None:
-        """Each answered expert's load+compute seconds to the watch; a changed set of stragglers is
-        told to every worker at once (Membership.steer), so the next predictions are dealt by it."""
-        assert self.stragglers is not None
-        peers = self._serving(layer)
+    def _judge_stragglers(self, step: Step, calls: list[BatchCall]) -> None:
+        """Each answered expert's load+compute seconds to the watch (with homes only those that
+        loaded: a cache hit has no load to judge); a changed set of stragglers is told to every
+        worker at once (Membership.steer), so the next predictions are dealt by it."""
+        watch = self.stragglers
+        assert watch is not None
+        if (step.request, step.iteration) != self._last_step:
+            self._iterations, self._last_step = self._iterations + 1, (step.request, step.iteration)
+        homes, peers = self.topology.homes, self._serving(step.layer)
         changed = False
         for call in calls:
             assert call.answer is not None
             result = call.answer[0]
             for load_s, compute_s in zip(result.load_s, result.compute_s, strict=True):
-                changed |= self.stragglers.observe(call.worker, load_s + compute_s, peers)
-        if changed:
-            self.members.steer(self.stragglers.slow, self.probe_every)
+                if homes and load_s <= 0:
+                    continue
+                changed |= watch.observe(call.worker, load_s + compute_s, peers, self._iterations)
+        if not homes:
+            if changed:
+                self.members.steer(watch.slow, self.probe_every)
+        elif changed or (watch.slow - set(self.topology.slow) and self._iterations >= self._weigh_at):
+            self._steer_homes()
+
+    def _steer_homes(self) -> None:
+        """With homes: each new straggler's homes move to its peers where that pays (odmoe.main.
+        stragglers.home_move, both figures kept in the stats and logged); a recovered one's come back."""
+        watch, topology, live = self.stragglers, self.topology, self.members.live
+        assert watch is not None
+        kept = dict(zip(topology.slow, topology.slow_rooms, strict=True))  # moved now
+        target = {w: r for w, r in kept.items() if w in watch.slow}  # the recovered go back
+        rooms = self.members.rooms()
+        for worker in sorted(watch.slow - kept.keys()):
+            peers = self._serving_group_of(worker)
+            time_s, reference = watch.time(worker), watch.reference(worker, peers)
+            if not rooms or time_s is None or reference is None:
+                continue
+            room = straggler_room(rooms[worker], time_s, reference)
+            trial = {**target, worker: room}
+            after = topology.with_slow(trial, self.probe_every, [trial[w] for w in sorted(trial)])
+            move = home_move(
+                worker,
+                moved_homes(topology, after, live),
+                reference,
+                watch.extra_per_token(worker, peers),
+                self.move_horizon,
+                room,
+            )
+            watch.moves.append(move.report(move.worth))
+            log.warning(
+                "straggler worker %d: moving its homes costs %d reloads (%.3f s), saves %.4f s a token "
+                "(%.3f s over %d tokens): %s",
+                worker,
+                move.reloads,
+                move.move_s,
+                move.extra_s_per_token,
+                move.saving_s,
+                move.horizon,
+                f"moved, it keeps a room of {room}" if move.worth else "not moved",
+            )
+            if move.worth:
+                target[worker] = room
+        self._weigh_at = self._iterations + watch.window
+        if target != kept:
+            self.members.steer(frozenset(target), self.probe_every, [target[w] for w in sorted(target)])
+
+    def _serving_group_of(self, worker: int) -> list[int]:
+        """The live members of the worker's group."""
+        group = self.topology.workers_of_group(self.topology.group_of_worker(worker))
+        return [w for w in group if w in self.members.live]
 
     def _release(self, step: Step, calls: list[BatchCall]) -> None:
         """The layer is over: every worker serving it that no releasing call told gets a Release."""

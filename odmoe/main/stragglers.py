@@ -21,6 +21,16 @@ The judgement, and why:
   asked would otherwise remember the slow link for many probes).
 - A group never loses its last member that is no straggler: with no peer to compare with, or no
   fast peer left, nothing is judged.
+
+With worker caches (homes), main feeds only the answers that loaded (a cache hit has no load time,
+and mixing hits into a median would make it the hit rate's), load + compute: a slow link shows in
+its loads, a slow core in every loaded answer. A straggler's homes move to its peers
+(odmoe.placement's `slow_rooms`) only when that pays, by `home_move`: the move's cost is the
+reloads it causes (every expert whose home changes is uncached at its new home: each one load at the
+peers' measured seconds per expert), its saving the straggler's measured extra seconds per token
+(its time above its peers', times its loaded answers per decode iteration) over the next `horizon`
+tokens. The room a straggler keeps is its room times its measured speed against its peers
+(`straggler_room`). Back, when it recovers, always: that move only undoes one that paid.
 """
 
 from __future__ import annotations
@@ -41,6 +51,10 @@ class StragglerWatch:
     changes: int = 0  # how often `slow` changed (the stats' count)
     _fine: dict[int, list[float]] = field(default_factory=dict)  # a straggler's fine answers in a row
     _time: dict[int, float] = field(default_factory=dict)  # worker -> median of `recent`, kept current
+    # worker -> the decode iteration (main's running count) of each answer in `recent`: its rate
+    _at: dict[int, deque[int]] = field(default_factory=dict)
+    # the home moves weighed (`HomeMove.report`), the latest 8
+    moves: deque[dict] = field(default_factory=lambda: deque(maxlen=8))
 
     def __post_init__(self) -> None:
         if not self.factor > 1:
@@ -52,13 +66,15 @@ class StragglerWatch:
         """The worker's seconds per expert: the median of its last answers (None: none yet)."""
         return self._time.get(worker)
 
-    def observe(self, worker: int, seconds: float, peers: Collection[int]) -> bool:
+    def observe(self, worker: int, seconds: float, peers: Collection[int], at: int = 0) -> bool:
         """One decode expert's load+compute seconds on `worker`; `peers`: the other live members of
-        its group. True when `slow` changed."""
+        its group; `at`: main's count of decode iterations so far (for `per_token`). True when
+        `slow` changed."""
         if seconds < 0:
             return False
         recent = self.recent.setdefault(worker, deque(maxlen=self.window))
         recent.append(seconds)
+        self._at.setdefault(worker, deque(maxlen=self.window)).append(at)
         self._time[worker] = median(recent)  # once per answer: main calls this for every decode expert
         reference = self.reference(worker, peers)
         if reference is None:
@@ -70,6 +86,9 @@ class StragglerWatch:
                 return False
             recent.clear()  # back: its time restarts from its fine answers
             recent.extend(fine)
+            stamps = list(self._at[worker])[-len(fine) :]
+            self._at[worker].clear()
+            self._at[worker].extend(stamps)
             self._time[worker] = median(recent)
             del self._fine[worker]
         elif len(recent) < self.window or self._time[worker] <= self.factor * reference:
@@ -77,6 +96,20 @@ class StragglerWatch:
         self.slow = self.slow ^ {worker}
         self.changes += 1
         return True
+
+    def per_token(self, worker: int) -> float:
+        """The worker's answers per decode iteration over its last `window` (0: fewer than two)."""
+        at = self._at.get(worker)
+        if not at or len(at) < 2:
+            return 0.0
+        return len(at) / max(1, at[-1] - at[0] + 1)
+
+    def extra_per_token(self, worker: int, peers: Collection[int]) -> float:
+        """Seconds a token the worker costs beyond its peers: (its time - theirs) x its answers a token."""
+        time, reference = self.time(worker), self.reference(worker, peers)
+        if time is None or reference is None:
+            return 0.0
+        return max(0.0, time - reference) * self.per_token(worker)
 
     def reference(self, worker: int, peers: Collection[int]) -> float | None:
         """The median time of `worker`'s peers that are no stragglers (None: none known)."""
@@ -88,6 +121,7 @@ class StragglerWatch:
     def forget(self, worker: int) -> bool:
         """A worker lost or taken back: judged afresh (True when `slow` changed)."""
         self.recent.pop(worker, None)
+        self._at.pop(worker, None)
         self._time.pop(worker, None)
         self._fine.pop(worker, None)
         if worker in self.slow:
@@ -99,4 +133,60 @@ class StragglerWatch:
     def report(self) -> dict:
         """What the stats show: the stragglers, each worker's seconds per expert, changes."""
         times = {f"worker{w}": round(t, 6) for w in sorted(self.recent) if (t := self.time(w)) is not None}
-        return {"slow": sorted(self.slow), "seconds_per_expert": times, "changes": self.changes}
+        report = {"slow": sorted(self.slow), "seconds_per_expert": times, "changes": self.changes}
+        if self.moves:
+            report["home_moves"] = list(self.moves)
+        return report
+
+
+@dataclass(frozen=True)
+class HomeMove:
+    """Whether to move a straggler's homes: what it costs against what it saves, in seconds."""
+
+    worker: int
+    reloads: int  # experts whose home changes (each uncached at its new home: one load)
+    move_s: float  # reloads x the peers' seconds per loaded expert
+    extra_s_per_token: float  # what the straggler costs a token now (measured)
+    horizon: int  # tokens the move must pay for itself within
+    room: int  # the room it is dealt by after the move
+
+    @property
+    def saving_s(self) -> float:
+        return self.extra_s_per_token * self.horizon
+
+    @property
+    def worth(self) -> bool:
+        return self.reloads > 0 and self.saving_s > self.move_s
+
+    def report(self, moved: bool) -> dict:
+        return {
+            "worker": self.worker,
+            "reloads": self.reloads,
+            "move_s": round(self.move_s, 4),
+            "extra_s_per_token": round(self.extra_s_per_token, 5),
+            "saving_s": round(self.saving_s, 4),
+            "horizon": self.horizon,
+            "room": self.room,
+            "moved": moved,
+        }
+
+
+def straggler_room(room: int, time: float, reference: float) -> int:
+    """The room a straggler is dealt homes by: its room times its speed against its peers (a worker
+    10x slower keeps a tenth of its share), rounded down."""
+    if time <= 0 or reference <= 0:
+        return room
+    return int(room * min(1.0, reference / time))
+
+
+def home_move(
+    worker: int,
+    moved: int,
+    reference_s: float,
+    extra_s_per_token: float,
+    horizon: int,
+    room: int,
+) -> HomeMove:
+    """The decision's figures (`HomeMove.worth` says whether): `moved` experts change home, each a
+    load at the peers' `reference_s`; the straggler's `extra_s_per_token` saved over `horizon` tokens."""
+    return HomeMove(worker, moved, moved * reference_s, extra_s_per_token, horizon, room)

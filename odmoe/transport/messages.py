@@ -281,6 +281,7 @@ class LiveWorkers:
     # the stragglers main steers decode work away from, and its probe period (odmoe.placement's `slow`)
     slow: list[int] = field(default_factory=list)
     probe_every: int = 0
+    slow_rooms: list[int] = field(default_factory=list)  # with homes: the room each of `slow` is dealt by
     kind: str = "membership"
 
 
