@@ -48,3 +48,42 @@ def test_a_slow_worker_is_steered_around_and_given_work_again_once_fast(model_di
         # still a straggler when the request began; two fine probes (iterations 4 and 8) and it is back
         assert stats["slow"] == [] and stats["changes"] == 2, stats
         assert done["worker3"]["experts"] > 0.6 * done["worker2"]["experts"], done
+
+
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
+def test_a_slow_workers_homes_move_to_its_peer_with_caches_and_come_back_once_fast(model_dirs, reap_children):
+    """Worker caches on (homes): each worker keeps 2 of the 8 experts of its group's 2 layers it is
+    home for. worker3's loads take 40 ms, its peer's 2 ms: once 8 of its loaded answers show it,
+    main weighs moving its homes (the reloads against its measured extra seconds a token over the
+    horizon), moves them to worker2 (the workers told, so preloads and caches agree), and the
+    tokens equal the reference. Restarted on a fast link, its probes show it and its homes come back."""
+    path = model_dirs["mixtral"]
+    want, _ = reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)
+    words = [
+        "worker.cache=192KiB",  # 2 experts of 96 KiB
+        "failover.straggler_after=8",
+        "failover.straggler_probe_every=4",
+        *_link(2),
+    ]
+
+    def slow_worker3(name: str) -> NodePlacement:
+        return NodePlacement(words=_link(40) if name == "worker3" else [])
+
+    with LocalCluster(path, workers=4, group_size=2, overrides=words, place=slow_worker3) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert got.token_ids == want
+        stats, done = got.stats["stragglers"], got.stats["per_worker"]
+        assert stats["slow"] == [3], stats
+        moves = [m for m in stats["home_moves"] if m["worker"] == 3]
+        assert moves and moves[0]["moved"] and moves[0]["reloads"] > 0, stats
+        assert moves[0]["saving_s"] > moves[0]["move_s"] > 0, stats
+        assert moves[0]["room"] == 0, stats  # 20x slower: a twentieth of a room of 2
+        assert done["worker3"]["experts"] < 0.5 * done["worker2"]["experts"], done
+
+        cluster.place = lambda name: NodePlacement()  # every worker on the 2 ms link now
+        cluster.restart("worker3")
+        again = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+        assert again.token_ids == want
+        stats, done = again.stats["stragglers"], again.stats["per_worker"]
+        assert stats["slow"] == [], stats  # its probes were fine: its homes are back
+        assert done["worker3"]["experts"] > 0.3 * done["worker2"]["experts"], done
