@@ -166,7 +166,7 @@ class FaultsSuite:
     streams: int = 3  # streams decoding together when the fault lands (each checked against its reference)
 
 
-NETWORK_CASES = ("loss", "black_hole", "client_cut")
+NETWORK_CASES = ("loss", "black_hole", "client_cut", "jitter_loss", "shadow_cut", "straggler")
 
 
 @dataclass
@@ -176,12 +176,20 @@ class NetworkSuite:
 
     # loss: every node's link drops `loss` of its packets both ways for `seconds`; black_hole:
     # worker1's link drops everything for `hole_s` while its process lives, then heals; client_cut:
-    # one more client's link (through a relay) black-holes mid-stream: until main cancels it
+    # one more client's link (through a relay) black-holes mid-stream: until main cancels it;
+    # jitter_loss: a cluster of its own, a relay in front of every node jittering each hop 0..jitter_ms
+    # and every link losing `loss`, for `seconds`; shadow_cut: main <-> shadow drops everything for
+    # cut_s (cacheless workers, fp32 shadow); straggler: cacheless workers, worker3's emulated link
+    # `slower` times slower, main steering, `straggler_s` against the same cluster healthy
     cases: list[str] = field(default_factory=lambda: list(NETWORK_CASES))
     loss: float = 0.03  # per link (about twice that between two nodes)
-    seconds: float = 120.0  # of load per lossy case; the healthy baseline runs a quarter (at least 10 s)
+    seconds: float = 120.0  # of load per lossy case; the healthy baseline runs a quarter (10 to 60 s)
     hole_s: float = 30.0
     streams: int = 4  # clients streaming requests back to back, each checked against its reference
+    jitter_ms: float = 20.0
+    cut_s: float = 30.0
+    slower: float = 10.0
+    straggler_s: float = 30.0
 
 
 @dataclass
@@ -544,8 +552,12 @@ def validate(cfg: BenchConfig) -> None:
     nw = cfg.network
     if bad := sorted(set(nw.cases) - set(NETWORK_CASES)):
         raise ValueError(f"network.cases: {bad} not among {', '.join(NETWORK_CASES)}")
-    if not 0 < nw.loss < 1 or min(nw.seconds, nw.hole_s) <= 0 or nw.streams < 1:
-        raise ValueError("network: loss must lie in (0, 1), seconds and hole_s > 0, streams >= 1")
+    if not 0 < nw.loss < 1 or min(nw.seconds, nw.hole_s, nw.cut_s, nw.straggler_s) <= 0 or nw.streams < 1:
+        raise ValueError(
+            "network: loss must lie in (0, 1), seconds, hole_s, cut_s and straggler_s > 0, streams >= 1"
+        )
+    if nw.jitter_ms < 0 or nw.slower <= 1:
+        raise ValueError("network: jitter_ms must be >= 0 and slower > 1")
     sv = cfg.serving
     if not sv.concurrency or min([*sv.concurrency, sv.requests_per_client, sv.max_running, sv.prompts]) < 1:
         raise ValueError("serving: concurrency, requests_per_client, max_running and prompts must be >= 1")

@@ -708,7 +708,7 @@ def memory(report: dict, out: Path, subtitle: str) -> None:
 def network(rows: list[dict], out: Path, subtitle: str) -> None:
     """Suite network: tokens/s of each case against the healthy cluster's, and beside it the longest
     stall, the time to detect and the time to recover of each case (none drawn where none applies)."""
-    fig, (speed, times) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (speed, times) = plt.subplots(1, 2, figsize=(max(11, 2 * len(rows)), 4.4))  # room for each label
     labels = ["\n".join(textwrap.wrap(r["case"], 14)) for r in rows]
     x = range(len(rows))
     bars = speed.bar(x, [r["vs_healthy"] for r in rows], color="C0")
