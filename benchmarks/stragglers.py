@@ -9,7 +9,10 @@ loads over an emulated link (`emulation.link`: `--bandwidth-gbps`, `--latency-ms
 cases worker3's link alone is `--slower` times slower in rate and latency (its own
 `emulation.link` words, LocalCluster's `place`). `off`/`on`: `failover.steer_stragglers` (main
 steers loads away from a worker consistently slower than its group's others: odmoe.main.stragglers).
-`--cache N` gives the workers caches instead (`worker.cache`): homes do not move, nothing is steered.
+`--cache SIZE` gives the workers caches instead (`worker.cache`, a size: 48MiB keeps 8 experts of the
+default model; a bare number is bytes, so `--cache 8` keeps none but still gives every expert a home):
+with steering on, a straggler's homes move to its peer when main finds that it pays (the stats'
+`stragglers.home_moves`).
 Each case is one cluster answering `--requests` prompts one at a time; decode tokens/s is the
 requests' decode tokens over their decode seconds (the DoneEvent's), after one warm-up request.
 The cases run `--rounds` times, interleaved (every other round in reverse order), and each case's
@@ -23,6 +26,7 @@ made with odmoe-make-model --fast-fill under /tmp. Prints the figures and writes
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -130,9 +134,10 @@ def main() -> None:
             health, steer = case.split("-")
             steering = f"failover.steer_stragglers={steer == 'on'}"
             words = [f"worker.cache={args.cache}", *base, steering, *args.words]
-            start = time.monotonic()
+            start, load = time.monotonic(), os.getloadavg()[0]
             result = run_case(path, words, slow if health == "slow" else [], prompts, wants, args.new_tokens)
             result["wall_s"] = round(time.monotonic() - start, 1)
+            result["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # 1-min, before/after
             runs[case].append(result)
             print(f"round {r} {case}", result, flush=True)
     for case, results in runs.items():
