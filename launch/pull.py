@@ -14,6 +14,7 @@ Contract:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import signal
@@ -67,6 +68,11 @@ def choose_for(cfg: OdmoeConfig, role: str):
     return choose
 
 
+def pull_sources(cfg: OdmoeConfig) -> list[str]:
+    """model.pull_from's addresses, in the order they are asked ("a:1,b:2": main, then a seed)."""
+    return [a.strip() for a in cfg.model.pull_from.split(",") if a.strip()]
+
+
 def pulled_model(dest: Path) -> Path:
     """What a pulled copy serves: a GGUF set's first shard where it holds one, else the directory."""
     ggufs = sorted(dest.glob("*.gguf"))
@@ -79,9 +85,13 @@ def pull_for(cfg: OdmoeConfig, role: str) -> tuple[Path, PullReport]:
     dest = pull_dir(cfg)
     credentials = ClientCredentials.from_key_dir(cfg.security.key_dir) if cfg.security.enabled else None
     log.info("%s: pulling its share of %s's checkpoint into %s", role, cfg.model.pull_from, dest)
-    with grpc_channel(cfg.model.pull_from, credentials, _CHANNEL) as channel:
+    with contextlib.ExitStack() as stack:
+        stubs = [
+            odmoe_pb2_grpc.ShareStub(stack.enter_context(grpc_channel(address, credentials, _CHANNEL)))
+            for address in pull_sources(cfg)
+        ]
         report = pull_share(
-            odmoe_pb2_grpc.ShareStub(channel),
+            stubs,
             dest,
             choose_for(cfg, role),
             rate_bytes_s=cfg.model.pull_rate_mbps * 1e6 / 8,

@@ -41,10 +41,12 @@ class ModelConfig:
     dtype: str = "auto"  # "auto" = as saved, like from_pretrained; or float32 / bfloat16 / float16
     cache_dir: str | None = None  # where odmoe's own models are made (null: ~/.cache/odmoe/models)
     # A box that lacks the checkpoint pulls its share from this Share service (host:port: a main or
-    # seed serving cluster.join_port) into pull_dir ("": ~/.cache/odmoe/pulled/<host>_<port>) and runs
-    # from there: a worker the experts of the layers it stores, main the non-expert tensors, the
-    # shadow all of them; every range checked against the source's sha256 index, resumable, and a
-    # second start pulls nothing (odmoe.models.share_pull). "" = model.path is on this box.
+    # seed serving cluster.join_port; several, "a:1,b:2", are asked in turn: one unreachable or lost
+    # mid-pull hands over to the next that serves the same checkpoint) into pull_dir ("":
+    # ~/.cache/odmoe/pulled/<host>_<port>) and runs from there: a worker the experts of the layers it
+    # stores, main the non-expert tensors, the shadow all of them; every range checked against the
+    # source's sha256 index, resumable, and a second start pulls nothing (odmoe.models.share_pull).
+    # "" = model.path is on this box.
     pull_from: str = ""
     pull_dir: str = ""
     pull_rate_mbps: float = 0.0  # cap on the pull's rate, megabits/s (0: none), so serving is not starved

@@ -151,6 +151,51 @@ def test_an_interrupted_pull_resumes_where_it_stopped(source, tmp_path):
     assert all(torch.equal(pulled.tensor(k), whole.tensor(k)) for k in whole.weight_map)
 
 
+def test_several_sources_are_asked_in_turn_and_a_lost_one_hands_over(source, tmp_path):
+    """model.pull_from="a,b": an unreachable first source is passed over; one lost in the middle of
+    the pull hands the tensor it was sending to the next (started again, verified); a source that
+    serves another checkpoint is never used."""
+    model, serve = source
+    whole = {t.name for t in build_index(model).tensors}
+    dead = grpc.insecure_channel("127.0.0.1:1")  # nothing listens there
+    first, _ = serve()
+    second, servicer = serve()
+    report = pull_share([odmoe_pb2_grpc.ShareStub(dead), first], tmp_path / "a")
+    assert report.tensors_pulled == len(whole)
+    # the first source goes away once the headers are in: the tensors come from the second
+    server_a, port_a, _ = serve_share(model, build_index(model), "127.0.0.1", 0, None)
+    stub_a = odmoe_pb2_grpc.ShareStub(grpc.insecure_channel(f"127.0.0.1:{port_a}"))
+
+    def choose(index, dest):
+        server_a.stop(grace=0).wait()
+        return whole
+
+    sent_before = servicer.bytes_sent
+    pull_share([stub_a, second], tmp_path / "b", choose)
+    held = json.loads((tmp_path / "b" / SHARE_STATE).read_text())["tensors"]
+    assert set(held) == whole and servicer.bytes_sent - sent_before >= sum(
+        t.nbytes for t in build_index(model).tensors
+    )
+    # a source of another checkpoint is passed over, and with none left the pull says so
+    other = tmp_path / "other"
+    shutil.copytree(model, other)
+    (other / "config.json").write_text((other / "config.json").read_text() + " ")
+    server_o, port_o, _ = serve_share(other, build_index(other), "127.0.0.1", 0, None)
+    try:
+        stub_o = odmoe_pb2_grpc.ShareStub(grpc.insecure_channel(f"127.0.0.1:{port_o}"))
+        server_c, port_c, _ = serve_share(model, build_index(model), "127.0.0.1", 0, None)
+        stub_c = odmoe_pb2_grpc.ShareStub(grpc.insecure_channel(f"127.0.0.1:{port_c}"))
+
+        def lose_c(index, dest):
+            server_c.stop(grace=0).wait()
+            return whole
+
+        with pytest.raises(ShareError, match="no source left"):
+            pull_share([stub_c, stub_o], tmp_path / "c", lose_c)
+    finally:
+        server_o.stop(grace=0)
+
+
 @pytest.mark.parametrize("qtype,shards", [("Q4_K", 1), ("Q8_0", 2)])
 def test_a_gguf_model_is_pulled_tensor_by_tensor(gguf_file, tmp_path, qtype, shards):
     """A GGUF file (or a sharded set) is pulled like a safetensors checkpoint: each file's header, then

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from odmoe.models.checkpoint_index import SHARE_STATE, CheckpointIndex, FileEntry, TensorEntry
 from odmoe.rpc import odmoe_pb2
 
@@ -124,22 +126,29 @@ def pull_share(
     metadata=None,
 ) -> PullReport:
     """Make `dest` hold the chosen tensors of the source's checkpoint (module contract); `choose`
-    None: every tensor. `stub` is an `odmoe_pb2_grpc.ShareStub`."""
+    None: every tensor. `stub` is an `odmoe_pb2_grpc.ShareStub`, or several: sources of the same
+    checkpoint (main, seeds), asked in turn (one that cannot be reached, or serves another index,
+    is passed over; one lost mid-pull hands the tensor it was sending to the next)."""
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    index = CheckpointIndex.from_json(stub.Index(odmoe_pb2.ShareIndexRequest(), metadata=metadata).index_json)
+    reader = _Reader(stub if isinstance(stub, list | tuple) else [stub], metadata)
+    index = reader.index()
     state = _State(dest)
     by_name = {t.name: t for t in index.tensors}
     # tensors kept from an earlier pull: the same bytes in the same place
     state.tensors = {n: r for n, r in state.tensors.items() if n in by_name and r == _record(by_name[n])}
     state.digest = index.digest
     pulled = 0
-    reader = _Reader(stub, metadata)
     header_total = sum(f.head_bytes for f in index.files)
     progress = _Progress(header_total, progress_s, rate_bytes_s)
     for f in index.files:
-        pulled += _file(reader, dest, f, state, progress)
+        while True:
+            try:
+                pulled += _file(reader, dest, f, state, progress)
+                break
+            except grpc.RpcError as exc:
+                reader.lost(exc)
     state.save()
     wanted = set(by_name) if choose is None else choose(index, dest)
     unknown = wanted - set(by_name)
@@ -156,13 +165,18 @@ def pull_share(
         last_save = time.perf_counter()
         for t in todo:
             fd = fds.get(t.file) or fds.setdefault(t.file, os.open(dest / t.file, os.O_WRONLY))
-            digest = hashlib.sha256()
-            at = t.start
-            for data in reader.read(t.file, t.start, t.nbytes):
-                os.pwrite(fd, data, at)
-                digest.update(data)
-                at += len(data)
-                progress.add(len(data))
+            while True:  # from the start again where a source was lost in the middle of it
+                digest = hashlib.sha256()
+                at = t.start
+                try:
+                    for data in reader.read(t.file, t.start, t.nbytes):
+                        os.pwrite(fd, data, at)
+                        digest.update(data)
+                        at += len(data)
+                        progress.add(len(data))
+                    break
+                except grpc.RpcError as exc:
+                    reader.lost(exc)
             if at != t.end or digest.hexdigest() != t.sha256:
                 raise ShareError(f"{t.file}: tensor {t.name} pulled does not match the index's sha256")
             pulled += t.nbytes
@@ -183,8 +197,42 @@ def pull_share(
 
 
 class _Reader:
-    def __init__(self, stub, metadata):
-        self.stub, self.metadata = stub, metadata
+    """Reads from the first source that answers; `lost` moves to the next one serving the same index."""
+
+    def __init__(self, stubs: list, metadata):
+        self.stubs, self.metadata, self.at, self.digest = list(stubs), metadata, 0, ""
+
+    @property
+    def stub(self):
+        return self.stubs[self.at]
+
+    def index(self) -> CheckpointIndex:
+        """The first reachable source's index (the one every other source must serve too)."""
+        while True:
+            try:
+                reply = self.stub.Index(odmoe_pb2.ShareIndexRequest(), metadata=self.metadata)
+            except grpc.RpcError as exc:
+                self.lost(exc)
+                continue
+            index = CheckpointIndex.from_json(reply.index_json)
+            if self.digest and index.digest != self.digest:
+                log.warning("source %d serves another checkpoint: passed over", self.at)
+                self._next(f"source {self.at} serves another checkpoint")
+                continue
+            self.digest = index.digest
+            return index
+
+    def lost(self, exc: grpc.RpcError) -> None:
+        """The current source failed: the next one (checked to serve the same index), or ShareError."""
+        self._next(f"{exc.code().name}: {exc.details()}")
+        if self.digest:
+            self.index()
+
+    def _next(self, why: str) -> None:
+        if self.at + 1 >= len(self.stubs):
+            raise ShareError(f"no source left to pull from (the last: {why})")
+        log.warning("pull source %d failed (%s): going on from source %d", self.at, why, self.at + 1)
+        self.at += 1
 
     def read(self, file: str, offset: int, length: int):
         request = odmoe_pb2.ShareReadRequest(file=file, offset=offset, length=length)
