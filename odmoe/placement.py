@@ -45,6 +45,7 @@ preloads land where main sends the rows. Main moves homes only when that pays (o
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, replace
 from functools import lru_cache
@@ -353,6 +354,12 @@ def moved_homes(before: Topology, after: Topology, live: Collection[WorkerId] | 
         for layer in before.moe_layers
         for e in range(before.experts)
     )
+
+
+def home_counts(topology: Topology, live: Collection[WorkerId] | None = None) -> Counter[WorkerId]:
+    """How many (layer, expert) of the model each live worker is home for."""
+    homes = (topology.home(layer, e, live) for layer in topology.moe_layers for e in range(topology.experts))
+    return Counter(w for w in homes if w is not None)
 
 
 def _live_key(live: Collection[WorkerId] | None) -> tuple[WorkerId, ...] | None:

@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from odmoe.launch.settings import compose
-from odmoe.main.stragglers import StragglerWatch, home_move, straggler_room
-from odmoe.placement import Topology, moved_homes
+from odmoe.main.stragglers import StragglerWatch, home_move, lost_hits, straggler_room
+from odmoe.placement import Topology, home_counts, moved_homes
 from odmoe.validation import straggler_watch
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
@@ -210,11 +210,15 @@ def test_a_move_is_made_only_when_its_saving_over_the_horizon_exceeds_its_reload
     assert not home_move(3, 15, 0.002, 0.04, horizon=0, room=0).worth
     assert not home_move(3, 15, 0.002, 0.0001, horizon=100, room=0).worth  # 10 ms saved < 30 ms
     assert not home_move(3, 0, 0.002, 0.04, 256, 0).worth  # nothing would move
+    # its hits that become loads at a peer with no room for them: 30 of its 40 ms a token saved
+    assert home_move(3, 15, 0.002, 0.04, 256, 0, added_s_per_token=0.03).saving_s == pytest.approx(2.56)
+    assert not home_move(3, 15, 0.002, 0.04, 256, 0, added_s_per_token=0.04).worth  # nothing saved
     assert move.report(True) == {
         "worker": 3,
         "reloads": 15,
         "move_s": 0.03,
         "extra_s_per_token": 0.04,
+        "added_s_per_token": 0.0,
         "saving_s": 10.24,
         "horizon": 256,
         "room": 0,
@@ -236,6 +240,23 @@ def test_a_longer_horizon_or_a_costlier_straggler_never_turns_a_move_down(moved,
         assert home_move(0, moved, reference, extra * 2, horizon, 0).worth
 
 
+def test_the_hits_a_move_loses_are_the_cached_experts_that_leave_and_find_no_room():
+    assert lost_hits(cached=8, room_after=0, peers_spare=0) == 1.0  # every hit a load at the peer
+    assert lost_hits(cached=8, room_after=2, peers_spare=0) == 0.75  # it keeps 2 of its 8
+    assert lost_hits(cached=8, room_after=0, peers_spare=6) == 0.25  # the peer keeps 6 of them
+    assert lost_hits(cached=8, room_after=0, peers_spare=20) == 0.0
+    assert lost_hits(cached=0, room_after=0, peers_spare=0) == 0.0  # it keeps nothing: nothing lost
+    assert home_counts(CACHED) == {0: 16, 1: 16, 2: 16, 3: 16}
+
+
+@given(cached=st.integers(0, 64), room_after=st.integers(0, 64), spare=st.integers(-8, 64))
+def test_lost_hits_is_a_share_that_more_room_never_raises(cached, room_after, spare):
+    share = lost_hits(cached, room_after, spare)
+    assert 0.0 <= share <= 1.0
+    assert lost_hits(cached, room_after + 1, spare) <= share
+    assert lost_hits(cached, room_after, spare + 1) <= share
+
+
 def test_a_straggler_keeps_its_room_times_its_speed():
     assert straggler_room(8, time=0.022, reference=0.0022) == 0  # 10x slower: 0.8 of an expert
     assert straggler_room(16, time=0.004, reference=0.001) == 4
@@ -253,6 +274,9 @@ def test_a_stragglers_extra_seconds_a_token_are_its_excess_times_its_answers_a_t
     assert watch.per_token(3) == pytest.approx(8 / 4)  # its last 8 answers over iterations 5..8
     assert watch.extra_per_token(3, GROUP) == pytest.approx(0.040)
     assert watch.extra_per_token(2, GROUP) == 0.0  # its reference, worker3, is a straggler: none
+    for it in (9, 11):
+        watch.hit(3, at=it)
+    assert watch.hits_per_token(3) == pytest.approx(2 / 3) and watch.hits_per_token(2) == 0.0
 
 
 @settings(max_examples=300, deadline=None)

@@ -76,9 +76,9 @@ from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
 from odmoe.main.shadow_link import ShadowLink
-from odmoe.main.stragglers import StragglerWatch, home_move, straggler_room
+from odmoe.main.stragglers import StragglerWatch, home_move, lost_hits, straggler_room
 from odmoe.models.expert_math import combine, expert_input, split_by_expert
-from odmoe.placement import LayerUnavailable, Topology, moved_homes
+from odmoe.placement import LayerUnavailable, Topology, home_counts, moved_homes
 from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
@@ -399,6 +399,7 @@ class RemoteExperts:
             result = call.answer[0]
             for load_s, compute_s in zip(result.load_s, result.compute_s, strict=True):
                 if homes and load_s <= 0:
+                    watch.hit(call.worker, self._iterations)  # nothing to judge; a move may lose it
                     continue
                 changed |= watch.observe(call.worker, load_s + compute_s, peers, self._iterations)
         if not homes:
@@ -423,6 +424,9 @@ class RemoteExperts:
             room = straggler_room(rooms[worker], time_s, reference)
             trial = {**target, worker: room}
             after = topology.with_slow(trial, self.probe_every, [trial[w] for w in sorted(trial)])
+            homes_now = home_counts(topology, live)
+            spare = sum(max(0, rooms[p] - homes_now[p]) for p in peers if p != worker)
+            lost = lost_hits(min(rooms[worker], homes_now[worker]), room, spare)
             move = home_move(
                 worker,
                 moved_homes(topology, after, live),
@@ -430,15 +434,17 @@ class RemoteExperts:
                 watch.extra_per_token(worker, peers),
                 self.move_horizon,
                 room,
+                watch.hits_per_token(worker) * lost * reference,
             )
             watch.moves.append(move.report(move.worth))
             log.warning(
                 "straggler worker %d: moving its homes costs %d reloads (%.3f s), saves %.4f s a token "
-                "(%.3f s over %d tokens): %s",
+                "less %.4f s of hits lost (%.3f s over %d tokens): %s",
                 worker,
                 move.reloads,
                 move.move_s,
                 move.extra_s_per_token,
+                move.added_s_per_token,
                 move.saving_s,
                 move.horizon,
                 f"moved, it keeps a room of {room}" if move.worth else "not moved",

@@ -29,8 +29,10 @@ its loads, a slow core in every loaded answer. A straggler's homes move to its p
 reloads it causes (every expert whose home changes is uncached at its new home: each one load at the
 peers' measured seconds per expert), its saving the straggler's measured extra seconds per token
 (its time above its peers', times its loaded answers per decode iteration) over the next `horizon`
-tokens. The room a straggler keeps is its room times its measured speed against its peers
-(`straggler_room`). Back, when it recovers, always: that move only undoes one that paid.
+tokens, less what its hits will cost at their new homes where the peers have no room to keep them
+(`lost_hits`: each such hit a load there, at the peers' seconds). The room a straggler keeps is its
+room times its measured speed against its peers (`straggler_room`). Back, when it recovers, always:
+that move only undoes one that paid.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class StragglerWatch:
     _time: dict[int, float] = field(default_factory=dict)  # worker -> median of `recent`, kept current
     # worker -> the decode iteration (main's running count) of each answer in `recent`: its rate
     _at: dict[int, deque[int]] = field(default_factory=dict)
+    _hits: dict[int, deque[int]] = field(default_factory=dict)  # worker -> decode iteration of its last hits
     # the home moves weighed (`HomeMove.report`), the latest 8
     moves: deque[dict] = field(default_factory=lambda: deque(maxlen=8))
 
@@ -97,12 +100,17 @@ class StragglerWatch:
         self.changes += 1
         return True
 
+    def hit(self, worker: int, at: int) -> None:
+        """A cache hit on `worker` at decode iteration `at` (no load to judge, but a hit a move may lose)."""
+        self._hits.setdefault(worker, deque(maxlen=self.window)).append(at)
+
     def per_token(self, worker: int) -> float:
-        """The worker's answers per decode iteration over its last `window` (0: fewer than two)."""
-        at = self._at.get(worker)
-        if not at or len(at) < 2:
-            return 0.0
-        return len(at) / max(1, at[-1] - at[0] + 1)
+        """The worker's judged answers per decode iteration over its last `window` (0: fewer than two)."""
+        return _rate(self._at.get(worker))
+
+    def hits_per_token(self, worker: int) -> float:
+        """The worker's cache hits per decode iteration over its last `window` (0: fewer than two)."""
+        return _rate(self._hits.get(worker))
 
     def extra_per_token(self, worker: int, peers: Collection[int]) -> float:
         """Seconds a token the worker costs beyond its peers: (its time - theirs) x its answers a token."""
@@ -122,6 +130,7 @@ class StragglerWatch:
         """A worker lost or taken back: judged afresh (True when `slow` changed)."""
         self.recent.pop(worker, None)
         self._at.pop(worker, None)
+        self._hits.pop(worker, None)
         self._time.pop(worker, None)
         self._fine.pop(worker, None)
         if worker in self.slow:
@@ -149,10 +158,12 @@ class HomeMove:
     extra_s_per_token: float  # what the straggler costs a token now (measured)
     horizon: int  # tokens the move must pay for itself within
     room: int  # the room it is dealt by after the move
+    # its hits a token that become loads at peers with no room for them, x the peers' seconds a load
+    added_s_per_token: float = 0.0
 
     @property
     def saving_s(self) -> float:
-        return self.extra_s_per_token * self.horizon
+        return (self.extra_s_per_token - self.added_s_per_token) * self.horizon
 
     @property
     def worth(self) -> bool:
@@ -164,11 +175,29 @@ class HomeMove:
             "reloads": self.reloads,
             "move_s": round(self.move_s, 4),
             "extra_s_per_token": round(self.extra_s_per_token, 5),
+            "added_s_per_token": round(self.added_s_per_token, 5),
             "saving_s": round(self.saving_s, 4),
             "horizon": self.horizon,
             "room": self.room,
             "moved": moved,
         }
+
+
+def _rate(stamps: deque[int] | None) -> float:
+    """Events per decode iteration: how many `stamps` over the iterations they span."""
+    if not stamps or len(stamps) < 2:
+        return 0.0
+    return len(stamps) / max(1, stamps[-1] - stamps[0] + 1)
+
+
+def lost_hits(cached: int, room_after: int, peers_spare: int) -> float:
+    """The share of a straggler's hits that become loads when its homes move: of the `cached` experts
+    it keeps now, those beyond `room_after` leave, and those the peers' `peers_spare` room cannot
+    keep are uncached at their new homes."""
+    if cached <= 0:
+        return 0.0
+    leaving = max(0, cached - room_after)
+    return max(0, leaving - max(0, peers_spare)) / cached
 
 
 def straggler_room(room: int, time: float, reference: float) -> int:
@@ -186,7 +215,9 @@ def home_move(
     extra_s_per_token: float,
     horizon: int,
     room: int,
+    added_s_per_token: float = 0.0,
 ) -> HomeMove:
     """The decision's figures (`HomeMove.worth` says whether): `moved` experts change home, each a
-    load at the peers' `reference_s`; the straggler's `extra_s_per_token` saved over `horizon` tokens."""
-    return HomeMove(worker, moved, moved * reference_s, extra_s_per_token, horizon, room)
+    load at the peers' `reference_s`; the straggler's `extra_s_per_token`, less the
+    `added_s_per_token` its lost hits cost at their new homes, saved over `horizon` tokens."""
+    return HomeMove(worker, moved, moved * reference_s, extra_s_per_token, horizon, room, added_s_per_token)
