@@ -1,8 +1,9 @@
 """The main node: the gRPC front door and the one thread that runs the decode loop.
 
-Lifecycle: load the model without its experts, connect to every worker and check each answers as
-the worker it is supposed to be, start the gRPC server (Inference + standard health checking),
-announce readiness, serve until SIGINT/SIGTERM.
+Lifecycle: the constructor builds (the model without its experts, the sockets, the engine) and does
+no blocking network I/O; `serve` first `connect`s (waits for the shadow, checks each worker answers
+as the worker it is supposed to be), then starts the gRPC server (Inference + standard health
+checking), announces readiness and serves until SIGINT/SIGTERM.
 
 Two front doors, one queue: the gRPC API (odmoe.Client) and the OpenAI-compatible HTTP API
 (`odmoe/serving/http_api.py`, `server.http`) both validate a request on the thread that receives it (bad
@@ -125,7 +126,6 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             sec.enabled, sec.key_dir, sec.node_name("main", 0), serves_clients=True
         )
         shadow = None
-        connect_start = time.perf_counter()  # connections + (CURVE) handshakes + pings, for the ready file
         if cfg.shadow.enabled and cfg.cluster.shadow_address:
             shadow = ShadowLink(
                 cfg.cluster.shadow_address,
@@ -135,9 +135,6 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                 self.security.curve,
                 self._shadow_beats(),
             )
-            if not shadow.wait_up(cfg.worker.ready_timeout_s):
-                why = f" (CURVE handshake failed: {shadow.control.refused})" if shadow.control.refused else ""
-                log.warning("shadow %s is not reachable%s: requests run without it", shadow.address, why)
         members = Membership(
             cfg.cluster.worker_addresses,
             cfg.topology.for_model(self.checkpoint.moe_layers, self.checkpoint.num_experts),
@@ -163,15 +160,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             no_worker_grace_s=cfg.failover.no_worker_grace_s,
         )
         self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
-        pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, cfg.cluster.min_workers)
-        # the homes' fit is known once every worker has told its room (a cluster still growing: later)
-        if len(pongs) == members.topology.workers and (
-            problem := unfit_homes(
-                members.topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs]
-            )
-        ):
-            raise MemoryPlanError(problem)
-        self.connect_s = time.perf_counter() - connect_start
+        self.connect_s = 0.0  # connections + (CURVE) handshakes + pings (`connect`), for the ready file
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.shadow_where = cfg.cluster.shadow_where  # a rejoining shadow says where it now runs
         self.heartbeat = heartbeat
@@ -411,7 +400,27 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         return odmoe_pb2.JoinReply(detail=detail)
 
     # -- lifecycle ---------------------------------------------------------------------------
+    def connect(self) -> None:
+        """The node's network start (the constructor only builds): wait for the shadow, ping every
+        worker (or cluster.min_workers of them) and check the homes fit the workers' rooms.
+        Raises WorkerUnavailable or MemoryPlanError naming what is wrong."""
+        cfg, start = self.cfg, time.perf_counter()
+        shadow = self.experts.shadow
+        if shadow is not None and not shadow.wait_up(cfg.worker.ready_timeout_s):
+            why = f" (CURVE handshake failed: {shadow.control.refused})" if shadow.control.refused else ""
+            log.warning("shadow %s is not reachable%s: requests run without it", shadow.address, why)
+        pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, cfg.cluster.min_workers)
+        topology = self.experts.members.topology
+        # the homes' fit is known once every worker has told its room (a cluster still growing: later)
+        if len(pongs) == topology.workers and (
+            problem := unfit_homes(topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs])
+        ):
+            raise MemoryPlanError(problem)
+        self.connect_s = time.perf_counter() - start
+
     def serve(self, ready_file: str | None = None) -> None:
+        """connect(), then serve clients (gRPC, and HTTP with server.http) until SIGINT/SIGTERM."""
+        self.connect()
         secrets = self.security.server  # None: security.enabled=false
         # the token first (a stranger learns nothing), then every request parsed by TextCheck: bad
         # UTF-8 in a string field answers INVALID_ARGUMENT naming it, not gRPC's bare INTERNAL
