@@ -58,7 +58,8 @@ from odmoe.models.open_model import load_config
 from odmoe.nodes.ready import announce_ready
 from odmoe.placement import Topology
 from odmoe.shadow.hedging import GroupLimit, shadow_hedges
-from odmoe.shadow.router_tap import RouterTap, rank, wrong_experts
+from odmoe.shadow.made_wrong import MadeWrong
+from odmoe.shadow.router_tap import RouterTap, rank
 from odmoe.shadow.shadow_batch import RowCache, ShadowBatch, batchable
 from odmoe.shadow.shadow_model import (
     load_shadow_model,
@@ -141,7 +142,7 @@ class _Choice:
 
 class ShadowNode:
     def __init__(self, cfg: OdmoeConfig, model_path: str):
-        self.cfg, self.scfg, self.emulation = cfg, cfg.shadow, cfg.emulation
+        self.cfg, self.scfg = cfg, cfg.shadow
         self.alignment = cfg.alignment
         self.first_wait = make_plan(cfg.alignment).next_after(0)  # main's plan says the same
         config = load_config(model_path)  # a wrapper's text model; a GGUF file's as odmoe reads it
@@ -192,6 +193,8 @@ class ShadowNode:
         self.address, self.pub_address = f"tcp://{host}:{port}", f"tcp://{host}:{pub_port}"
         self.beat_echo = echo_for(self.address)  # main's beats: UDP, the control port's number
         self.rng = random.Random(self.scfg.seed)
+        # tests and benchmarks only (emulation.inject_wrong*): predictions and own tokens made wrong
+        self.made_wrong = MadeWrong(cfg.emulation, self.num_experts, self.vocab_size, self.rng)
         self.runs: dict[str, _Run] = {}  # the requests main runs, in the order they began
         self.stream = ""  # main's decode stream (the busy period's name)
         # (tick, layer) -> request -> its choice: what the union published for that step is made of
@@ -249,7 +252,7 @@ class ShadowNode:
         """What a router's output predicts for one of its rows (the newest token's by default): its
         experts, the top-(k+1) candidates with their scores, and the hedges (`odmoe.shadow.hedging`)."""
         ranked = rank(module, output[0][row], self.top_k, limit)  # the one rule (odmoe.shadow.router_tap)
-        experts = self._inject(output[2][row].tolist())
+        experts = self.made_wrong.experts(output[2][row].tolist())
         margin = self.scfg.hedge_margin
         every = ranked.every if margin > 0 else None  # group hedges rank groups by it
         hedges = shadow_hedges(ranked.candidates, ranked.probs, self.top_k, margin, every, limit)
@@ -285,20 +288,6 @@ class ShadowNode:
                 "shadow", f"L{layer}", self._layer_since_us, now, iteration=tick, experts=experts
             )
             self._layer_since_us = now
-
-    def _inject(self, experts: list[int]) -> list[int]:
-        """Fault injection: replace each predicted expert, with probability emulation.inject_wrong, by a
-        wrong one."""
-        if self.emulation.inject_wrong <= 0:
-            return experts
-        return wrong_experts(experts, self.emulation.inject_wrong, self.num_experts, self.rng)
-
-    def _inject_token(self, token: int) -> int:
-        """Fault injection: with probability emulation.inject_wrong_token, any other token."""
-        rate = self.emulation.inject_wrong_token
-        if rate > 0 and self.rng.random() < rate:
-            return (token + 1 + self.rng.randrange(self.vocab_size - 1)) % self.vocab_size
-        return token
 
     # -- control -----------------------------------------------------------------------------
     def _next_control(self, block: bool):
@@ -531,7 +520,7 @@ class ShadowNode:
             return
         share = (time.perf_counter() - start) / len(runs)
         for run in runs:
-            token = self._inject_token(own[run.request])
+            token = self.made_wrong.token(own[run.request])
             run.forward_s += share
             self._ran(run, (tokens[run.request], token))
         self._forget_before(tick)
@@ -593,7 +582,7 @@ class ShadowNode:
             use_cache=True,
             logits_to_keep=1,
         ).logits
-        own = self._inject_token(int(logits[0, -1].argmax()))
+        own = self.made_wrong.token(int(logits[0, -1].argmax()))
         return (token, own)
 
     def _ran(self, run: _Run, fed_and_own: tuple[int, int]) -> None:

@@ -145,9 +145,8 @@ def test_the_shadow_node_hedges_the_best_expert_of_a_near_tied_group_left_out(ro
         top_k=router.top_k,
         num_experts=router.num_experts if hasattr(router, "num_experts") else router.n_routed_experts,
         scfg=SimpleNamespace(hedge_margin=100.0),
-        emulation=SimpleNamespace(inject_wrong=0.0),
+        made_wrong=SimpleNamespace(experts=lambda experts: experts),  # emulation.inject_wrong off
     )
-    node._inject = lambda experts: ShadowNode._inject(node, experts)
     torch.manual_seed(3)
     size = node.num_experts // router.num_group
     for row in torch.randn(20, model.config.hidden_size):
