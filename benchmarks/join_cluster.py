@@ -32,10 +32,11 @@ from pathlib import Path
 import psutil
 
 from odmoe.benchmarks.results import write_report
+from odmoe.benchmarks.wide_model import add_wide_model_args, wide_spec
 from odmoe.launch.pull import choose_for
 from odmoe.launch.settings import compose
 from odmoe.models.checkpoint_index import build_index
-from odmoe.tools.model_factory import ModelSpec, make_wide_model
+from odmoe.tools.model_factory import make_wide_model
 
 PROMPT = "def fibonacci(n):"
 
@@ -84,20 +85,14 @@ def _wait(what, timeout_s: float, why) -> float:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=3584)
-    parser.add_argument("--experts", type=int, default=8)
+    add_wide_model_args(parser)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=12)
     parser.add_argument("--timeout-s", type=float, default=900)
     parser.add_argument("--out", default="benchmarks/results/join-cluster.json")
     args = parser.parse_args(argv)
-    spec = ModelSpec(
-        family="mixtral", layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
-        experts=args.experts, top_k=2, heads=16, kv_heads=4, vocab=4096, dtype="bfloat16",
-    )  # fmt: skip
+    spec = wide_spec(args)
     shape = [f"cluster.workers={args.workers}", f"cluster.group_size={args.group_size}"]
     report: dict = {"spec": spec.name, "workers": args.workers, "group_size": args.group_size, "boxes": {}}
     with tempfile.TemporaryDirectory() as tmp:

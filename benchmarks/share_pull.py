@@ -20,12 +20,13 @@ import time
 from pathlib import Path
 
 from odmoe.benchmarks.results import write_report
+from odmoe.benchmarks.wide_model import add_wide_model_args, wide_spec
 from odmoe.launch.pull import choose_for
 from odmoe.launch.settings import compose
 from odmoe.models.checkpoint_index import build_index
 from odmoe.models.share_pull import pull_share
 from odmoe.rpc import odmoe_pb2_grpc
-from odmoe.tools.model_factory import ModelSpec, make_wide_model
+from odmoe.tools.model_factory import make_wide_model
 from odmoe.transport.security import ClientCredentials, ServerSecrets, init_key_dir
 from odmoe.transport.share_server import serve_share
 
@@ -36,19 +37,13 @@ def _disk(path: Path) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=3584)
-    parser.add_argument("--experts", type=int, default=8)
+    add_wide_model_args(parser)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--group-size", type=int, default=2)
     parser.add_argument("--rate-mbps", type=float, default=800.0)
     parser.add_argument("--out", default="benchmarks/results/share-pull.json")
     args = parser.parse_args(argv)
-    spec = ModelSpec(
-        family="mixtral", layers=args.layers, hidden=args.hidden, intermediate=args.intermediate,
-        experts=args.experts, top_k=2, heads=16, kv_heads=4, vocab=4096, dtype="bfloat16",
-    )  # fmt: skip
+    spec = wide_spec(args)
     words = [
         f"cluster.workers={args.workers}", f"cluster.group_size={args.group_size}",
         "worker.only_own_layers=true", "worker.index=0",

@@ -38,25 +38,34 @@ def room_of_file(path: Path) -> str:
     return f"odmoe.{rel.parts[1]}"
 
 
+def our_files() -> list[Path]:
+    return [
+        path
+        for top in ("odmoe", "nodes", "launch", "benchmarks")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if "rpc" not in path.parts
+    ]
+
+
+def imported(path: Path) -> list[str]:
+    """Every dotted name a file imports (and `module.name` for each name taken from a module)."""
+    names: list[str] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
 def edges() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
-    for top in ("odmoe", "nodes", "launch", "benchmarks"):
-        for path in sorted((ROOT / top).rglob("*.py")):
-            if "rpc" in path.parts:
-                continue
-            here = room_of_file(path)
-            for node in ast.walk(ast.parse(path.read_text())):
-                if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                elif isinstance(node, ast.Import):
-                    names = [a.name for a in node.names]
-                else:
-                    continue
-                for name in names:
-                    there = room_of_module(name)
-                    rel = str(path.relative_to(ROOT))
-                    if there and there != here and (rel, there) not in ALLOWED and there != "odmoe":
-                        graph.setdefault(here, set()).add(there)
+    for path in our_files():
+        here, rel = room_of_file(path), str(path.relative_to(ROOT))
+        for name in imported(path):
+            there = room_of_module(name)
+            if there and there != here and (rel, there) not in ALLOWED and there != "odmoe":
+                graph.setdefault(here, set()).add(there)
     return graph
 
 
@@ -71,26 +80,12 @@ def _module_name(path: Path) -> str:
 def module_edges() -> dict[str, set[str]]:
     """Every import of one of our modules by another, a package's own __init__ aside (importing a
     package runs it first: that is not a loop a reader follows)."""
-    files = {
-        _module_name(path): path
-        for top in ("odmoe", "nodes", "launch", "benchmarks")
-        for path in (ROOT / top).rglob("*.py")
-        if "rpc" not in path.parts
-    }
+    files = {_module_name(path): path for path in our_files()}
     graph: dict[str, set[str]] = {}
     for here, path in files.items():
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            else:
-                continue
-            for name in names:
-                if name in files and name != here and not here.startswith(name + "."):
-                    if files[name].name == "__init__.py" and name in ("odmoe",):
-                        continue
-                    graph.setdefault(here, set()).add(name)
+        for name in imported(path):
+            if name in files and name != here and not here.startswith(name + ".") and name != "odmoe":
+                graph.setdefault(here, set()).add(name)
     return graph
 
 

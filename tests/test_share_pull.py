@@ -5,6 +5,7 @@ The Share service is a real gRPC server on 127.0.0.1 reading real files; a clust
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -241,6 +242,24 @@ def test_a_gguf_model_is_pulled_tensor_by_tensor(gguf_file, tmp_path, qtype, sha
         server.stop(grace=0)
 
 
+@contextlib.contextmanager
+def running_seed(model, key_dir, ready):
+    """`odmoe-launch role=seed` serving `model` (TLS + token) while the block runs: its address."""
+    seed = subprocess.Popen(
+        [sys.executable, "-m", "odmoe.launch.cli", "role=seed", f"model.path={model}",
+         "cluster.join_port=0", f"security.key_dir={key_dir}", f"ready_file={ready}"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 60
+        while not ready.exists() and time.monotonic() < deadline and seed.poll() is None:
+            time.sleep(0.05)
+        yield json.loads(ready.read_text())["share_address"]
+    finally:
+        seed.terminate()
+        seed.wait(timeout=10)
+
+
 @pytest.mark.integration
 @pytest.mark.extended  # two cluster starts and a seed: ~1 min quiet, ~3 min on a busy box
 def test_nodes_without_the_checkpoint_pull_their_share_and_serve_the_same_tokens(tmp_path, reap_children):
@@ -250,20 +269,7 @@ def test_nodes_without_the_checkpoint_pull_their_share_and_serve_the_same_tokens
     a second start pulls nothing."""
     model = resolve_model("tiny")
     keys = init_key_dir(tmp_path / "keys", 2)
-    ready = tmp_path / "seed.json"
-    seed = subprocess.Popen(
-        [
-            sys.executable, "-m", "odmoe.launch.cli", "role=seed", f"model.path={model}",
-            "cluster.join_port=0", f"security.key_dir={keys.root}", f"ready_file={ready}",
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline and seed.poll() is None:
-            time.sleep(0.05)
-        address = json.loads(ready.read_text())["share_address"]
+    with running_seed(model, keys.root, tmp_path / "seed.json") as address:
 
         def place(name: str) -> NodePlacement:
             if name.startswith("main"):
@@ -295,9 +301,6 @@ def test_nodes_without_the_checkpoint_pull_their_share_and_serve_the_same_tokens
         assert totals["shadow"] == sum(t.nbytes for t in index.tensors)  # the shadow computes everything
         assert {n: r["pulled_bytes_total"] for n, r in records.items()} == totals  # the second start: none
         assert ClientCredentials.from_key_dir(keys.root).token  # the pull went through the token
-    finally:
-        seed.terminate()
-        seed.wait(timeout=10)
     assert not os.path.exists(tmp_path / "main")  # main used its own checkpoint
 
 
@@ -310,17 +313,7 @@ def test_a_cluster_pulls_its_shares_of_a_gguf_file_and_serves_it_exactly(gguf_fi
 
     source = gguf_file("qwen3_moe", "Q4_K")
     keys = init_key_dir(tmp_path / "keys", 2)
-    ready = tmp_path / "seed.json"
-    seed = subprocess.Popen(
-        [sys.executable, "-m", "odmoe.launch.cli", "role=seed", f"model.path={source}",
-         "cluster.join_port=0", f"security.key_dir={keys.root}", f"ready_file={ready}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while not ready.exists() and time.monotonic() < deadline and seed.poll() is None:
-            time.sleep(0.05)
-        address = json.loads(ready.read_text())["share_address"]
+    with running_seed(source, keys.root, tmp_path / "seed.json") as address:
 
         def place(name: str) -> NodePlacement:
             if name.startswith("main"):
@@ -337,6 +330,3 @@ def test_a_cluster_pulls_its_shares_of_a_gguf_file_and_serves_it_exactly(gguf_fi
             assert held == {f"blk.{i}.ffn_{w}_exps.weight" for w in ("gate", "up", "down")}
         shadow = json.loads((tmp_path / "shadow" / SHARE_STATE).read_text())
         assert shadow["pulled_bytes_total"] == sum(t.nbytes for t in index.tensors)
-    finally:
-        seed.terminate()
-        seed.wait(timeout=10)
