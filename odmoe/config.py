@@ -275,8 +275,9 @@ class FailoverConfig:
     # of its peers' and it is given work again
     straggler_probe_every: int = 16
     # with worker caches: a straggler's homes move to its peers only when its measured extra seconds a
-    # token, over this many tokens, exceed the move's cost (the reloads it causes at the peers'
-    # measured seconds per load). 0: homes never move
+    # token (less what its hits would cost at peers with no room for them), over this many tokens,
+    # exceed the move's cost (the reloads it causes at the peers' measured seconds per load).
+    # 0: homes never move
     straggler_move_horizon: int = 256
 
 
