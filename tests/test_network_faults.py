@@ -199,7 +199,10 @@ def test_main_cut_off_from_the_shadow_decodes_on_and_uses_predictions_again_once
             per_token = {int(n): r for n, r in s["recall"]["per_token"].items()}
             lost_s = s["shadow_lost_at_us"] / 1e6 - cut
             missed = [n for n, r in per_token.items() if r == 0]
-            back = min(n for n, r in per_token.items() if n > max(missed) - 1 and r > 0)
+            assert missed, "the cut never took the predictions away"
+            again = [n for n, r in per_token.items() if n > max(missed) - 1 and r > 0]
+            assert again, f"predictions never came back (healed near iteration {healed_at}): {per_token}"
+            back = min(again)
             times = watched.times[prompts[0]]  # iteration n's token arrives at times[n] (about)
             again_s = times[min(back, len(times) - 1)] - healed
             print(
@@ -207,7 +210,6 @@ def test_main_cut_off_from_the_shadow_decodes_on_and_uses_predictions_again_once
                 f"predictions {min(missed)}..{max(missed)}, healed near iteration {healed_at}, "
                 f"predictions again from iteration {back}, ~{again_s:.2f}s after the link healed"
             )
-            assert missed, "the cut never took the predictions away"
             assert 0 < lost_s < 3.0
             tail = [per_token[n] for n in sorted(per_token)[-20:]]
             assert all(r == 1.0 for r in tail), tail  # used again, and right: alignment picked up
