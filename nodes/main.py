@@ -238,6 +238,8 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         while not self.shadow_joins.empty():
             address, pub_address = self.shadow_joins.get()
             self._adopt_shadow(address, pub_address)
+        if self.experts.shadow is not None:
+            self.experts.shadow.up  # noqa: B018 - drains its connection's events: Info says where it is
         self._drop_revoked_workers()
         self.experts.members.maintain()
 
