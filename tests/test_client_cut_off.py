@@ -43,6 +43,22 @@ def _metric(cluster: LocalCluster, name: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def _until_cancelled(cluster, cancelled: float, holed: float) -> float:
+    """Seconds from the black hole until main counts one more cancelled request (at most 15: not
+    cancelled by then, main never noticed, and the request ran to its end or still runs)."""
+    while _metric(cluster, CANCELLED) == cancelled:
+        assert time.monotonic() - holed < 15, "main never cancelled the cut-off client's request"
+        time.sleep(0.05)
+    return time.monotonic() - holed
+
+
+def _until_its_place_is_free(cluster) -> None:
+    deadline = time.monotonic() + 10
+    while _metric(cluster, "odmoe:num_requests_running") != 0:
+        assert time.monotonic() < deadline, "the cut-off request kept its place"
+        time.sleep(0.05)
+
+
 CANCELLED = 'odmoe:requests_total{finish_reason="cancelled"}'
 
 
@@ -74,18 +90,11 @@ def test_a_client_black_holed_mid_stream_is_cancelled_and_the_others_stay_exact(
             cancelled = _metric(cluster, CANCELLED)
             holed = time.monotonic()
             relay.black_hole(True)
-            while _metric(cluster, CANCELLED) == cancelled:
-                # not cancelled by now: main never noticed, and the request ran to its end or still runs
-                assert time.monotonic() - holed < 15, "main never cancelled the cut-off client's request"
-                time.sleep(0.05)
-            detect_s = time.monotonic() - holed
+            detect_s = _until_cancelled(cluster, cancelled, holed)
             running_then = runner.is_alive()
             runner.join(timeout=120)
             assert other["result"].token_ids == want, "the other client's stream differs from the reference"
-            deadline = time.monotonic() + 10
-            while _metric(cluster, "odmoe:num_requests_running") != 0:  # its place is free
-                assert time.monotonic() < deadline, "the cut-off request kept its place"
-                time.sleep(0.05)
+            _until_its_place_is_free(cluster)
             log = cluster.node("main").log_file.read_text()
             assert "cancelled by its client" in log
             print(
@@ -192,17 +201,11 @@ def test_an_http_client_black_holed_mid_request_is_cancelled_and_the_others_stay
             cancelled = _metric(cluster, CANCELLED)
             with _Dropped(cut.getsockname()[1], urlsplit(cluster.http_url).port):
                 holed = time.monotonic()
-                while _metric(cluster, CANCELLED) == cancelled:
-                    assert time.monotonic() - holed < 15, "main never cancelled the cut-off request"
-                    time.sleep(0.05)
-                detect_s = time.monotonic() - holed
+                detect_s = _until_cancelled(cluster, cancelled, holed)
                 running_then = runner.is_alive()
                 runner.join(timeout=120)
                 assert other["result"].token_ids == want, "the other client's stream differs"
-                deadline = time.monotonic() + 10
-                while _metric(cluster, "odmoe:num_requests_running") != 0:  # its place is free
-                    assert time.monotonic() < deadline, "the cut-off request kept its place"
-                    time.sleep(0.05)
+                _until_its_place_is_free(cluster)
             assert "cancelled by its client" in cluster.node("main").log_file.read_text()
             print(
                 f"\nHTTP client ({'SSE' if stream else 'not streamed'}) black-holed mid-request: "

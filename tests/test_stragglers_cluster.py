@@ -17,6 +17,11 @@ def _link(latency_ms: float) -> list[str]:
     return [f"emulation.link.latency_ms={latency_ms:g}"]
 
 
+def slow_worker3(name: str) -> NodePlacement:
+    """worker3's loads 20x slower than the others' (their link: _link(2))."""
+    return NodePlacement(words=_link(40) if name == "worker3" else [])
+
+
 @pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
 def test_a_slow_worker_is_steered_around_and_given_work_again_once_fast(model_dirs, reap_children):
     """worker3's expert loads take 40 ms, its peer's 2 ms: once 8 of its answers show it (the tiny
@@ -26,9 +31,6 @@ def test_a_slow_worker_is_steered_around_and_given_work_again_once_fast(model_di
     path = model_dirs["mixtral"]
     want, _ = reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)
     words = ["worker.cache=0", "failover.straggler_after=8", "failover.straggler_probe_every=4", *_link(2)]
-
-    def slow_worker3(name: str) -> NodePlacement:
-        return NodePlacement(words=_link(40) if name == "worker3" else [])
 
     with LocalCluster(path, workers=4, group_size=2, overrides=words, place=slow_worker3) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
@@ -65,9 +67,6 @@ def test_a_slow_workers_homes_move_to_its_peer_with_caches_and_come_back_once_fa
         "failover.straggler_probe_every=4",
         *_link(2),
     ]
-
-    def slow_worker3(name: str) -> NodePlacement:
-        return NodePlacement(words=_link(40) if name == "worker3" else [])
 
     with LocalCluster(path, workers=4, group_size=2, overrides=words, place=slow_worker3) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
