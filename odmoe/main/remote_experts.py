@@ -342,14 +342,18 @@ class RemoteExperts:
         """`place()`; where no live worker holds the layer, up to `no_worker_grace_s` spent taking
         lost workers back (a home router's hiccup can drop them all for a moment) before the
         request fails with WorkerUnavailable naming the layer."""
+        try:
+            return place()  # every decode layer: nothing more on this path unless no worker holds it
+        except LayerUnavailable:
+            pass
         deadline = time.monotonic() + self.no_worker_grace_s
         while True:
+            self.members.maintain()
             try:
                 return place()
             except LayerUnavailable as exc:
                 if time.monotonic() >= deadline:
                     raise WorkerUnavailable(f"{exc}{why}") from None
-            self.members.maintain()
             time.sleep(0.05)
 
     # -- decode: every running request's rows of a layer at once --------------------------------
