@@ -6,12 +6,13 @@ arrival) — link bytes per token, each worker's expert bytes and peak memory, d
 whether the tokens equal transformers loading the same checkpoint in one process.
 
 python -m odmoe.benchmarks.gguf_link [--hidden 1024] [--intermediate 3584] [--layers 4] [--tokens 16]
-    [--gbps 8] [--out benchmarks/results/gguf-link.json]
+    [--gbps 8] [--device cpu|cuda] [--out benchmarks/results/gguf-link.json]
 
 Every node is a process on this machine, so decode speed is this machine's: the workers'
-dequantization (odmoe.models.gguf_blocks, torch on the worker's one thread) against the link time
-the smaller blocks save. A GGUF file computes in float32 as transformers loads it (`model.dtype=auto`);
-the bf16 checkpoint in bf16.
+dequantization (odmoe.models.gguf_blocks, torch on the worker's one thread, or on the GPU with
+--device cuda: every node there, the shadow in bf16, transformers' reference on the GPU too) against
+the link time the smaller blocks save. A GGUF file computes in float32 as transformers loads it
+(`model.dtype=auto`); the bf16 checkpoint in bf16.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from odmoe.tools.model_factory import ModelSpec, make_wide_model
 PROMPT = "def fibonacci(n):\n    "
 
 
-def reference(path: str, tokens: int) -> list[int]:
-    """transformers' greedy tokens for the checkpoint, one thread as every node computes."""
+def reference(path: str, tokens: int, device: str = "cpu") -> list[int]:
+    """transformers' greedy tokens for the checkpoint on `device`, one thread as every node computes."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -44,18 +45,23 @@ def reference(path: str, tokens: int) -> list[int]:
         model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, config=config)
     else:
         model = AutoModelForCausalLM.from_pretrained(path)
-    ids = load_tokenizer(path)(PROMPT, return_tensors="pt")["input_ids"]
+    model = model.to(device)
+    ids = load_tokenizer(path)(PROMPT, return_tensors="pt")["input_ids"].to(device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens)
     return out[0, ids.shape[1] :].tolist()
 
 
-def run(path: str, tokens: int, gbps: float) -> dict:
+def run(path: str, tokens: int, gbps: float, device: str = "cpu") -> dict:
     words = [
         "preset=paper",
-        "shadow.precision=int8_dynamic",
         f"emulation.link.bandwidth_gbps={gbps}",
         "emulation.link.latency_ms=0.1",
+        f"model.device={device}",
+        f"worker.device={device}",
+        f"shadow.device={device}",
+        # torch's fast int8 is CPU-only; on the GPU the shadow computes in bf16
+        f"shadow.precision={'int8_dynamic' if device == 'cpu' else 'bf16'}",
     ]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         cluster.client.generate(PROMPT, max_new_tokens=4)  # warm-up: first loads, page cache
@@ -82,7 +88,7 @@ def run(path: str, tokens: int, gbps: float) -> dict:
         "worker_compute_s": s["worker_compute_s"],
         "worker_peak_bytes": {name: m.peak for name, m in memory.items()},
         "worker_resident_bytes": {name: m.resident for name, m in memory.items()},
-        "tokens_equal_transformers": got.token_ids == reference(path, tokens),
+        "tokens_equal_transformers": got.token_ids == reference(path, tokens, device),
     }
 
 
@@ -97,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--gbps", type=float, default=8.0, help="emulated host-to-device link")
     parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K"])
+    parser.add_argument("--device", default="cpu", help="where every node computes: cpu | cuda")
     parser.add_argument("--out", default="benchmarks/results/gguf-link.json")
     args = parser.parse_args(argv)
     from odmoe.tools.gguf_export import write_gguf
@@ -123,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             models[f"{qtype} gguf"] = write_gguf(models["bf16 safetensors"], Path(tmp) / qtype, qtype)
             seconds[f"{qtype} gguf"] = time.perf_counter() - start
         for name, path in models.items():
-            rows[name] = {**run(str(path), args.tokens, args.gbps), "written_s": seconds[name]}
+            rows[name] = {**run(str(path), args.tokens, args.gbps, args.device), "written_s": seconds[name]}
+            print(f"{name}: {rows[name]['decode_tokens_per_s']:.2f} tokens/s", flush=True)
     base = rows["bf16 safetensors"]
     print(
         f"{'checkpoint':<18}{'expert MiB':>11}{'MiB/token':>11}{'x bf16':>8}{'worker MiB':>11}"
@@ -144,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
         "spec": spec.name,
         "tokens": args.tokens,
         "link_gbps": args.gbps,
+        "device": args.device,
         "rows": rows,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }

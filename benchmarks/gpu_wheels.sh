@@ -51,6 +51,7 @@ WHEELS=(
   pycparser==3.0                 # cffi
   greenlet==3.5.6                # missing: main and the shadow step batched requests (lockstep.py)
   regex==2026.5.9                # box's unknown; transformers 5.24 needs >=2025.10.22
+  gguf==0.19.0                   # missing: GGUF files (issue 46; numpy, pyyaml, requests, tqdm: on the box)
 )
 # Published as a source archive only (pure Python): built into a wheel here.
 SDISTS=(

@@ -9,13 +9,16 @@
    for each family (the core six and the focused ones), through prefill and decode;
 4. many requests at once (issue 28): batched decode with main on the GPU gives each request its alone
    bits (cuBLAS's batched GEMM against the one-row linear is checked per shape there too), and
-   concurrent clients of a GPU cluster each get `generate`'s tokens.
+   concurrent clients of a GPU cluster each get `generate`'s tokens;
+5. GGUF files (issue 46): the stored blocks dequantized on the GPU are the gguf package's bits, and a
+   cluster on the GPU serving a GGUF file gives transformers' GGUF loading's tokens on the GPU.
 
     python -m pytest -m gpu tests/test_gpu.py
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -228,3 +231,54 @@ def test_concurrent_clients_on_cuda_each_get_generate_tokens(family, model_dirs,
     wanted = {p: reference_on(path, p, torch.bfloat16) for p in prompts}
     with LocalCluster(path, workers=2, group_size=2, overrides=gpu_words()) as cluster:
         assert generate_together(cluster, prompts, NEW_TOKENS) == wanted
+
+
+# -- 5. GGUF files (issue 46) ----------------------------------------------------------------------
+GGUF_ON_CUDA = ["Q8_0", "Q4_K", "Q5_K", "Q6_K", "Q5_0"]  # Q5_0: dequantized by the package, then moved
+
+
+@pytest.mark.parametrize("kind", GGUF_ON_CUDA)
+def test_gguf_blocks_dequantize_on_cuda_to_the_package_bit(kind):
+    """A CUDA worker's slot: the stored blocks copied to the GPU and dequantized there (into float32
+    and bfloat16, one cast as transformers) give the gguf package's own bits."""
+    gguf = pytest.importorskip("gguf")
+    from odmoe.models.gguf_blocks import dequantize, dequantize_into
+
+    kind = gguf.GGMLQuantizationType[kind]
+    rng = np.random.default_rng(11 + int(kind))
+    block_values, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+    rows, cols = 24, 2 * max(block_values, 256)
+    raw = rng.integers(0, 256, size=(rows, cols // block_values * block_bytes), dtype=np.uint8)
+    want = torch.from_numpy(gguf.dequantize(raw, kind).astype(np.float32).reshape(rows, cols))
+    got = dequantize(torch.from_numpy(raw.copy()).to(CUDA), int(kind), (rows, cols))
+    assert got.device.type == "cuda" and torch.equal(got.cpu().view(torch.int32), want.view(torch.int32))
+    for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+        slot = torch.full((rows, cols), 7.0, dtype=dtype, device=CUDA)
+        dequantize_into(torch.from_numpy(raw.copy()).reshape(-1).to(CUDA), int(kind), slot)
+        assert torch.equal(slot.cpu().view(bits), want.to(dtype).view(bits)), dtype
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("family, qtype", [("qwen3_moe", "Q4_K_M"), ("qwen2_moe", "Q8_0")])
+def test_gguf_cluster_on_cuda_equals_transformers_gguf_loading(gguf_file, family, qtype, reap_children):
+    """Every node on the GPU serving a GGUF file: the tokens of transformers' own GGUF loading on the
+    same device (float32, as the file is loaded), the workers moving each expert's blocks as stored."""
+    pytest.importorskip("gguf")
+    from odmoe.models.gguf_checkpoint import GgufCheckpoint
+    from odmoe.models.open_model import load_tokenizer
+    from tests.test_gguf_checkpoint import reference_model
+
+    path = gguf_file(family, qtype)
+    model = reference_model(path).to(CUDA)
+    ids = load_tokenizer(path)(PROMPTS[0], return_tensors="pt")["input_ids"].to(CUDA)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW_TOKENS)
+    want = out[0, ids.shape[1] :].tolist()
+    model.cpu()
+    words = [*gpu_words("auto", "bf16"), "preset=paper"]
+    with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
+        got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+    assert got.token_ids == want
+    checkpoint = GgufCheckpoint(path)
+    stored = [checkpoint.quantized_expert(layer, 0).nbytes for layer in checkpoint.moe_layers]
+    per_expert = got.stats["bytes_loaded"] / got.stats["experts_loaded"]
+    assert min(stored) <= per_expert <= max(stored)  # the blocks as stored crossed, not float32
