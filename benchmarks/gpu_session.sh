@@ -10,7 +10,7 @@
 #   also:   batched (issue 28, one call, timeout_s 420: the batched-decode gpu tests, then main's time
 #           per token with main on the GPU, batched vs per request, on a wide random model made there:
 #           gpu-batched-tests.txt/.xml, main-decode-cuda.txt),
-#           gguf (issue 46, one call, timeout_s 540: GGUF decode with every node on the GPU, the GGUF
+#           gguf (issue 46, one call, timeout_s 600: GGUF decode with every node on the GPU, the GGUF
 #           gpu tests, the same decode on the box's 16 CPU cores: gguf-link-cuda/-cpu .txt/.json, gguf-tests),
 #           memory (issue 45, one call, timeout_s 580: every gpu test, then benchmarks/gpu_memory.py on a
 #           real-width model made there: gpu-tests.txt/.xml, gpu-memory.txt/.json),
@@ -171,13 +171,13 @@ make_wide_model(ModelSpec(layers=${MEM_LAYERS:-2}, hidden=4096, intermediate=143
   step gpu-memory "${MEM_S:-200}" "$PY" -m odmoe.benchmarks.gpu_memory --model "$model" --out "$OUT/gpu-memory.json"
 }
 
-gguf() {  # issue 46 in one call of a 15-minute lease (timeout_s 540): benchmarks/gguf_link.py with every
+gguf() {  # issue 46 in one call of a 15-minute lease (timeout_s 600): benchmarks/gguf_link.py with every
   # node on the GPU (bf16 safetensors vs Q8_0 vs Q4_K experts over the emulated 8 Gbit/s link, the
   # workers dequantizing on the GPU; tokens against transformers on the GPU), the GGUF gpu tests,
   # then the same benchmark with every node on the box's CPUs (16 cores, not this project's 2)
-  step gguf-link-cuda "${CUDA_S:-170}" "$PY" -m odmoe.benchmarks.gguf_link --device cuda --out "$OUT/gguf-link-cuda.json"
+  step gguf-link-cuda "${CUDA_S:-230}" "$PY" -m odmoe.benchmarks.gguf_link --device cuda --out "$OUT/gguf-link-cuda.json"
   step gguf-tests "${TESTS_S:-150}" "${PYTEST[@]}" -rA -m gpu -k gguf --junitxml="$OUT/gguf-tests.xml"
-  step gguf-link-cpu "${CPU_S:-150}" "$PY" -m odmoe.benchmarks.gguf_link --device cpu --out "$OUT/gguf-link-cpu.json"
+  step gguf-link-cpu "${CPU_S:-200}" "$PY" -m odmoe.benchmarks.gguf_link --device cpu --out "$OUT/gguf-link-cpu.json"
 }
 
 say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"
