@@ -2,7 +2,7 @@
 
     python benchmarks/stragglers.py [--model DIR] [--bandwidth-gbps 25] [--latency-ms 0.2] [--slower 10]
         [--requests 3] [--new-tokens 64] [--cases healthy-off,slow-off,healthy-on,slow-on]
-        [--rounds 2] [--cache 0] [--words WORD ...]
+        [--rounds 2] [--cache 0] [--wire-ms 0] [--words WORD ...]
 
 A cacheless cluster (the paper's: `worker.cache=0`), 4 workers in groups of 2, every worker's expert
 loads over an emulated link (`emulation.link`: `--bandwidth-gbps`, `--latency-ms`); in the `slow`
@@ -13,6 +13,9 @@ steers loads away from a worker consistently slower than its group's others: odm
 default model; a bare number is bytes, so `--cache 8` keeps none but still gives every expert a home):
 with steering on, a straggler's homes move to its peer when main finds that it pays (the stats'
 `stragglers.home_moves`).
+`--wire-ms MS`: worker3 is slow on its *network* link instead: its loads as fast as the others',
+main reaches it through a link relay (odmoe/tools/link_relay.py) holding each chunk MS ms each way,
+a Wi-Fi box (main judges it by its round trips less the worker's own time).
 Each case is one cluster answering `--requests` prompts one at a time; decode tokens/s is the
 requests' decode tokens over their decode seconds (the DoneEvent's), after one warm-up request.
 The cases run `--rounds` times, interleaved (every other round in reverse order), and each case's
@@ -38,6 +41,7 @@ from odmoe.benchmarks.results import write_report
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
+from odmoe.tools.link_relay import Relay
 
 RESULTS = Path(__file__).parent / "results"
 SLOW = "worker3"
@@ -58,13 +62,35 @@ def link_words(bandwidth_gbps: float, latency_ms: float) -> list[str]:
     return [f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}", f"emulation.link.latency_ms={latency_ms:g}"]
 
 
-def run_case(path: str, words: list[str], slow: list[str], prompts, wants, new_tokens: int) -> dict:
-    """One cluster, `prompts` one at a time: decode tokens/s, tokens checked, where the loads went."""
+def run_case(
+    path: str, words: list[str], slow: list[str], prompts, wants, new_tokens: int, wire_s: float = 0.0
+) -> dict:
+    """One cluster, `prompts` one at a time: decode tokens/s, tokens checked, where the loads went.
+    `slow`: the slow worker's own words; `wire_s`: main reaches it through a relay holding each chunk
+    that long each way."""
+    relays: list[Relay] = []
 
     def place(name: str) -> NodePlacement:
         return NodePlacement(words=slow if name == SLOW else [])
 
-    with odmoe.LocalCluster(path, workers=4, group_size=2, overrides=words, place=place) as cluster:
+    def through(name: str, address: str) -> str:
+        if name != SLOW or wire_s <= 0:
+            return address
+        relays.append(Relay(address))
+        relays[-1].set(delay_s=wire_s)
+        return relays[-1].address
+
+    try:
+        return _measure(path, words, place, through, prompts, wants, new_tokens)
+    finally:
+        for relay in relays:
+            relay.close()
+
+
+def _measure(path: str, words: list[str], place, through, prompts, wants, new_tokens: int) -> dict:
+    with odmoe.LocalCluster(
+        path, workers=4, group_size=2, overrides=words, place=place, through=through
+    ) as cluster:
         cluster.client.generate(prompts[0], max_new_tokens=8)  # warm
         tokens = seconds = different = 0.0
         experts: dict[str, float] = {}
@@ -109,6 +135,7 @@ def main() -> None:
     parser.add_argument("--cases", default="healthy-off,slow-off,healthy-on,slow-on")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cache", default="0", help="worker.cache (0: the paper's cacheless workers)")
+    parser.add_argument("--wire-ms", type=float, default=0.0, help="slow on its network link instead")
     parser.add_argument("--words", nargs="*", default=[])
     parser.add_argument("--out", default=str(RESULTS / "stragglers.json"))
     args = parser.parse_args()
@@ -118,11 +145,14 @@ def main() -> None:
     wants = [reference_tokens(path, p, args.new_tokens) for p in prompts]
     base = link_words(args.bandwidth_gbps, args.latency_ms)
     slow = link_words(args.bandwidth_gbps / args.slower, args.latency_ms * args.slower)
+    if args.wire_ms > 0:
+        slow = []  # its loads as the others'; its network link slow
     report: dict = {
         "model": path,
         "link": {"bandwidth_gbps": args.bandwidth_gbps, "latency_ms": args.latency_ms},
         "slow_worker": SLOW,
-        "slower": args.slower,
+        "slower": args.slower if args.wire_ms <= 0 else None,
+        "slow_wire_ms_each_way": args.wire_ms,
         "words": args.words,
         "worker_cache": args.cache,
         "cases": {},
@@ -135,7 +165,11 @@ def main() -> None:
             steering = f"failover.steer_stragglers={steer == 'on'}"
             words = [f"worker.cache={args.cache}", *base, steering, *args.words]
             start, load = time.monotonic(), os.getloadavg()[0]
-            result = run_case(path, words, slow if health == "slow" else [], prompts, wants, args.new_tokens)
+            slowed = health == "slow"
+            result = run_case(
+                path, words, slow if slowed else [], prompts, wants, args.new_tokens,
+                args.wire_ms / 1e3 if slowed else 0.0,
+            )  # fmt: skip
             result["wall_s"] = round(time.monotonic() - start, 1)
             result["load_average"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # 1-min, before/after
             runs[case].append(result)

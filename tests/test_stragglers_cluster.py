@@ -1,5 +1,6 @@
 """A straggler on a real cluster: its loads steered to its group's other worker, tokens unchanged,
-and work given back once it is fast again (failover.steer_stragglers, odmoe.main.stragglers)."""
+and work given back once it is fast again (failover.steer_stragglers, odmoe.main.stragglers); one
+slow on its network link (a relay holding its traffic) judged so by main's round trips."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import pytest
 
 from odmoe import LocalCluster
 from odmoe.launch.local_cluster import NodePlacement
+from odmoe.tools.link_relay import Relay
 from tests.test_cluster_fidelity import PROMPTS, reference
 
 pytestmark = pytest.mark.integration
@@ -86,3 +88,46 @@ def test_a_slow_workers_homes_move_to_its_peer_with_caches_and_come_back_once_fa
         stats, done = again.stats["stragglers"], again.stats["per_worker"]
         assert stats["slow"] == [], stats  # its probes were fine: its homes are back
         assert done["worker3"]["experts"] > 0.3 * done["worker2"]["experts"], done
+
+
+@pytest.mark.extended  # a multi-process test beyond the default run's time budget: CI runs it
+def test_a_worker_on_a_slow_network_link_is_a_straggler_and_judged_afresh_once_back(
+    model_dirs, reap_children
+):
+    """worker3's loads are as fast as its peer's, but main reaches it through a relay holding each
+    chunk 20 ms (a Wi-Fi box): main's round trips less the worker's own time show it, and group 1's
+    decode experts go to worker2. No probes (straggler_probe_every=1000): when worker3 is restarted
+    (it announces itself, so main reaches it directly) only its loss and return clear its verdict,
+    and it is given its share again at once. Tokens equal the reference throughout."""
+    path = model_dirs["mixtral"]
+    want, _ = reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)
+    words = ["worker.cache=0", "failover.straggler_after=8", "failover.straggler_probe_every=1000", *_link(2)]
+    relays: list[Relay] = []
+
+    def through(name: str, address: str) -> str:
+        if name != "worker3":
+            return address
+        relay = Relay(address)
+        relay.set(delay_s=0.02)
+        relays.append(relay)
+        return relay.address
+
+    try:
+        with LocalCluster(path, workers=4, group_size=2, overrides=words, through=through) as cluster:
+            got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+            assert got.token_ids == want
+            stats, done = got.stats["stragglers"], got.stats["per_worker"]
+            assert stats["slow"] == [3], stats
+            assert done["worker3"]["experts"] < 0.5 * done["worker2"]["experts"], done
+            # its loads were as quick as its peer's: the wire made it the straggler
+            assert done["worker3"]["load_s"] / done["worker3"]["experts"] < 0.01, done
+
+            cluster.restart("worker3")
+            again = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
+            assert again.token_ids == want
+            stats, done = again.stats["stragglers"], again.stats["per_worker"]
+            assert stats["slow"] == [], stats
+            assert done["worker3"]["experts"] > 0.6 * done["worker2"]["experts"], done
+    finally:
+        for relay in relays:
+            relay.close()

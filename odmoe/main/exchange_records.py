@@ -60,6 +60,9 @@ class BatchCall:
     experts: list[int]
     releases: bool = False  # it says the layer is over for its worker (re-sent calls never do)
     answer: tuple[ExpertsResult, list[torch.Tensor]] | None = None
+    sent_at: float = 0.0  # main's perf_counter when the call left
+    # main's round trip less the worker's own time (ExpertsResult.handled_s): the wire's both ways
+    wire_s: float = 0.0
 
     @property
     def done(self) -> bool:

@@ -158,6 +158,7 @@ class RemoteExperts:
         self.move_horizon = move_horizon
         self._iterations, self._last_step = 0, ("", -1)  # decode iterations main has run (their rate)
         self._weigh_at = 0  # with homes: the iteration count at which unmoved stragglers are weighed again
+        self._events_seen = 0  # Membership.events already read by the straggler watch
         self.num_experts, self.kernel = num_experts, kernel
         self.shadow = shadow
         self.prefill = prefill or PrefillConfig()
@@ -389,28 +390,44 @@ class RemoteExperts:
         return out
 
     def _judge_stragglers(self, step: Step, calls: list[BatchCall]) -> None:
-        """Each answered expert's load+compute seconds to the watch (with homes only those that
-        loaded: a cache hit has no load to judge); a changed set of stragglers is told to every
-        worker at once (Membership.steer), so the next predictions are dealt by it."""
+        """Each answered expert's seconds to the watch: its load + compute as the worker reported
+        them, plus its share of its call's wire time (main's round trip less the worker's own time),
+        so a worker on a slow *network* link is judged as one on a slow load link (with homes only
+        the answers that loaded: a cache hit has no load to judge). A worker lost or taken back since
+        the last judgement is judged afresh. A changed set of stragglers is told to every worker at
+        once (Membership.steer), so the next predictions are dealt by it."""
         watch = self.stragglers
         assert watch is not None
         if (step.request, step.iteration) != self._last_step:
             self._iterations, self._last_step = self._iterations + 1, (step.request, step.iteration)
         homes, peers = self.topology.homes, self._serving(step.layer)
-        changed = False
+        changed = self._forget_changed_members(watch)
         for call in calls:
             assert call.answer is not None
             result = call.answer[0]
+            wire_s = call.wire_s / max(len(call.experts), 1)
             for load_s, compute_s in zip(result.load_s, result.compute_s, strict=True):
                 if homes and load_s <= 0:
                     watch.hit(call.worker, self._iterations)  # nothing to judge; a move may lose it
                     continue
-                changed |= watch.observe(call.worker, load_s + compute_s, peers, self._iterations)
+                changed |= watch.observe(call.worker, load_s + compute_s + wire_s, peers, self._iterations)
         if not homes:
             if changed:
                 self.members.steer(watch.slow, self.probe_every)
         elif changed or (watch.slow - set(self.topology.slow) and self._iterations >= self._weigh_at):
             self._steer_homes()
+
+    def _forget_changed_members(self, watch: StragglerWatch) -> bool:
+        """Membership's events since the last call: a worker lost or taken back starts with no
+        verdict (a restarted process, or a link that healed, is not the one that was slow). True
+        when the set of stragglers changed."""
+        events = getattr(self.members, "events", [])  # the in-process engine's members have none
+        changed = False
+        for event in events[self._events_seen :]:
+            if event.event in ("lost", "rejoined"):
+                changed |= watch.forget(event.worker)
+        self._events_seen = len(events)
+        return changed
 
     def _steer_homes(self) -> None:
         """With homes: each new straggler's homes move to its peers where that pays (odmoe.main.
@@ -503,7 +520,7 @@ class RemoteExperts:
             received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
             for worker, frames in received:
                 arrived = time.perf_counter()
-                result = self._take_many(step, calls, worker, frames)
+                result = self._take_many(step, calls, worker, frames, arrived)
                 clock.take_s += time.perf_counter() - arrived
                 if result is not None:
                     clock.answered, clock.worker_s = arrived, result.handled_s
@@ -536,7 +553,7 @@ class RemoteExperts:
             worker = self._replacement(step, dict.fromkeys(experts, worker))[experts[0]]
             frames, releases = self._encode_many(step, experts, users, grouped, False), False
         self.observe.sent(step, experts)
-        return BatchCall(worker, list(experts), releases)
+        return BatchCall(worker, list(experts), releases, sent_at=time.perf_counter())
 
     def _resend_many(
         self, x: DecodeExchange, calls: list[BatchCall], lost: set[int], grouped
@@ -562,8 +579,11 @@ class RemoteExperts:
         )
         return resent
 
-    def _take_many(self, step: Step, calls: list[BatchCall], worker: int, frames) -> ExpertsResult | None:
-        """Record one answer if it is one this layer waits for, from the worker its call is on."""
+    def _take_many(
+        self, step: Step, calls: list[BatchCall], worker: int, frames, arrived: float = 0.0
+    ) -> ExpertsResult | None:
+        """Record one answer if it is one this layer waits for, from the worker its call is on
+        (`arrived`: when main had its frames, for the call's wire time)."""
         try:
             result, tensors = from_frames(frames)
         except CodecError as exc:
@@ -591,6 +611,8 @@ class RemoteExperts:
         if result.cache:
             self.cache_reports[worker] = result.cache
         call.answer = (result, tensors)
+        if arrived and call.sent_at:
+            call.wire_s = max(0.0, arrived - call.sent_at - result.handled_s)
         return result
 
     def _split_answers(self, x: DecodeExchange) -> list[dict[int, torch.Tensor]]:
