@@ -76,7 +76,7 @@ from odmoe.tools.trace import Tracer
 from odmoe.transport.beats import BeatWatch
 from odmoe.transport.heartbeat import Heartbeat
 from odmoe.transport.security import BearerToken, NodeSecurity
-from odmoe.validation import straggler_watch, suspicion_settings
+from odmoe.validation import late_calls, straggler_watch, suspicion_settings
 
 log = logging.getLogger("odmoe.main")
 ADOPT_SHADOW_WAIT_S = 2.0  # while no request runs, look after the membership this often
@@ -155,6 +155,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             tracer=Tracer("main", cfg.trace_dir),
             substituter=Substituter.build(cfg.miss, model_path, main.model, self.checkpoint.num_experts),
             stragglers=straggler_watch(cfg),
+            late=late_calls(cfg),
             probe_every=cfg.failover.straggler_probe_every,
             move_horizon=cfg.failover.straggler_move_horizon,
             no_worker_grace_s=cfg.failover.no_worker_grace_s,

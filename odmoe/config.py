@@ -279,6 +279,12 @@ class FailoverConfig:
     # exceed the move's cost (the reloads it causes at the peers' measured seconds per load).
     # 0: homes never move
     straggler_move_horizon: int = 256
+    # Late decode calls (odmoe.main.late_calls): a call unanswered this many times the median round
+    # trip of recent calls after its send (and at least resend_late_min_s) has its experts sent again
+    # to another live worker of the group, the first answer taken (the same bits): on a lossy link a
+    # lost segment otherwise waits for TCP's retransmission, 200 ms or more. 0: never
+    resend_late_factor: float = 4.0
+    resend_late_min_s: float = 0.05
 
 
 @dataclass

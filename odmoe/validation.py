@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from odmoe.config import FAULT_ACTIONS, PREFILL_PLACEMENTS, ROLES, SHADOW_MODES, OdmoeConfig
 from odmoe.main.alignment import make_plan
+from odmoe.main.late_calls import LateCalls
 from odmoe.main.stragglers import StragglerWatch
 from odmoe.shadow.speculation import Speculation
 from odmoe.transport.suspicion import SuspicionSettings
@@ -28,6 +29,12 @@ def straggler_watch(cfg: OdmoeConfig) -> StragglerWatch | None:
     if not f.steer_stragglers or (cfg.topology.homes and f.straggler_move_horizon == 0):
         return None
     return StragglerWatch(f.straggler_factor, f.straggler_after)
+
+
+def late_calls(cfg: OdmoeConfig) -> LateCalls | None:
+    """failover.resend_late_*: main's watch of late decode calls (odmoe.main.late_calls); None: off."""
+    f = cfg.failover
+    return LateCalls(f.resend_late_factor, f.resend_late_min_s) if f.resend_late_factor > 0 else None
 
 
 def validate(cfg: OdmoeConfig) -> None:
@@ -80,6 +87,11 @@ def validate(cfg: OdmoeConfig) -> None:
         raise ValueError(
             f"failover.straggler_move_horizon must be >= 0 tokens (0: homes never move), got "
             f"{f.straggler_move_horizon}"
+        )
+    if f.resend_late_factor < 0 or f.resend_late_min_s < 0:
+        raise ValueError(
+            f"failover.resend_late_factor and resend_late_min_s must be >= 0 (factor 0: never), got "
+            f"{f.resend_late_factor:g}, {f.resend_late_min_s:g}"
         )
     if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")

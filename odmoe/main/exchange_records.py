@@ -63,6 +63,8 @@ class BatchCall:
     sent_at: float = 0.0  # main's perf_counter when the call left
     # main's round trip less the worker's own time (ExpertsResult.handled_s): the wire's both ways
     wire_s: float = 0.0
+    answered_at: float = 0.0  # main's perf_counter when its answer was in hand
+    again: bool = False  # a late call's experts sent again to another worker (odmoe.main.late_calls)
 
     @property
     def done(self) -> bool:

@@ -54,6 +54,7 @@ changes what is computed.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ from odmoe.main.exchange_observers import (
 )
 from odmoe.main.exchange_records import BatchCall, DecodeRows, RunContext
 from odmoe.main.expert_traffic import ExpertTraffic, LayerClock
+from odmoe.main.late_calls import LateCalls
 from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
@@ -148,8 +150,11 @@ class RemoteExperts:
         probe_every: int = 16,
         no_worker_grace_s: float = 0.0,
         move_horizon: int = 256,
+        late: LateCalls | None = None,
     ):
         self.members = members
+        # None: a late decode call waits for TCP; else its experts go again to a peer (late_calls)
+        self.late = late
         # where no live worker holds a layer: how long to wait for one to come back before failing
         self.no_worker_grace_s = no_worker_grace_s
         # None: no steering. Judged from decode answers only (prefill's mini-batches time rows, not loads)
@@ -516,8 +521,13 @@ class RemoteExperts:
             for w, es in by_worker.items()
         ]
         deadline = time.monotonic() + self.timeout_s
-        while owing := [c for c in calls if not c.done and c.worker >= 0]:
-            received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
+        late = self.late.after_s() if self.late is not None else None
+        again_at = None if late is None else clock.sending + late  # perf_counter's clock
+        while owing := _owing(calls):
+            wait_s = deadline - time.monotonic()
+            if again_at is not None:
+                wait_s = min(wait_s, again_at - time.perf_counter())
+            received, lost = self.members.wait(math.ceil(max(wait_s, 0.0) * 1000))
             for worker, frames in received:
                 arrived = time.perf_counter()
                 result = self._take_many(step, calls, worker, frames, arrived)
@@ -535,7 +545,53 @@ class RemoteExperts:
                     )
                 calls += self._resend_many(x, calls, silent, grouped)
                 deadline = time.monotonic() + self.timeout_s
-        return [c for c in calls if c.done]
+            elif again_at is not None and time.perf_counter() >= again_at:
+                calls += self._send_late_again(x, _owing(calls), grouped)
+                again_at = None  # once per layer: a second loss in a row waits for TCP
+        answered = [c for c in calls if c.done]
+        if self.late is not None:
+            self._note_round_trips(answered)
+        return answered
+
+    def _send_late_again(self, x: DecodeExchange, late: list[BatchCall], grouped) -> list[BatchCall]:
+        """Each late call's experts sent again to the other live workers of their group (odmoe.main.
+        late_calls); the late call stays open: whichever answer comes first is taken."""
+        step, live = x.step, self.members.live
+        again: list[BatchCall] = []
+        for call in late:
+            others = [w for w in live if w != call.worker]
+            try:
+                placed = self.topology.decode_placement(step.layer, call.experts, others, step.iteration)
+            except LayerUnavailable:
+                continue  # no other worker serves the layer: TCP's retransmission it is
+            by_worker: dict[int, list[int]] = {}
+            for expert in call.experts:
+                by_worker.setdefault(placed[expert], []).append(expert)
+            for worker, experts in by_worker.items():
+                sent = self._send_many(step, worker, experts, x.users, grouped)
+                sent.again = True
+                again.append(sent)
+        if again:
+            assert self.late is not None
+            self.late.resent += len(again)
+            log.info(
+                "layer %d of %s: experts of late calls to workers %s sent again to %s",
+                step.layer,
+                step.request,
+                sorted({c.worker for c in late}),
+                sorted({c.worker for c in again}),
+            )
+        return again
+
+    def _note_round_trips(self, answered: list[BatchCall]) -> None:
+        """Each answered first-time call's round trip to the late-call watch; a call sent again that
+        answered before every first-time call for its experts counts as won."""
+        assert self.late is not None
+        first = [c for c in answered if not c.again]
+        for call in first:
+            self.late.observe(call.answered_at - call.sent_at)
+        covered = {e for c in first for e in c.experts}
+        self.late.won += sum(1 for c in answered if c.again and not covered.issuperset(c.experts))
 
     def _encode_many(self, step: Step, experts: list[int], users, grouped: list[int], release: bool) -> list:
         rows = [torch.cat([x for _, x in users[e]]) if len(users[e]) > 1 else users[e][0][1] for e in experts]
@@ -561,7 +617,7 @@ class RemoteExperts:
         """Re-place and re-send the experts of every unanswered call on a lost worker; a re-sent
         call never releases (its new worker gets a Release after the layer if it got no call)."""
         step, users = x.step, x.users
-        owed = {e: c.worker for c in calls if not c.done and c.worker in lost for e in c.experts}
+        owed = {e: c.worker for c in _owing(calls) if c.worker in lost for e in c.experts}
         if not owed:
             return []
         for c in calls:
@@ -610,7 +666,7 @@ class RemoteExperts:
         self.observe.answered(step, call.experts)
         if result.cache:
             self.cache_reports[worker] = result.cache
-        call.answer = (result, tensors)
+        call.answer, call.answered_at = (result, tensors), arrived
         if arrived and call.sent_at:
             call.wire_s = max(0.0, arrived - call.sent_at - result.handled_s)
         return result
@@ -800,6 +856,13 @@ class RemoteExperts:
 
     def close(self) -> None:
         self.members.close()
+
+
+def _owing(calls: list[BatchCall]) -> list[BatchCall]:
+    """The calls still waited for: unanswered, not abandoned, and with an expert no answered call
+    (a late call's, or the one sent again for it) has brought."""
+    answered = {e for c in calls if c.done for e in c.experts}
+    return [c for c in calls if not c.done and c.worker >= 0 and not answered.issuperset(c.experts)]
 
 
 def _rows_by_expert(batch: list[DecodeRows], kernel: str) -> dict[int, list[tuple[int, torch.Tensor]]]:

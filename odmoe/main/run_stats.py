@@ -86,6 +86,8 @@ def request_stats(
         "alignment": run.plan.report(),
         # failover.steer_stragglers: the stragglers as of the request's end (odmoe.main.stragglers)
         "stragglers": experts.stragglers.report() if experts.stragglers is not None else None,
+        # failover.resend_late_*: decode calls sent again for being late, since main started
+        "late_calls": experts.late.report() if getattr(experts, "late", None) is not None else None,
     }
     return stats
 
