@@ -162,6 +162,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         )
         self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
         self.connect_s = 0.0  # connections + (CURVE) handshakes + pings (`connect`), for the ready file
+        # the homes' fit against the workers' rooms: checked at start when every worker is there, else
+        # once a growing cluster's last worker has told its room (_check_grown_homes); its verdict
+        self.homes_checked, self.homes_problem = False, ""
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.shadow_where = cfg.cluster.shadow_where  # a rejoining shadow says where it now runs
         self.heartbeat = heartbeat
@@ -243,6 +246,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             self.experts.shadow.up  # noqa: B018 - drains its connection's events: Info says where it is
         self._drop_revoked_workers()
         self.experts.members.maintain()
+        self._check_grown_homes()
 
     def _drop_revoked_workers(self) -> None:
         """A live worker whose key was revoked (or replaced) since main connected to it is dropped as
@@ -354,6 +358,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             ],
             "shadow": None if shadow is None else {"address": shadow.address, "up": shadow.control.connected},
             "placement": self._placement(),
+            "homes_problem": self.homes_problem,  # a grown cluster whose homes do not fit ("": they do)
         }
         return odmoe_pb2.InfoReply(
             model_path=self.model_path,
@@ -415,11 +420,28 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, cfg.cluster.min_workers)
         topology = self.experts.members.topology
         # the homes' fit is known once every worker has told its room (a cluster still growing: later)
-        if len(pongs) == topology.workers and (
-            problem := unfit_homes(topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs])
-        ):
-            raise MemoryPlanError(problem)
+        if len(pongs) == topology.workers:
+            self.homes_checked = True
+            if problem := unfit_homes(
+                topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs]
+            ):
+                raise MemoryPlanError(problem)
         self.connect_s = time.perf_counter() - start
+
+    def _check_grown_homes(self) -> None:
+        """A cluster that started below its size (cluster.min_workers): once its last worker has told
+        its room, the homes' fit is checked as connect() checks a full start. Serving by then, main
+        cannot refuse to start: it says so once, in its log and in Info's `homes_problem` (the short
+        worker serves on, loading again what its room cannot keep)."""
+        members = self.experts.members
+        if self.homes_checked or len(members.pongs) < members.topology.workers:
+            return
+        self.homes_checked = True
+        pongs = [members.pongs[w] for w in range(members.topology.workers)]
+        rooms, strict = [p.cache_room for p in pongs], [p.strict_share for p in pongs]
+        if problem := unfit_homes(members.topology, rooms, strict):
+            self.homes_problem = problem
+            log.error("the grown cluster's homes do not fit: %s", problem)
 
     def serve(self, ready_file: str | None = None) -> None:
         """connect(), then serve clients (gRPC, and HTTP with server.http) until SIGINT/SIGTERM."""

@@ -489,6 +489,7 @@ def test_a_box_joining_a_serving_cluster_is_taken_in_and_given_work(tmp_path, re
             after = client.generate(prompt, max_new_tokens=24)
             assert list(after.token_ids) == want
             assert after.stats["per_worker"]["worker1"]["experts"] > 0  # given its share of the work
+            assert client.info()["homes_problem"] == ""  # checked once grown: the homes fit
     finally:
         for p in boxes:
             try:

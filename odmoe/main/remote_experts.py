@@ -714,10 +714,19 @@ class RemoteExperts:
             for e, x in rows.items()
         }
         deadline = time.monotonic() + self.timeout_s
+        done_s: list[float] = []  # seconds from the sends to each call's last answer
+        moved = self.late is None  # late calls are moved once per layer
         while not all(c.done for c in calls.values()):
-            received, lost = self.members.wait(int((deadline - time.monotonic()) * 1000))
+            wait_s = deadline - time.monotonic()
+            late_at = None if moved else self._prefill_late_at(clock.sending, done_s, len(calls))
+            if late_at is not None:
+                wait_s = min(wait_s, late_at - time.perf_counter())
+            received, lost = self.members.wait(math.ceil(max(wait_s, 0.0) * 1000))
+            done = sum(c.done for c in calls.values())
             for worker, frames in received:
                 self._take(x, calls, worker, frames)
+            now_done = sum(c.done for c in calls.values())
+            done_s += [time.perf_counter() - clock.sending] * (now_done - done)
             if lost:
                 self._resend(x, calls, set(lost), grouped)
             if time.monotonic() >= deadline and not all(c.done for c in calls.values()):
@@ -729,6 +738,9 @@ class RemoteExperts:
                     )
                 self._resend(x, calls, silent, grouped)
                 deadline = time.monotonic() + self.timeout_s
+            elif late_at is not None and time.perf_counter() >= late_at:
+                self._move_late(x, calls, grouped)
+                moved = True
         return {
             e: torch.cat([c.parts[i] for i in sorted(c.parts)]) if len(c.parts) > 1 else c.parts[0]
             for e, c in calls.items()
@@ -804,6 +816,36 @@ class RemoteExperts:
         log.info(
             "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
         )
+
+    def _prefill_late_at(self, sending: float, done_s: list[float], calls: int) -> float | None:
+        """When prefill's unanswered calls count as late (perf_counter's clock; None: not yet known):
+        once half the layer's calls are done, `failover.resend_late_factor` x the slowest of them
+        after the sends (the slowest, not the median: experts' rows differ, and calls queued on one
+        worker finish one after another), never sooner than resend_late_min_s."""
+        if self.late is None or not done_s or len(done_s) < calls / 2:
+            return None
+        return sending + max(self.late.min_s, self.late.factor * max(done_s))
+
+    def _move_late(self, x: PrefillExchange, calls: dict[int, _Call], grouped) -> None:
+        """Each late prefill call placed again on another live holder of the layer (the old one's
+        answer is then ignored: answers are taken from where a call is placed now). Moving rather
+        than doubling: a prefill call's rows are many, and one call per expert is what _take keeps."""
+        step, live = x.step, self.members.live
+        late = {e: c.worker for e, c in calls.items() if not c.done}
+        moved: dict[int, int] = {}
+        for expert, worker in late.items():
+            others = [w for w in live if w != worker]
+            try:
+                new = self.topology.replace_lost(step.layer, {expert: worker}, others, spread=True)[expert]
+            except LayerUnavailable:
+                continue  # no other holder: TCP's retransmission it is
+            call = calls[expert]
+            calls[expert] = self._send(step, expert, call.rows, new, grouped, call.positions)
+            moved[expert] = new
+        if moved:
+            assert self.late is not None
+            self.late.resent += len(moved)
+            log.info("layer %d of %s: late prefill experts moved %s", step.layer, step.request, moved)
 
     def _take(self, x: PrefillExchange, calls: dict[int, _Call], worker: int, frames) -> None:
         """Record one answer if it is one this step is waiting for, from the worker it is placed on."""
