@@ -284,7 +284,7 @@ class FailoverConfig:
     # to another live worker of the group, the first answer taken (the same bits): on a lossy link a
     # lost segment otherwise waits for TCP's retransmission, 200 ms or more. 0: never
     resend_late_factor: float = 4.0
-    resend_late_min_s: float = 0.05
+    resend_late_min_s: float = 0.02
 
 
 @dataclass

@@ -26,7 +26,7 @@ from statistics import median
 @dataclass
 class LateCalls:
     factor: float = 4.0  # a call later than this x the usual round trip is sent again (0: never)
-    min_s: float = 0.05  # ...but never sooner than this after its send
+    min_s: float = 0.02  # ...but never sooner than this after its send
     window: int = 64  # round trips the usual one is the median of
     recent: deque[float] = field(default_factory=deque)
     resent: int = 0  # calls sent again (the stats' count)
