@@ -140,7 +140,8 @@ def test_a_worker_starts_its_cache_from_the_models_profile_unless_told_off(model
     for setting, want in ((str(profile), {(0, 1): 1.0, (0, 5): 0.0}), ("off", {})):
         node = WorkerNode(compose([*words, f"worker.cache_profile={setting}"]), model)
         try:
-            assert {k: node.cache.prior[k] for k in want} == want and bool(node.cache.prior) == bool(want)
+            prior = node.executor.cache.prior
+            assert {k: prior[k] for k in want} == want and bool(prior) == bool(want)
         finally:
             node.sock.close(0)
 
@@ -163,7 +164,7 @@ def worker(model_dirs):
     path = model_dirs["mixtral"]
     words = ["role=worker", "worker.index=0", f"model.path={path}", "security.enabled=false"]
     node = WorkerNode(compose([*words, "worker.cache=all"]), path)  # 2 workers: 16 experts are its
-    yield node
+    yield node.executor
     node.sock.close(0)
 
 
@@ -205,20 +206,22 @@ def test_a_full_cache_drops_the_expert_predicted_farthest_and_never_one_a_messag
     words = ["role=worker", "worker.index=0", f"model.path={path}", "security.enabled=false"]
     node = WorkerNode(compose(words), path)  # cacheless: only to learn an expert's size
     node.sock.close(0)
-    size = (node.store.gate_up_shape.numel() + node.store.down_shape.numel()) * node.store.dtype.itemsize
+    store = node.executor.store
+    size = (store.gate_up_shape.numel() + store.down_shape.numel()) * store.dtype.itemsize
     node = WorkerNode(compose([*words, f"worker.cache={2 * size}"]), path)
+    worker = node.executor
     try:
-        assert node.cache.capacity == 2
-        rows = torch.randn(1, node.store.gate_up_shape[1])
+        assert worker.cache.capacity == 2
+        rows = torch.randn(1, worker.store.gate_up_shape[1])
         for layer, expert in [(0, 0), (0, 2)]:
-            _answer(node.compute(ComputeExpert(Step("s", 1, layer), expert, "eager"), rows))
+            _answer(worker.compute(ComputeExpert(Step("s", 1, layer), expert, "eager"), rows))
         # the shadow says layer 0's next visit needs expert 0, and layer 1 comes first
-        node.queue_preloads(Prediction(Step("s", 2, 0), [0, 1], [0, 1, 2], [0.5, 0.3, 0.2]))
-        _answer(node.compute(ComputeExpert(Step("s", 1, 1), 4, "eager"), rows))
-        assert {s.holds for s in node.slots.cached()} == {(0, 0), (1, 4)}  # (0, 2): predicted unused
+        worker.queue_preloads(Prediction(Step("s", 2, 0), [0, 1], [0, 1, 2], [0.5, 0.3, 0.2]))
+        _answer(worker.compute(ComputeExpert(Step("s", 1, 1), 4, "eager"), rows))
+        assert {s.holds for s in worker.slots.cached()} == {(0, 0), (1, 4)}  # (0, 2): predicted unused
         # a message computing both cached experts and a new one: neither cached one is dropped before use
         many = ComputeExperts(Step("s", 2, 0), [0, 6], [[1], [1]], "eager")
-        result, _ = _answer(node.compute_many(many, [rows, rows]))
+        result, _ = _answer(worker.compute_many(many, [rows, rows]))
         assert result.cached[0] > 0 and result.cached[1] == 0
     finally:
         node.sock.close(0)

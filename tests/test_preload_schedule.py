@@ -48,7 +48,7 @@ class Slots:
 
 
 class Worker:
-    """The schedule and its slots, applied to as nodes/worker.py does."""
+    """The schedule and its slots, applied to as the worker (odmoe/worker/executor.py) does."""
 
     def __init__(self, slots: int = 2, stored=None, for_cache: bool = False):
         self.slots = Slots(slots)

@@ -1,5 +1,7 @@
 """A worker applying its preload schedule (odmoe.worker.preload_schedule, tested alone in
-test_preload_schedule.py) to real slots: what main already asked for is never preloaded (again)."""
+test_preload_schedule.py) to real slots: what main already asked for is never preloaded (again).
+The worker node's `ExpertExecutor` (odmoe.worker.executor) is driven directly, the sockets only where
+they matter (main's releasing call)."""
 
 import pytest
 import torch
@@ -13,13 +15,18 @@ pytestmark = pytest.mark.pure
 
 
 @pytest.fixture
-def worker(model_dirs):
+def node(model_dirs):
     words = ["role=worker", "worker.index=0", f"model.path={model_dirs['mixtral']}", "security.enabled=false"]
     words.append("worker.cache=0")  # the paper's cacheless worker (a cache keeps what it computed)
     cfg = compose(words)
     node = WorkerNode(cfg, model_dirs["mixtral"])
     yield node
     node.sock.close(0)
+
+
+@pytest.fixture
+def worker(node):
+    return node.executor
 
 
 def _compute(worker, layer, expert, iteration=1):
@@ -64,7 +71,7 @@ def test_a_load_that_fails_is_an_error_answer_and_frees_its_slot(worker, monkeyp
 def test_a_later_prediction_for_the_same_step_supersedes_the_earlier(worker):
     """A speculative shadow that rolled back republishes a step: only the new experts are wanted."""
     worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
-    worker._preload_next()  # expert 3 loading
+    worker.preload_next()  # expert 3 loading
     worker.queue_preloads(Prediction(Step("r", 1, 2), [0, 5], [0, 5, 1], [0.5, 0.3, 0.2]))
     assert worker.schedule.preloads == [(1, 2, 0)]
     worker.queue_preloads(Prediction(Step("r", 1, 0), [4, 6], [4, 6, 1], [0.5, 0.3, 0.2]))
@@ -77,10 +84,10 @@ def _hedged(worker):
     # worker 0 also preloads the hedge 6 - at low priority.
     worker.queue_preloads(Prediction(Step("r", 1, 0), [5, 3], [5, 3, 6], [0.5, 0.26, 0.24], hedges=[6]))
     assert worker.schedule.preloads == [(1, 0, 3)] and worker.schedule.hedge_queue == [(1, 0, 6)]
-    worker._preload_next()  # the confident one first
+    worker.preload_next()  # the confident one first
     assert worker.schedule.hedge_queue == [(1, 0, 6)]
     assert worker.schedule.can_preload(worker.slots)
-    worker._preload_next()  # then the hedge, into the slot nobody needs
+    worker.preload_next()  # then the hedge, into the slot nobody needs
     assert {slot.holds for slot in worker.slots.held()} == {(0, 3), (0, 6)}
     assert worker.schedule.hedge_counts[0] == 1
 
@@ -88,13 +95,13 @@ def _hedged(worker):
 def test_a_hedge_never_keeps_a_slot_from_a_confident_preload_needed_sooner(worker):
     # worker 0 serves layers 0 and 2 (2 slots). Layer 2's prediction comes first, with a hedge.
     worker.queue_preloads(Prediction(Step("r", 1, 2), [5, 3], [5, 3, 6], [0.5, 0.26, 0.24], hedges=[6]))
-    worker._preload_next()
-    worker._preload_next()
+    worker.preload_next()
+    worker.preload_next()
     assert {slot.holds for slot in worker.slots.held()} == {(2, 3), (2, 6)}
     # then layer 0's (a speculative shadow rolled back, say): needed before the hedge's layer
     worker.queue_preloads(Prediction(Step("r", 1, 0), [1, 7], [1, 7, 2], [0.5, 0.3, 0.2]))
     assert worker.schedule.can_preload(worker.slots)  # no free slot, but the hedge's is taken back
-    worker._preload_next()
+    worker.preload_next()
     assert {slot.holds for slot in worker.slots.held()} == {(2, 3), (0, 1)}
     loads, used, nbytes = worker.schedule.hedge_counts
     assert (loads, used) == (1, 0) and nbytes > 0  # the extra bytes are counted
@@ -110,7 +117,7 @@ def test_a_hedged_expert_main_asks_for_is_a_hit(worker):
     assert result.hedges[:2] == [1, 1]  # one hedge loaded, one used
 
 
-def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(worker):
+def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(node, worker):
     """Main's last call to a worker in a decode layer stands for the Release message it no longer
     sends: what the worker preloaded for that layer and was not asked for goes (over real sockets)."""
     import zmq
@@ -118,18 +125,18 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(w
     from odmoe.transport.messages import ExpertResult, from_frames, to_frames
 
     worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
-    worker._preload_next()  # expert 3 of layer 0 loading for iteration 1
+    worker.preload_next()  # expert 3 of layer 0 loading for iteration 1
     assert [slot.holds for slot in worker.slots.held()] == [(0, 3)]
     main = zmq.Context.instance().socket(zmq.DEALER)
     main.setsockopt(zmq.LINGER, 0)
-    main.connect(worker.address)
+    main.connect(node.address)
     try:
         hidden = torch.randn(1, worker.store.gate_up_shape[1])
         # the router chose 6, not 3 (a misprediction): main's only call to worker 0 in this layer
         call = ComputeExpert(step=Step("r", 1, 0), expert=6, kernel="eager", release=True)
         main.send_multipart(to_frames(call, [hidden]))
-        assert worker.sock.poll(5000)
-        worker._serve_request()
+        assert node.sock.poll(5000)
+        node._serve_request()
         assert main.poll(5000)
         result, (rows,) = from_frames(main.recv_multipart())
         assert isinstance(result, ExpertResult) and not result.error and rows.shape == hidden.shape
@@ -166,7 +173,7 @@ def test_more_experts_than_slots_in_one_message_each_computed_with_its_own_weigh
     took the slot the first miss then evicted (a request got another expert's output)."""
     if preload:
         worker.queue_preloads(Prediction(Step("r", 1, 0), [2, 5], [2, 5, 1], [0.5, 0.3, 0.2]))
-        worker._preload_next()
+        worker.preload_next()
     sizes = [[1, 1], [1], [1, 1, 1]]
     result, rows, outputs = _many(worker, 0, [2, 4, 6], sizes)
     assert not result.error and result.experts == [2, 4, 6]
@@ -197,7 +204,7 @@ def test_a_segment_computes_as_its_request_alone_not_as_part_of_the_batch(worker
 def test_a_prefill_call_of_another_request_does_not_end_the_decode_stream(worker):
     """Main prefills a new request between the stream's decode layers: the stream's preloads stay."""
     worker.queue_preloads(Prediction(Step("stream", 2, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
-    worker._preload_next()
+    worker.preload_next()
     hidden = torch.randn(4, worker.store.gate_up_shape[1])
     worker.compute(ComputeExpert(step=Step("newcomer", 0, 2), expert=1, kernel="eager"), hidden)
     assert worker.schedule.request == "stream" and [s.holds for s in worker.slots.held()] == [(0, 3)]

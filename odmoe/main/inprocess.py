@@ -1,98 +1,86 @@
 """Workers inside main's own process: the real data path with no sockets (tests, tools).
 
 Contract: `InProcessWorkers(checkpoint, topology, dtype)` stands where main's `Membership` stands:
-`send(worker, frames)` decodes a ComputeExpert / ComputeExperts exactly as a worker node receives it
-and queues the answer a worker node would send (the experts computed by `expert_math.expert_forward`
-from an `ExpertStore`, each request's segment apart), `wait()` hands the answers back. So
-`RemoteExperts`, the engine's batching, the codec and the expert math run as they do in a cluster,
-in one process, in milliseconds: what `engine_in_process` builds, checked against transformers.
-What it leaves out is what has its own tests with real processes: sockets, loads and preloads,
-failures, the shadow.
+`send(worker, frames)` decodes a message exactly as a worker node receives it and hands it to that
+worker's `ExpertExecutor` (odmoe.worker.executor: the worker node's own expert code, cacheless, with
+its device slots on the CPU), queueing the answer a worker node would send; `wait()` hands the
+answers back. So `RemoteExperts`, the engine's batching, the codec and the workers' checks, loads and
+expert math run as they do in a cluster, in one process, in milliseconds: what `engine_in_process`
+builds, checked against transformers. What it leaves out is what has its own tests with real
+processes: sockets, the shadow's predictions and preloads, failures.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
 from odmoe.main.engine import Batching, MainEngine
 from odmoe.main.remote_experts import RemoteExperts
 from odmoe.models.checkpoint import Checkpoint
-from odmoe.models.expert_math import expert_forward, expert_mlp
+from odmoe.models.expert_math import expert_mlp
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import build_main_model
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.placement import Topology
+from odmoe.tools.trace import Tracer
 from odmoe.transport.messages import (
     ComputeExpert,
     ComputeExperts,
-    ExpertResult,
-    ExpertsResult,
+    EndRequest,
+    LiveWorkers,
+    Release,
     from_frames,
-    to_frames,
 )
-from odmoe.worker.expert_store import ExpertStore
+from odmoe.worker.executor import ExpertExecutor, SlotKeeper
+from odmoe.worker.expert_cache import CacheBook
+from odmoe.worker.expert_store import DeviceSlots, ExpertStore
 
 
 class InProcessWorkers:
     def __init__(self, checkpoint: Checkpoint, topology: Topology, dtype: torch.dtype):
         self.topology = topology
-        experts = expert_dtype(checkpoint.config, dtype)
-        self.store = ExpertStore.build(checkpoint, checkpoint.moe_layers, experts)
-        self.mlp = expert_mlp(checkpoint.config, checkpoint.family.expert_layout)
+        # one store for all: each worker's slots copy its experts out of it, as a worker's do
+        store = ExpertStore.build(checkpoint, checkpoint.moe_layers, expert_dtype(checkpoint.config, dtype))
+        mlp = expert_mlp(checkpoint.config, checkpoint.family.expert_layout)
+        layer_rank = {layer: i for i, layer in enumerate(checkpoint.moe_layers)}
+        self.executors = [
+            ExpertExecutor(
+                SlotKeeper(
+                    w,
+                    topology,
+                    store,
+                    DeviceSlots(store, torch.device("cpu")),
+                    CacheBook(0),  # cacheless (the paper's)
+                    layer_rank,
+                    Tracer(f"worker{w}"),
+                ),
+                mlp,
+            )
+            for w in range(topology.workers)
+        ]
         self.live = frozenset(range(topology.workers))
         self.pongs: dict = {}
         self.events: list = []
         self.inbox: list[tuple[int, list]] = []
-        self.batches: dict[tuple, dict[int, tuple[torch.Tensor, list[int]]]] = {}
         self.messages = 0  # compute messages received
         self.decode_messages = 0  # of which ComputeExperts: one per worker and decode layer, batched
 
     def send(self, worker: int, frames: list, copy: bool = True) -> bool:
+        executor = self.executors[worker]
+        executor.received = time.perf_counter()
         message, tensors = from_frames([bytes(f) for f in frames])
-        if isinstance(message, ComputeExperts):
+        if isinstance(message, ComputeExpert | ComputeExperts):
             self.messages += 1
-            self.decode_messages += 1
-            self.inbox.append((worker, self._many(worker, message, tensors)))
-        elif isinstance(message, ComputeExpert):
-            self.messages += 1
-            answer = self._one(worker, message, tensors[0])
-            if answer is not None:
+            self.decode_messages += isinstance(message, ComputeExperts)
+        if isinstance(message, ComputeExpert | ComputeExperts | Release | EndRequest | LiveWorkers):
+            answer = executor.answer(message, tensors)
+            if answer is not None:  # a mini-batch that only completes a batch gets no answer
                 self.inbox.append((worker, answer))
-        return True  # Release, EndRequest: nothing to do without slots
-
-    def _weights(self, layer: int, expert: int):
-        """The expert as a worker's device slot holds it: a copy (aligned as torch allocates: a
-        stored expert may sit at any offset of the checkpoint's buffer, see codec.ALIGN)."""
-        w = self.store[(layer, expert)]
-        return w.gate_up.clone(), w.down.clone()
-
-    def _many(self, worker: int, m: ComputeExperts, tensors: list[torch.Tensor]) -> list:
-        outputs = []
-        for expert, segments, rows in zip(m.experts, m.segments, tensors, strict=True):
-            gate_up, down = self._weights(m.step.layer, expert)
-            shape = tuple(m.grouped_shape) or None
-            parts = torch.split(rows, segments)
-            ys = [expert_forward(x, gate_up, down, self.mlp, m.kernel, shape) for x in parts]
-            outputs.append(torch.cat(ys))
-        n = len(m.experts)
-        zeros = [0.0] * n
-        result = ExpertsResult(m.step, worker, m.experts, zeros, zeros, [0] * n, [True] * n, zeros, 0)
-        return to_frames(result, outputs)
-
-    def _one(self, worker: int, m: ComputeExpert, rows: torch.Tensor) -> list | None:
-        positions = m.positions
-        if m.parts > 1 and not m.per_part:
-            parts = self.batches.setdefault((m.step, m.expert), {})
-            parts[m.part] = (rows, m.positions)
-            if len(parts) < m.parts:
-                return None
-            rows, positions = ComputeExpert.joined(parts)
-            del self.batches[(m.step, m.expert)]
-        gate_up, down = self._weights(m.step.layer, m.expert)
-        shape = tuple(m.grouped_shape) or None
-        y = expert_forward(rows, gate_up, down, self.mlp, m.kernel, shape, positions or None)
-        result = ExpertResult(m.step, m.expert, worker, 0.0, 0.0, 0, 0, part=m.part if m.per_part else 0)
-        return to_frames(result, [y])
+            if isinstance(message, ComputeExpert | ComputeExperts) and message.release:
+                executor.release(message.step)
+        return True
 
     def wait(self, timeout_ms: int):
         received, self.inbox = self.inbox, []

@@ -7,7 +7,7 @@ If main's router swaps the two, the hedge is the expert main asks for, so it sho
 main will send that expert's rows: on the worker that preloaded the k-th (the one it would
 replace). Main places a missed expert that was hedged there (`Topology.repair_placement`).
 
-A hedge is a low-priority preload on the worker (nodes/worker.py). It is ranked as if it were
+A hedge is a low-priority preload on the worker (odmoe/worker/executor.py). It is ranked as if it were
 needed `HEDGE_LAG` layers after its own: before the confident preloads of layers further ahead
 (a slot holding one of those would only sit waiting), after the confident preloads of its own and
 the next layer. A confident preload that finds no free slot takes the slot of a hedge ranked after

@@ -6,6 +6,7 @@ from disk per load) and a few device slots (`device_slots` on CUDA). The shadow'
 what main will ask for next; `preload_schedule` decides, as a pure state machine, which prediction
 to load into which slot and when (confident ones first, hedges in spare slots), and what to drop
 when main moves on. `expert_cache` decides which experts stay on the device after use (the
-cluster's spare memory as a cache steered by the same predictions). The socket loop that applies
-these decisions and computes is `odmoe.nodes.worker`.
+cluster's spare memory as a cache steered by the same predictions). `executor` applies these
+decisions to the slots and computes each request, message in, answer out, with no socket; the
+socket loop around it is `odmoe.nodes.worker`, and main's in-process workers run it as is.
 """

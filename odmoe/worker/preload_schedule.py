@@ -1,7 +1,8 @@
 """A worker's preload schedule: which predicted experts go into its device slots, in what order, and
 which loads it gives back. Pure.
 
-Contract: the worker (nodes/worker.py) tells the schedule what happened and applies what it decides.
+Contract: the worker (odmoe.worker.executor's SlotKeeper) tells the schedule what happened and
+applies what it decides.
 - In: a prediction and this worker's share of it (`predicted`), main asking for an expert
   (`serving`), main done with a layer (`finish`), a request over (`switch_request`), a compute that
   must load with every slot busy (`make_room`), a hedge's slot (`hedge_loaded`), a slot's load
