@@ -211,7 +211,12 @@ class Admissions(odmoe_pb2_grpc.AdmissionServicer):
         if role:
             free = [n for n in free if (n == "shadow") == (role == "shadow")]
         if not free:
-            return None, f"the cluster is full: {', '.join(names)} are admitted"
+            return None, (
+                f"the cluster is full: {', '.join(names)} are admitted. A cluster grows up to its "
+                f"cluster.workers ({self.workers}): start main with a larger cluster.workers (and "
+                "cluster.min_workers for the boxes it starts with) to take more boxes, or "
+                "`odmoe-keys revoke NODE` to free a name"
+            )
         return free[0], ""
 
     def _revoked(self, text: bytes) -> bool:
