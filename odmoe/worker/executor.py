@@ -139,10 +139,9 @@ class SlotKeeper:
     def warm(self, keys: tuple[ExpertKey, ...]) -> tuple[int, float]:
         """Read the experts this worker is home for into its cache before serving (a CPU worker's
         cache is where they rest), logging progress on a long read; returns (bytes, seconds)."""
-        expert_bytes = (
-            self.store.gate_up_shape.numel() + self.store.down_shape.numel()
-        ) * self.store.dtype.itemsize
-        total, done = len(keys) * expert_bytes, 0
+        store = self.store
+        total = len(keys) * (store.gate_up_shape.numel() + store.down_shape.numel()) * store.dtype.itemsize
+        done = 0
         start = last = time.perf_counter()
         for key in keys[:WARM_AHEAD]:
             self.store.prefetch(key)
@@ -156,17 +155,26 @@ class SlotKeeper:
             now = time.perf_counter()
             if now - last >= 2.0:
                 last = now
-                rate = done / 2**20 / (now - start)
+                mib, share = done / 2**20, 100 * done / max(total, 1)
                 log.info(
                     "worker %d: read %.0f of %.0f MiB of its share (%.0f %%, %.0f MiB/s)",
-                    *(self.index, done / 2**20, total / 2**20, 100 * done / max(total, 1), rate),
+                    self.index,
+                    mib,
+                    total / 2**20,
+                    share,
+                    mib / (now - start),
                 )
         self.slots.counters = LoadCounters()  # reading its share is not a load any request made
         elapsed = time.perf_counter() - start
         if keys:
+            mib = done / 2**20
             log.info(
                 "worker %d: its share read: %d experts, %.0f MiB in %.1fs (%.0f MiB/s)",
-                *(self.index, len(keys), done / 2**20, elapsed, done / 2**20 / max(elapsed, 1e-9)),
+                self.index,
+                len(keys),
+                mib,
+                elapsed,
+                mib / max(elapsed, 1e-9),
             )
         return done, elapsed
 
@@ -318,13 +326,9 @@ class ExpertExecutor:
 
     def __init__(self, keeper: SlotKeeper, mlp: ExpertMLP):
         self.keeper = keeper
-        self.index, self.store, self.slots, self.tracer = (
-            keeper.index,
-            keeper.store,
-            keeper.slots,
-            keeper.tracer,
-        )
-        self.cache, self.schedule = keeper.cache, keeper.schedule  # the keeper's own, for reading
+        # the keeper's own, read on every request
+        self.index, self.store, self.slots = keeper.index, keeper.store, keeper.slots
+        self.cache, self.schedule, self.tracer = keeper.cache, keeper.schedule, keeper.tracer
         self.mlp = mlp  # what an expert computes
         self.hidden_size = mlp.hidden_size(self.store.gate_up_shape)
         self.on_host = self.slots.device.type == "cpu"  # computes where the rows arrive
