@@ -571,6 +571,9 @@ class RemoteExperts:
                 sent = self._send_many(step, worker, experts, x.users, grouped)
                 sent.again = True
                 again.append(sent)
+            # the stats' resent_calls: every request whose rows went again, lost worker or late
+            for b in {b for e in call.experts for b, _ in x.users[e]}:
+                x.resent[b] = x.resent.get(b, 0) + 1
         if again:
             assert self.late is not None
             self.late.resent += len(again)
@@ -842,6 +845,7 @@ class RemoteExperts:
             call = calls[expert]
             calls[expert] = self._send(step, expert, call.rows, new, grouped, call.positions)
             moved[expert] = new
+            x.resent += 1  # the stats' resent_calls: every call sent again, lost worker or late
         if moved:
             assert self.late is not None
             self.late.resent += len(moved)
