@@ -19,6 +19,12 @@ def _link(latency_ms: float) -> list[str]:
     return [f"emulation.link.latency_ms={latency_ms:g}"]
 
 
+def _experts(done: dict, worker: str) -> int:
+    """Experts the worker computed for the request (none: every call of its a late re-send overtook,
+    odmoe.main.late_calls, so it is not in the stats' per_worker)."""
+    return done.get(worker, {}).get("experts", 0)
+
+
 def slow_worker3(name: str) -> NodePlacement:
     """worker3's loads 20x slower than the others' (their link: _link(2))."""
     return NodePlacement(words=_link(40) if name == "worker3" else [])
@@ -41,8 +47,9 @@ def test_a_slow_worker_is_steered_around_and_given_work_again_once_fast(model_di
         assert stats["slow"] == [3], stats
         # worker2 took nearly all of group 1's experts: its own, and worker3's after the first 8
         # iterations but on probes (~1 in 4)
-        assert done["worker3"]["experts"] < 0.5 * done["worker2"]["experts"], done
-        assert done["worker3"]["load_s"] / done["worker3"]["experts"] > 0.03, done  # it is the slow one
+        assert _experts(done, "worker3") < 0.5 * done["worker2"]["experts"], done
+        times = stats["seconds_per_expert"]  # it is the slow one (its answers, or how long main
+        assert times["worker3"] > 3 * times["worker2"], stats  # waited before a late re-send won)
 
         cluster.place = lambda name: NodePlacement()  # every worker on the 2 ms link now
         cluster.restart("worker3")
@@ -79,7 +86,7 @@ def test_a_slow_workers_homes_move_to_its_peer_with_caches_and_come_back_once_fa
         assert moves and moves[0]["moved"] and moves[0]["reloads"] > 0, stats
         assert moves[0]["saving_s"] > moves[0]["move_s"] > 0, stats
         assert moves[0]["room"] == 0, stats  # 20x slower: a twentieth of a room of 2
-        assert done["worker3"]["experts"] < 0.5 * done["worker2"]["experts"], done
+        assert _experts(done, "worker3") < 0.5 * done["worker2"]["experts"], done
 
         cluster.place = lambda name: NodePlacement()  # every worker on the 2 ms link now
         cluster.restart("worker3")
@@ -118,9 +125,10 @@ def test_a_worker_on_a_slow_network_link_is_a_straggler_and_judged_afresh_once_b
             assert got.token_ids == want
             stats, done = got.stats["stragglers"], got.stats["per_worker"]
             assert stats["slow"] == [3], stats
-            assert done["worker3"]["experts"] < 0.5 * done["worker2"]["experts"], done
+            assert _experts(done, "worker3") < 0.5 * done["worker2"]["experts"], done
             # its loads were as quick as its peer's: the wire made it the straggler
-            assert done["worker3"]["load_s"] / done["worker3"]["experts"] < 0.01, done
+            if "worker3" in done:  # answers late re-sends overtook are not its work
+                assert done["worker3"]["load_s"] / done["worker3"]["experts"] < 0.01, done
 
             cluster.restart("worker3")
             again = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)

@@ -52,6 +52,8 @@ class DecodeExchange:
     # expert -> [(request index in batch, its rows of that expert)]
     users: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
     calls: list[BatchCall] = field(default_factory=list)  # the answered ones
+    # first-time calls a late re-send overtook (odmoe.main.late_calls): unanswered when the layer ended
+    overtaken: list[BatchCall] = field(default_factory=list)
     resent: dict[int, int] = field(default_factory=dict)  # request index -> calls re-sent with its rows
     clock: LayerClock = field(default_factory=LayerClock)
     entered: float = 0.0  # perf_counter: the layer's exchange began

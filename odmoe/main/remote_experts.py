@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -381,7 +381,7 @@ class RemoteExperts:
         outputs = self._split_answers(x)
         self.observe.gathered(x.step)
         if self.stragglers is not None:
-            self._judge_stragglers(x.step, x.calls)
+            self._judge_stragglers(x.step, x.calls, x.overtaken, x.gathered)
         if releasing:
             self._release(x.step, x.calls)
         out = []
@@ -394,13 +394,17 @@ class RemoteExperts:
         self.observe.decode_done(x)
         return out
 
-    def _judge_stragglers(self, step: Step, calls: list[BatchCall]) -> None:
+    def _judge_stragglers(
+        self, step: Step, calls: list[BatchCall], overtaken: Sequence[BatchCall] = (), gathered: float = 0.0
+    ) -> None:
         """Each answered expert's seconds to the watch: its load + compute as the worker reported
         them, plus its share of its call's wire time (main's round trip less the worker's own time),
         so a worker on a slow *network* link is judged as one on a slow load link (with homes only
         the answers that loaded: a cache hit has no load to judge). A worker lost or taken back since
         the last judgement is judged afresh. A changed set of stragglers is told to every worker at
-        once (Membership.steer), so the next predictions are dealt by it."""
+        once (Membership.steer), so the next predictions are dealt by it. A call a late re-send
+        overtook counts as slow as it had been when the layer ended (`gathered`): at least that slow,
+        and without it a straggler whose every call is overtaken would never be judged."""
         watch = self.stragglers
         assert watch is not None
         if (step.request, step.iteration) != self._last_step:
@@ -416,6 +420,10 @@ class RemoteExperts:
                     watch.hit(call.worker, self._iterations)  # nothing to judge; a move may lose it
                     continue
                 changed |= watch.observe(call.worker, load_s + compute_s + wire_s, peers, self._iterations)
+        for call in overtaken:
+            seconds = (gathered - call.sent_at) / max(len(call.experts), 1)
+            for _ in call.experts:
+                changed |= watch.observe(call.worker, seconds, peers, self._iterations)
         if not homes:
             if changed:
                 self.members.steer(watch.slow, self.probe_every)
@@ -551,6 +559,7 @@ class RemoteExperts:
         answered = [c for c in calls if c.done]
         if self.late is not None:
             self._note_round_trips(answered)
+            x.overtaken = [c for c in calls if not c.done and c.worker >= 0 and not c.again]
         return answered
 
     def _send_late_again(self, x: DecodeExchange, late: list[BatchCall], grouped) -> list[BatchCall]:
