@@ -11,6 +11,7 @@ import time
 import pytest
 
 from odmoe import LocalCluster
+from odmoe.main.exchange_records import BatchCall
 from odmoe.main.late_calls import LateCalls
 from odmoe.tools.link_relay import Relay
 from tests.test_cluster_fidelity import PROMPTS, reference
@@ -34,6 +35,26 @@ def test_the_median_is_over_a_window_of_recent_calls():
     for seconds in (1.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1):
         late.observe(seconds)
     assert late.after_s() == pytest.approx(0.2)
+
+
+def test_a_layers_calls_are_noted_and_a_re_send_that_came_first_counts_as_won():
+    late = LateCalls()
+    first = BatchCall(0, [1, 2], sent_at=1.0, answered_at=1.004)
+    overtaken_for = BatchCall(3, [5], sent_at=1.0)  # never answered: its re-send below won
+    again = BatchCall(2, [5], sent_at=1.05, answered_at=1.056, again=True)
+    for call in (first, again):
+        call.answer = (object(), [])  # type: ignore[assignment]
+    late.note([first, again])
+    assert list(late.recent) == [pytest.approx(0.004)] and late.won == 1
+    assert not overtaken_for.done
+
+
+def test_prefill_waits_for_half_its_calls_then_gives_the_slowest_a_factors_grace():
+    late = LateCalls(factor=4.0, min_s=0.02)
+    assert late.prefill_late_at(10.0, [0.1], calls=4) is None  # one of four done: not known yet
+    assert late.prefill_late_at(10.0, [0.1, 0.3], calls=4) == pytest.approx(11.2)
+    assert late.prefill_late_at(10.0, [0.001, 0.002], calls=3) == pytest.approx(10.02)  # the minimum
+    assert LateCalls(factor=0).prefill_late_at(10.0, [0.1, 0.2], calls=2) is None
 
 
 @pytest.mark.integration

@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -78,9 +78,10 @@ from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
 from odmoe.main.recall import RecallCounter
 from odmoe.main.shadow_link import ShadowLink
-from odmoe.main.stragglers import StragglerWatch, home_move, lost_hits, straggler_room
+from odmoe.main.straggler_steering import StragglerSteering
+from odmoe.main.stragglers import StragglerWatch
 from odmoe.models.expert_math import combine, expert_input, split_by_expert
-from odmoe.placement import LayerUnavailable, Topology, home_counts, moved_homes
+from odmoe.placement import LayerUnavailable, Topology
 from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
@@ -158,12 +159,10 @@ class RemoteExperts:
         # where no live worker holds a layer: how long to wait for one to come back before failing
         self.no_worker_grace_s = no_worker_grace_s
         # None: no steering. Judged from decode answers only (prefill's mini-batches time rows, not loads)
-        self.stragglers, self.probe_every = stragglers, probe_every
-        # with homes: tokens a straggler's home move must pay for itself within (0: homes never move)
-        self.move_horizon = move_horizon
-        self._iterations, self._last_step = 0, ("", -1)  # decode iterations main has run (their rate)
-        self._weigh_at = 0  # with homes: the iteration count at which unmoved stragglers are weighed again
-        self._events_seen = 0  # Membership.events already read by the straggler watch
+        self.stragglers = stragglers
+        self.steering = (
+            None if stragglers is None else StragglerSteering(stragglers, members, probe_every, move_horizon)
+        )
         self.num_experts, self.kernel = num_experts, kernel
         self.shadow = shadow
         self.prefill = prefill or PrefillConfig()
@@ -380,8 +379,8 @@ class RemoteExperts:
         x.gathered = time.perf_counter()
         outputs = self._split_answers(x)
         self.observe.gathered(x.step)
-        if self.stragglers is not None:
-            self._judge_stragglers(x.step, x.calls, x.overtaken, x.gathered)
+        if self.steering is not None:
+            self.steering.judge(x.step, x.calls, x.overtaken, x.gathered)
         if releasing:
             self._release(x.step, x.calls)
         out = []
@@ -393,106 +392,6 @@ class RemoteExperts:
         x.combined = time.perf_counter()
         self.observe.decode_done(x)
         return out
-
-    def _judge_stragglers(
-        self, step: Step, calls: list[BatchCall], overtaken: Sequence[BatchCall] = (), gathered: float = 0.0
-    ) -> None:
-        """Each answered expert's seconds to the watch: its load + compute as the worker reported
-        them, plus its share of its call's wire time (main's round trip less the worker's own time),
-        so a worker on a slow *network* link is judged as one on a slow load link (with homes only
-        the answers that loaded: a cache hit has no load to judge). A worker lost or taken back since
-        the last judgement is judged afresh. A changed set of stragglers is told to every worker at
-        once (Membership.steer), so the next predictions are dealt by it. A call a late re-send
-        overtook counts as slow as it had been when the layer ended (`gathered`): at least that slow,
-        and without it a straggler whose every call is overtaken would never be judged."""
-        watch = self.stragglers
-        assert watch is not None
-        if (step.request, step.iteration) != self._last_step:
-            self._iterations, self._last_step = self._iterations + 1, (step.request, step.iteration)
-        homes, peers = self.topology.homes, self._serving(step.layer)
-        changed = self._forget_changed_members(watch)
-        for call in calls:
-            assert call.answer is not None
-            result = call.answer[0]
-            wire_s = call.wire_s / max(len(call.experts), 1)
-            for load_s, compute_s in zip(result.load_s, result.compute_s, strict=True):
-                if homes and load_s <= 0:
-                    watch.hit(call.worker, self._iterations)  # nothing to judge; a move may lose it
-                    continue
-                changed |= watch.observe(call.worker, load_s + compute_s + wire_s, peers, self._iterations)
-        for call in overtaken:
-            seconds = (gathered - call.sent_at) / max(len(call.experts), 1)
-            for _ in call.experts:
-                changed |= watch.observe(call.worker, seconds, peers, self._iterations)
-        if not homes:
-            if changed:
-                self.members.steer(watch.slow, self.probe_every)
-        elif changed or (watch.slow - set(self.topology.slow) and self._iterations >= self._weigh_at):
-            self._steer_homes()
-
-    def _forget_changed_members(self, watch: StragglerWatch) -> bool:
-        """Membership's events since the last call: a worker lost or taken back starts with no
-        verdict (a restarted process, or a link that healed, is not the one that was slow). True
-        when the set of stragglers changed."""
-        events = getattr(self.members, "events", [])  # the in-process engine's members have none
-        changed = False
-        for event in events[self._events_seen :]:
-            if event.event in ("lost", "rejoined"):
-                changed |= watch.forget(event.worker)
-        self._events_seen = len(events)
-        return changed
-
-    def _steer_homes(self) -> None:
-        """With homes: each new straggler's homes move to its peers where that pays (odmoe.main.
-        stragglers.home_move, both figures kept in the stats and logged); a recovered one's come back."""
-        watch, topology, live = self.stragglers, self.topology, self.members.live
-        assert watch is not None
-        kept = dict(zip(topology.slow, topology.slow_rooms, strict=True))  # moved now
-        target = {w: r for w, r in kept.items() if w in watch.slow}  # the recovered go back
-        rooms = self.members.rooms()
-        for worker in sorted(watch.slow - kept.keys()):
-            peers = self._serving_group_of(worker)
-            time_s, reference = watch.time(worker), watch.reference(worker, peers)
-            if not rooms or time_s is None or reference is None:
-                continue
-            room = straggler_room(rooms[worker], time_s, reference)
-            trial = {**target, worker: room}
-            after = topology.with_slow(trial, self.probe_every, [trial[w] for w in sorted(trial)])
-            homes_now = home_counts(topology, live)
-            spare = sum(max(0, rooms[p] - homes_now[p]) for p in peers if p != worker)
-            lost = lost_hits(min(rooms[worker], homes_now[worker]), room, spare)
-            move = home_move(
-                worker,
-                moved_homes(topology, after, live),
-                reference,
-                watch.extra_per_token(worker, peers),
-                self.move_horizon,
-                room,
-                watch.hits_per_token(worker) * lost * reference,
-            )
-            watch.moves.append(move.report(move.worth))
-            log.warning(
-                "straggler worker %d: moving its homes costs %d reloads (%.3f s), saves %.4f s a token "
-                "less %.4f s of hits lost (%.3f s over %d tokens): %s",
-                worker,
-                move.reloads,
-                move.move_s,
-                move.extra_s_per_token,
-                move.added_s_per_token,
-                move.saving_s,
-                move.horizon,
-                f"moved, it keeps a room of {room}" if move.worth else "not moved",
-            )
-            if move.worth:
-                target[worker] = room
-        self._weigh_at = self._iterations + watch.window
-        if target != kept:
-            self.members.steer(frozenset(target), self.probe_every, [target[w] for w in sorted(target)])
-
-    def _serving_group_of(self, worker: int) -> list[int]:
-        """The live members of the worker's group."""
-        group = self.topology.workers_of_group(self.topology.group_of_worker(worker))
-        return [w for w in group if w in self.members.live]
 
     def _release(self, step: Step, calls: list[BatchCall]) -> None:
         """The layer is over: every worker serving it that no releasing call told gets a Release."""
@@ -558,7 +457,7 @@ class RemoteExperts:
                 again_at = None  # once per layer: a second loss in a row waits for TCP
         answered = [c for c in calls if c.done]
         if self.late is not None:
-            self._note_round_trips(answered)
+            self.late.note(answered)
             x.overtaken = [c for c in calls if not c.done and c.worker >= 0 and not c.again]
         return answered
 
@@ -594,16 +493,6 @@ class RemoteExperts:
                 sorted({c.worker for c in again}),
             )
         return again
-
-    def _note_round_trips(self, answered: list[BatchCall]) -> None:
-        """Each answered first-time call's round trip to the late-call watch; a call sent again that
-        answered before every first-time call for its experts counts as won."""
-        assert self.late is not None
-        first = [c for c in answered if not c.again]
-        for call in first:
-            self.late.observe(call.answered_at - call.sent_at)
-        covered = {e for c in first for e in c.experts}
-        self.late.won += sum(1 for c in answered if c.again and not covered.issuperset(c.experts))
 
     def _encode_many(self, step: Step, experts: list[int], users, grouped: list[int], release: bool) -> list:
         rows = [torch.cat([x for _, x in users[e]]) if len(users[e]) > 1 else users[e][0][1] for e in experts]
@@ -730,7 +619,7 @@ class RemoteExperts:
         moved = self.late is None  # late calls are moved once per layer
         while not all(c.done for c in calls.values()):
             wait_s = deadline - time.monotonic()
-            late_at = None if moved else self._prefill_late_at(clock.sending, done_s, len(calls))
+            late_at = None if moved else self.late.prefill_late_at(clock.sending, done_s, len(calls))
             if late_at is not None:
                 wait_s = min(wait_s, late_at - time.perf_counter())
             received, lost = self.members.wait(math.ceil(max(wait_s, 0.0) * 1000))
@@ -828,15 +717,6 @@ class RemoteExperts:
         log.info(
             "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
         )
-
-    def _prefill_late_at(self, sending: float, done_s: list[float], calls: int) -> float | None:
-        """When prefill's unanswered calls count as late (perf_counter's clock; None: not yet known):
-        once half the layer's calls are done, `failover.resend_late_factor` x the slowest of them
-        after the sends (the slowest, not the median: experts' rows differ, and calls queued on one
-        worker finish one after another), never sooner than resend_late_min_s."""
-        if self.late is None or not done_s or len(done_s) < calls / 2:
-            return None
-        return sending + max(self.late.min_s, self.late.factor * max(done_s))
 
     def _move_late(self, x: PrefillExchange, calls: dict[int, _Call], grouped) -> None:
         """Each late prefill call placed again on another live holder of the layer (the old one's
