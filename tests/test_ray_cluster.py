@@ -107,15 +107,15 @@ def test_roles_land_where_constrained_tokens_match_and_a_lost_worker_node_change
         assert where["main"] in ("main", "main2") and where["shadow"] == "shadow", where
         assert {where["worker0"], where["worker1"]} <= {"w0", "w1", "w2"}
         assert where["worker0"] != where["worker1"], where
-        info = odmoe.serving.client.info()
+        info = odmoe.client.info()
         assert info["placement"] == {name: placed["where"] for name, placed in odmoe.placement.items()}
 
-        assert odmoe.serving.client.generate(PROMPTS[0], max_new_tokens=NEW).token_ids == want
+        assert odmoe.client.generate(PROMPTS[0], max_new_tokens=NEW).token_ids == want
 
         # worker0's Ray node goes away a few tokens into the next stream
         doomed = nodes[where["worker0"]]
         got, stats = [], {}
-        for reply in odmoe.serving.client._replies(PROMPTS[0], NEW):
+        for reply in odmoe.client._replies(PROMPTS[0], NEW):
             if reply.WhichOneof("kind") == "token":
                 got.append(reply.token.token_id)
                 if len(got) == 4:
@@ -130,7 +130,7 @@ def test_roles_land_where_constrained_tokens_match_and_a_lost_worker_node_change
         spare = ({"w0", "w1", "w2"} - {where["worker0"], where["worker1"]}).pop()
 
         def rejoined():
-            now = odmoe.serving.client.info()
+            now = odmoe.client.info()
             return (
                 now
                 if 0 in now["live_workers"] and nodes[spare].node_id[:8] in now["placement"]["worker0"]
@@ -140,7 +140,7 @@ def test_roles_land_where_constrained_tokens_match_and_a_lost_worker_node_change
         info = _wait(rejoined, 120, "worker0 rejoining from the spare Ray node")
         assert info["live_workers"] == [0, 1]
         assert odmoe.watch()["worker0"]["restarted"] is True
-        again = odmoe.serving.client.generate(PROMPTS[0], max_new_tokens=NEW)
+        again = odmoe.client.generate(PROMPTS[0], max_new_tokens=NEW)
         assert again.token_ids == want and again.stats["failover"]["events"] == []
 
 
@@ -192,7 +192,7 @@ def test_a_standby_main_on_another_ray_node_takes_over_when_mains_node_goes(
         where = {name: _node_of(nodes, info["node_id"]) for name, info in odmoe.placement.items()}
         assert {where["main"], where["main1"]} == {"main", "main2"}, where
         got = []
-        for piece in odmoe.serving.client.stream(PROMPTS[1], max_new_tokens=NEW):
+        for piece in odmoe.client.stream(PROMPTS[1], max_new_tokens=NEW):
             got.append(piece.token_id)
             if len(got) == 4:
                 cluster.remove_node(nodes[where["main"]])
