@@ -447,20 +447,10 @@ class ExpertExecutor:
                 positions or None,
             )
             y = y if self.on_host else y.cpu()
-        device_wait_s = self.slots.device_wait_s(slot, probe)
-        self.slots.settle(slot)  # CUDA: the load's duration by CUDA events
-        compute_s = time.perf_counter() - start - device_wait_s
-        if self.tracer.enabled:
-            self.tracer.span(
-                "compute",
-                f"compute L{step.layer} e{request.expert}",
-                start_us,
-                start_us + compute_s * 1e6,
-                iteration=step.iteration,
-                rows=hidden.shape[0],
-                preloaded=preloaded,
-                waited_ms=(waited_s + device_wait_s) * 1e3,
-            )
+        compute_s, device_wait_s = self._computed(
+            slot, probe, start, start_us, step, request.expert, waited_s,
+            rows=hidden.shape[0], preloaded=preloaded,
+        )  # fmt: skip
         return y, compute_s, waited_s + device_wait_s
 
     def _assemble(
@@ -567,22 +557,39 @@ class ExpertExecutor:
                 self._on_device(rows), segments, slot.gate_up, slot.down, self.mlp, request.kernel, grouped
             )
             y = y if self.on_host else y.cpu()
+        compute_s, device_wait_s = self._computed(
+            slot, probe, start, start_us, step, request.experts[i], waited,
+            rows=rows.shape[0], requests=len(segments), preloaded=preloaded,
+        )  # fmt: skip
+        return y, compute_s, device_wait_s
+
+    def _computed(
+        self,
+        slot: Slot,
+        probe,
+        start: float,
+        start_us: float,
+        step: Step,
+        expert: int,
+        waited: float,
+        **trace,
+    ) -> tuple[float, float]:
+        """After a compute begun at `start`: (its seconds, how long it waited on the device for the
+        load: CUDA), the slot settled (the load's duration by CUDA events), its span traced."""
         device_wait_s = self.slots.device_wait_s(slot, probe)
         self.slots.settle(slot)
         compute_s = time.perf_counter() - start - device_wait_s
         if self.tracer.enabled:
             self.tracer.span(
                 "compute",
-                f"compute L{step.layer} e{request.experts[i]}",
+                f"compute L{step.layer} e{expert}",
                 start_us,
                 start_us + compute_s * 1e6,
                 iteration=step.iteration,
-                rows=rows.shape[0],
-                requests=len(segments),
-                preloaded=preloaded,
                 waited_ms=(waited + device_wait_s) * 1e3,
+                **trace,
             )
-        return y, compute_s, device_wait_s
+        return compute_s, device_wait_s
 
     def _on_device(self, rows: torch.Tensor) -> torch.Tensor:
         # on the host, skip even a no-op .to(): each torch call costs a woken process tens of µs
