@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from odmoe.main.lockstep import Failed, Finished, Lockstep, NotInTask, Parked, in_task, park
+from odmoe.lockstep import Failed, Finished, Lockstep, NotInTask, Parked, in_task, park
 from odmoe.main.request_queue import QueueFull, RequestQueue
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests

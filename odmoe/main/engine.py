@@ -10,7 +10,7 @@ to the model sends them. Each request's inputs and choice of each token are thos
 Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* at a time:
   1) admit: waiting requests join at the tick boundary while `max_running` and the K/V budget
      allow; each begins with its prefill, and the shadow is told (which tick its decode starts at);
-  2) run: every running request's forward pass runs as a lockstep task (`odmoe.main.lockstep`), on this
+  2) run: every running request's forward pass runs as a lockstep task (`odmoe.lockstep`), on this
      thread, in its own shapes and cache, exactly as it would alone. At each MoE layer a decoding
      request parks with its token's rows; once all have, their rows of that layer go out in one
      exchange (`RemoteExperts.exchange_decode`: each expert loaded once for all of them, one message
@@ -49,7 +49,7 @@ from transformers import PreTrainedTokenizerBase
 
 from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule
 from odmoe.main.batched_decode import BatchedDecode
-from odmoe.main.lockstep import Failed, Finished, Lockstep, Parked
+from odmoe.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
 from odmoe.main.request_limits import MAX_LOGPROBS, MAX_STOPS
 from odmoe.main.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
