@@ -4,8 +4,8 @@ every message at once, as a worker would if computing took no time.
     python -m odmoe.benchmarks.wire_echo --mode raw|codec [--curve]
 
 `raw` sends the received frames straight back (the wire's own cost: two ZeroMQ hops and the
-process wake-ups); `codec` decodes a ComputeExpert with odmoe's codec and answers with an
-ExpertResult carrying the same row, through the same `from_frames`/`to_frames` a worker uses. With
+process wake-ups); `codec` decodes a ComputeExperts with odmoe's codec and answers with an
+ExpertsResult carrying the same row, through the same `from_frames`/`to_frames` a worker uses. With
 `--spin-us N` the raw echo first keeps its core busy N µs (as a worker computing an expert, with no
 Python, codec or torch around it: the floor of a decode layer's exchange). With
 `--model DIR --layer L --kernel K` the raw echo instead computes one of that layer's experts on the
@@ -31,7 +31,7 @@ import zmq
 
 from odmoe.models.expert_math import KERNELS, expert_forward
 from odmoe.models.open_model import open_checkpoint
-from odmoe.transport.messages import ComputeExpert, ExpertResult, from_frames, to_frames
+from odmoe.transport.messages import ComputeExperts, ExpertsResult, from_frames, to_frames
 
 
 def busy(seconds: float) -> None:
@@ -75,8 +75,11 @@ def serve(sock: zmq.Socket, mode: str, spin_s: float = 0.0, expert: Expert | Non
             sock.send_multipart([peer, *frames], copy=False)
             continue
         message, tensors = from_frames(frames)
-        assert isinstance(message, ComputeExpert)
-        result = ExpertResult(message.step, message.expert, 0, 0.0, 0.0, 0, 0)
+        assert isinstance(message, ComputeExperts)
+        n = len(message.experts)
+        result = ExpertsResult(
+            message.step, 0, message.experts, [0.0] * n, [0.0] * n, [0] * n, [False] * n, [0.0] * n, 0
+        )
         sock.send_multipart([peer, *to_frames(result, tensors)], copy=False)
 
 

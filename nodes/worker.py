@@ -67,7 +67,6 @@ from odmoe.transport.beats import echo_for
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
 from odmoe.transport.messages import (
-    ComputeExpert,
     ComputeExperts,
     LiveWorkers,
     Ping,
@@ -345,7 +344,7 @@ class WorkerNode:
         reply = self._guarded(self.handle, message, tensors, peer.bytes)
         if reply is not None:  # a mini-batch that only completes a batch gets no answer of its own
             self.sock.send_multipart([peer, *reply], copy=False)
-        if isinstance(message, ComputeExpert | ComputeExperts) and message.release:  # main's last call here
+        if isinstance(message, ComputeExperts) and message.release:  # main's last call here
             self._guarded(self.executor.release, message.step)
 
     def handle(self, message, tensors: list[torch.Tensor], peer: bytes = b"") -> list | None:
@@ -354,10 +353,9 @@ class WorkerNode:
         if isinstance(message, Ping):
             self._subscribe(message.shadow_pub)
             return to_frames(self._pong())
-        if isinstance(message, ComputeExpert):
-            self.fault.at(message.step.request, message.step.iteration, message.step.layer, message.part)
-        elif isinstance(message, ComputeExperts):
-            self.fault.at(message.step.request, message.step.iteration, message.step.layer)
+        if isinstance(message, ComputeExperts):
+            step = message.step
+            self.fault.at(step.request, step.iteration, step.layer, message.part)
         answer = self.executor.answer(message, tensors, peer)
         if isinstance(message, LiveWorkers):
             self._subscribe(message.shadow_pub)

@@ -18,9 +18,9 @@ from odmoe.transport.codec import MAX_HEADER_BYTES
 from odmoe.transport.messages import (
     Align,
     BeginRequest,
-    ComputeExpert,
+    ComputeExperts,
     EndRequest,
-    ExpertResult,
+    ExpertsResult,
     LiveWorkers,
     Ping,
     Prediction,
@@ -38,12 +38,24 @@ def _real(rng: random.Random, hidden: int) -> list[bytes]:
     step = Step(f"fuzz{rng.randrange(1000)}", rng.randrange(4), rng.randrange(6))
     rows = torch.randn(rng.randrange(1, 4), hidden)
     choices = [
-        lambda: to_frames(ComputeExpert(step, rng.randrange(10), rng.choice(KERNELS)), [rows]),
         lambda: to_frames(
-            ComputeExpert(step, rng.randrange(8), "eager", part=rng.randrange(3), parts=rng.randrange(1, 4)),
+            ComputeExperts.single(step, rng.randrange(10), rng.choice(KERNELS), rows.shape[0]), [rows]
+        ),
+        lambda: to_frames(
+            ComputeExperts.single(
+                step,
+                rng.randrange(8),
+                "eager",
+                rows.shape[0],
+                part=rng.randrange(3),
+                parts=rng.randrange(1, 4),
+            ),
             [rows],
         ),
-        lambda: to_frames(ExpertResult(step, 1, 0, 0.0, 0.0, 0, 0), [rows]),
+        lambda: to_frames(
+            ComputeExperts(step, [1, 2], [[1], [rows.shape[0] - 1 or 1]], "eager"), [rows[:1], rows[1:]]
+        ),
+        lambda: to_frames(ExpertsResult(step, 1, [0], [0.0], [0.0], [0], [False], [0.0], 0), [rows]),
         lambda: to_frames(Ping(shadow_pub=rng.choice(["", "tcp://127.0.0.1:1"]))),
         lambda: to_frames(Release(step)),
         lambda: to_frames(EndRequest(step.request)),

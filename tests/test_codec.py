@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from odmoe.transport.codec import CodecError, decode, encode
-from odmoe.transport.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
+from odmoe.transport.messages import ComputeExperts, ExpertsResult, Step, from_frames, to_frames
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
@@ -27,11 +27,20 @@ def test_non_contiguous_input_travels_as_its_values():
 
 
 def test_messages_round_trip():
-    msg = ComputeExpert(step=Step("r1", 3, 5), expert=6, kernel="eager")
+    msg = ComputeExperts.single(Step("r1", 3, 5), 6, "eager", 2, positions=[[0, 1]])
     back, (x,) = from_frames(to_frames(msg, [torch.ones(2, 3)]))
     assert back == msg and torch.equal(x, torch.ones(2, 3))
-    res = ExpertResult(
-        step=Step("r1", 3, 5), expert=6, worker=1, load_s=0.1, compute_s=0.2, bytes_loaded=9, peak_rss=10
+    res = ExpertsResult(
+        step=Step("r1", 3, 5),
+        worker=1,
+        experts=[6],
+        load_s=[0.1],
+        compute_s=[0.2],
+        bytes_loaded=[9],
+        preloaded=[True],
+        waited_s=[0.0],
+        peak_rss=10,
+        part=2,
     )
     assert from_frames(to_frames(res))[0] == res
 

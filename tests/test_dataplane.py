@@ -18,9 +18,7 @@ from odmoe.transport.codec import CodecError, decode, encode
 from odmoe.transport.messages import (
     _ALL,
     Align,
-    ComputeExpert,
     ComputeExperts,
-    ExpertResult,
     ExpertsResult,
     LiveWorkers,
     Pong,
@@ -36,12 +34,12 @@ pytestmark = pytest.mark.pure
 
 STEP = Step("r-1", 3, 2)
 SAMPLES = [
-    ComputeExpert(step=STEP, expert=6, kernel="eager", part=1, parts=3, per_part=True, release=True),
-    ExpertResult(STEP, 6, 1, 0.5, 0.25, 7, 8, error="", preloaded=True, part=2, waited_s=0.125),
+    ComputeExperts.single(STEP, 6, "bmm", 2, part=1, parts=3, per_part=True, positions=[[0, 3]]),
     ComputeExperts(STEP, [1, 6], [[1], [1, 1]], "grouped_mm", [2, 8], release=True),
     ExpertsResult(
         STEP, 1, [1, 6], [0.5, 0.0], [0.25, 0.5], [7, 0], [False, True], [0.125, 0.0], 9, hedges=[1, 0, 2]
     ),
+    ExpertsResult(STEP, 1, [6], [0.5], [0.25], [7], [True], [0.125], 8, part=2),
     Pong(1, [0, 2], 10, 11, [8.0, 0.1], 12),
     Release(STEP),
     Prediction(STEP, [1, 4], [1, 4, 5], [0.5, 0.25, 0.125]),
@@ -58,7 +56,7 @@ def test_samples_cover_every_kind_with_steps():
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.kind)
 def test_header_is_the_wire_format_asdict_wrote(message):
     """Peers of an older build decode what this one sends, and the other way round."""
-    tensors = [torch.ones(1, 2)] if message.kind == "compute" else []
+    tensors = [torch.ones(1, 2)] if message.kind == "compute_experts" else []
     meta = [["float32", [1, 2]]] if tensors else []
     frames = to_frames(message, tensors)
     assert msgpack.unpackb(frames[0]) == {**asdict(message), "_tensors": meta}
@@ -67,7 +65,7 @@ def test_header_is_the_wire_format_asdict_wrote(message):
 
 @pytest.mark.parametrize("message", SAMPLES, ids=lambda m: m.kind)
 def test_every_kind_round_trips_through_received_frames(message):
-    tensors = [torch.ones(2, 3)] if message.kind == "compute" else []
+    tensors = [torch.ones(2, 3)] if message.kind == "compute_experts" else []
     frames = [zmq.Frame(bytes(f)) for f in to_frames(message, tensors)]  # as recv_multipart(copy=False)
     back, got = from_frames(frames)
     assert back == message and type(back.step if hasattr(back, "step") else back) is not dict
@@ -75,7 +73,7 @@ def test_every_kind_round_trips_through_received_frames(message):
 
 
 def _compute_header(**changes) -> bytes:
-    h = {**asdict(ComputeExpert(step=STEP, expert=6, kernel="eager")), "_tensors": [["float32", [1, 2]]]}
+    h = {**asdict(ComputeExperts.single(STEP, 6, "eager", 1)), "_tensors": [["float32", [1, 2]]]}
     h.update(changes)
     return msgpack.packb(h)
 
@@ -83,8 +81,9 @@ def _compute_header(**changes) -> bytes:
 @pytest.mark.parametrize(
     "changes, match",
     [
-        ({"expert": True}, "bool"),
-        ({"expert": 1.5}, "float, not int"),
+        ({"experts": [True]}, "bool"),
+        ({"experts": [1.5]}, "float, not int"),
+        ({"segments": [1]}, "not a list"),
         ({"kernel": 3}, "int, not str"),
         ({"per_part": 1}, "int, not bool"),
         ({"step": {"request": "r", "iteration": 1}}, "not a step"),

@@ -17,7 +17,7 @@ from odmoe.main.exchange_observers import (
 )
 from odmoe.main.expert_traffic import ExpertTraffic
 from odmoe.main.inprocess import engine_in_process
-from odmoe.transport.messages import ExpertResult, ExpertsResult, Prediction, Step
+from odmoe.transport.messages import ExpertsResult, Prediction, Step
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
@@ -85,8 +85,8 @@ def test_two_requests_sharing_an_expert_each_pay_half():
         peak_rss=1,
     )
     x = DecodeExchange(
-        Step("s", 3, 0),
-        rows,
+        step=Step("s", 3, 0),
+        batch=rows,
         prediction=Prediction(
             Step("s", 3, 0), [1, 3], [], [], requests=["a", "b"], request_experts=[[1], [3]]
         ),
@@ -110,9 +110,11 @@ def test_two_requests_sharing_an_expert_each_pay_half():
 
 def test_a_prefill_layer_counts_its_busiest_worker_as_the_critical_path():
     ctx = _ctx("p")
-    x = PrefillExchange(ctx, Step("p", 0, 2), experts=3, waited=1.0, resent=1)
+    x = PrefillExchange(ctx=ctx, step=Step("p", 0, 2), experts=3, waited=1.0, resent={0: 1})
     for worker, load, compute in ((0, 0.2, 0.1), (1, 0.5, 0.1), (0, 0.1, 0.1)):
-        x.answers.append(ExpertResult(Step("p", 0, 2), 0, worker, load, compute, bytes_loaded=8, peak_rss=1))
+        x.answers.append(
+            ExpertsResult(Step("p", 0, 2), worker, [0], [load], [compute], [8], [False], [0.0], 1)
+        )
     TrafficAccounting().prefill_done(x)
     p = ctx.traffic.prefill
     assert abs(p.critical_s - 0.6) < 1e-12 and p.experts_per_layer == {2: 3} and p.wait_s == 1.0

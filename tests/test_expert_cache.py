@@ -9,7 +9,7 @@ import torch
 from odmoe.launch.settings import compose
 from odmoe.models.expert_math import expert_forward
 from odmoe.placement import Topology
-from odmoe.transport.messages import ComputeExpert, ComputeExperts, Prediction, Step, from_frames
+from odmoe.transport.messages import ComputeExperts, Prediction, Step, from_frames
 from odmoe.worker.expert_cache import CacheBook, cache_capacity, complete, expected_distance, next_use
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
@@ -183,16 +183,16 @@ def test_a_worker_keeps_what_it_computed_and_answers_the_same_from_its_cache(wor
     }
     assert len(worker.slots._slots) == worker.slots.jit_slots + 16
     hidden = torch.randn(3, worker.store.gate_up_shape[1])
-    first, (y1,) = _answer(worker.compute(ComputeExpert(Step("a", 1, 0), 2, "eager"), hidden))
-    assert first.bytes_loaded == 0 and first.cached > 0  # no load: from the cache
+    first, (y1,) = _answer(worker.compute(ComputeExperts.single(Step("a", 1, 0), 2, "eager", 3), [hidden]))
+    assert first.bytes_loaded == [0] and first.cached[0] > 0  # no load: from the cache
     # an expert this worker is not home for (odd ones are worker 1's) is read, computed, not kept
-    other, (y3,) = _answer(worker.compute(ComputeExpert(Step("b", 5, 1), 3, "eager"), hidden))
-    assert other.bytes_loaded == first.cached and other.cached == 0
+    other, (y3,) = _answer(worker.compute(ComputeExperts.single(Step("b", 5, 1), 3, "eager", 3), [hidden]))
+    assert other.bytes_loaded == first.cached and other.cached == [0]
     assert (1, 3) not in {s.holds for s in worker.slots.cached()} and len(worker.slots.cached()) == 16
     assert other.cache[:4] == [16, 16, 1, 1]  # what it can keep of its homes, cached, hits, misses
     assert other.cache[6:] == [16, 16]  # home for 16 experts, all of them cached
     # the same bits as the expert computed alone from the checkpoint
-    again, (y2,) = _answer(worker.compute(ComputeExpert(Step("c", 6, 0), 2, "eager"), hidden))
+    again, (y2,) = _answer(worker.compute(ComputeExperts.single(Step("c", 6, 0), 2, "eager", 3), [hidden]))
     assert torch.equal(y1, y2)
     w = worker.store[(0, 2)]
     want = expert_forward(hidden, w.gate_up, w.down, worker.mlp, "eager")
@@ -214,14 +214,14 @@ def test_a_full_cache_drops_the_expert_predicted_farthest_and_never_one_a_messag
         assert worker.cache.capacity == 2
         rows = torch.randn(1, worker.store.gate_up_shape[1])
         for layer, expert in [(0, 0), (0, 2)]:
-            _answer(worker.compute(ComputeExpert(Step("s", 1, layer), expert, "eager"), rows))
+            _answer(worker.compute(ComputeExperts.single(Step("s", 1, layer), expert, "eager", 1), [rows]))
         # the shadow says layer 0's next visit needs expert 0, and layer 1 comes first
         worker.queue_preloads(Prediction(Step("s", 2, 0), [0, 1], [0, 1, 2], [0.5, 0.3, 0.2]))
-        _answer(worker.compute(ComputeExpert(Step("s", 1, 1), 4, "eager"), rows))
+        _answer(worker.compute(ComputeExperts.single(Step("s", 1, 1), 4, "eager", 1), [rows]))
         assert {s.holds for s in worker.slots.cached()} == {(0, 0), (1, 4)}  # (0, 2): predicted unused
         # a message computing both cached experts and a new one: neither cached one is dropped before use
         many = ComputeExperts(Step("s", 2, 0), [0, 6], [[1], [1]], "eager")
-        result, _ = _answer(worker.compute_many(many, [rows, rows]))
+        result, _ = _answer(worker.compute(many, [rows, rows]))
         assert result.cached[0] > 0 and result.cached[1] == 0
     finally:
         node.sock.close(0)

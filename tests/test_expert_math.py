@@ -122,11 +122,10 @@ def test_the_bmm_kernel_equals_llama4s_moe_block(dtype, shape):
 
 def test_row_positions_a_worker_refuses():
     """An untrusted peer's bmm positions: one distinct position per row, inside the reference's rows."""
-    from odmoe.transport.messages import ComputeExpert, Step
+    from odmoe.transport.messages import positions_problem
 
     def problem(kernel="bmm", shape=(8, 4), positions=(0, 3, 7), rows=3):
-        call = ComputeExpert(Step("r", 0, 1), 2, kernel, grouped_shape=list(shape), positions=list(positions))
-        return call.positions_problem(rows)
+        return positions_problem(kernel, list(shape), list(positions), rows)
 
     assert problem() == ""
     assert "bmm kernel" in problem(kernel="eager")

@@ -43,7 +43,7 @@ def test_a_layers_calls_are_noted_and_a_re_send_that_came_first_counts_as_won():
     overtaken_for = BatchCall(3, [5], sent_at=1.0)  # never answered: its re-send below won
     again = BatchCall(2, [5], sent_at=1.05, answered_at=1.056, again=True)
     for call in (first, again):
-        call.answer = (object(), [])  # type: ignore[assignment]
+        call.answers[0] = (object(), [])  # type: ignore[assignment]
     late.note([first, again])
     assert list(late.recent) == [pytest.approx(0.004)] and late.won == 1
     assert not overtaken_for.done

@@ -102,19 +102,21 @@ def test_calls_of_a_lost_worker_are_replaced_over_live_holders():
 
 
 def test_only_unanswered_calls_of_lost_workers_are_resent():
-    import torch
+    from odmoe.main.exchange_records import BatchCall
+    from odmoe.main.remote_experts import owed_experts
 
-    from odmoe.main.remote_experts import _Call, owed_calls
-
-    rows = torch.zeros(1, 4)
-    calls = {
-        1: _Call(worker=0, rows=rows, expected=1),
-        2: _Call(worker=1, rows=rows, expected=1, parts={0: rows}),  # answered before its worker was lost
-        3: _Call(worker=1, rows=rows, expected=2, parts={0: rows}),  # half answered: re-sent whole
-        4: _Call(worker=2, rows=rows, expected=1),
-    }
-    assert owed_calls(calls, lost={1}) == {3: 1}
-    assert owed_calls(calls, lost={0, 2}) == {1: 0, 4: 2}
+    answer = (None, [])
+    calls = [
+        BatchCall(0, [1]),
+        BatchCall(1, [2], answers={0: answer}),  # answered before its worker was lost
+        BatchCall(1, [3], expected=2, answers={0: answer}),  # half answered: re-sent whole
+        BatchCall(2, [4, 6]),  # a decode call: both its experts
+        BatchCall(-1, [5]),  # abandoned already (re-sent elsewhere)
+    ]
+    assert owed_experts(calls, lost={1}) == {3: 1}
+    assert owed_experts(calls, lost={0, 2}) == {1: 0, 4: 2, 6: 2}
+    calls.append(BatchCall(3, [1], answers={0: answer}, again=True))  # a late call's re-send answered
+    assert owed_experts(calls, lost={0, 2}) == {4: 2, 6: 2}
 
 
 def test_groups_take_a_model_s_moe_layers_by_rank():

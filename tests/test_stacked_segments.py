@@ -22,7 +22,7 @@ def _weights(hidden, inter, dtype, seed=0):
 
 
 def _alone(x, segments, gate_up, down, mlp, kernel):
-    """What each request's own ComputeExpert computes: its rows in a fresh tensor, one call each."""
+    """What each request's own ComputeExperts call computes: its rows in a fresh tensor, one call each."""
     parts = torch.split(x, segments)
     return torch.cat([expert_forward(p.clone(), gate_up, down, mlp, kernel) for p in parts])
 

@@ -14,9 +14,7 @@ from odmoe.placement import Topology
 from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
 from odmoe.transport.messages import (
-    ComputeExpert,
     ComputeExperts,
-    ExpertResult,
     ExpertsResult,
     Ping,
     Prediction,
@@ -69,10 +67,10 @@ def test_one_call_equals_the_expert_alone(model_dirs, family):
     for n, layer in enumerate(ckpt.moe_layers):
         expert = n % ckpt.num_experts
         x = torch.randn(3, executor.hidden_size)
-        result, (y,) = _send(executor, ComputeExpert(Step("r", 1, layer), expert, "eager"), [x])
-        assert isinstance(result, ExpertResult) and not result.error, result.error
-        assert (result.worker, result.expert, result.preloaded) == (0, expert, False)
-        assert result.bytes_loaded > 0  # cacheless: loaded on demand
+        result, (y,) = _send(executor, ComputeExperts.single(Step("r", 1, layer), expert, "eager", 3), [x])
+        assert isinstance(result, ExpertsResult) and not result.error, result.error
+        assert (result.worker, result.experts, result.preloaded) == (0, [expert], [False])
+        assert result.bytes_loaded[0] > 0  # cacheless: loaded on demand
         assert torch.equal(y, _reference(executor, ckpt, layer, expert, x)), (layer, expert)
     assert executor.slots.held() == []  # evicted after use
 
@@ -83,7 +81,9 @@ def test_prefill_mini_batches_answer_once_all_are_in_or_each(mixtral, per_part):
     layer, expert, parts = ckpt.moe_layers[1], 5, [torch.randn(n, executor.hidden_size) for n in (2, 3, 1)]
     answers = []
     for i, x in enumerate(parts):
-        message = ComputeExpert(Step("p", 0, layer), expert, "eager", part=i, parts=3, per_part=per_part)
+        message = ComputeExperts.single(
+            Step("p", 0, layer), expert, "eager", x.shape[0], part=i, parts=3, per_part=per_part
+        )
         answers.append(_send(executor, message, [x]))
     if per_part:  # each part its own answer, computed on its own rows
         for i, (x, (result, (y,))) in enumerate(zip(parts, answers, strict=True)):
@@ -131,14 +131,30 @@ def test_a_request_that_does_not_fit_is_an_error_answer_and_a_foreign_kind_is_re
     executor, ckpt = mixtral
     layer, h = ckpt.moe_layers[0], executor.hidden_size
     wrong = [
-        (ComputeExpert(Step("r", 1, layer), 0, "nope"), torch.randn(1, h), "unknown experts kernel"),
-        (ComputeExpert(Step("r", 1, layer), 0, "eager"), torch.randn(1, h + 1), "rows of shape"),
-        (ComputeExpert(Step("r", 1, layer), 0, "eager"), torch.randn(1, h).double(), "rows of torch.float64"),
-        (ComputeExpert(Step("r", 1, 99), 0, "eager"), torch.randn(1, h), "not in this worker's store"),
+        (
+            ComputeExperts.single(Step("r", 1, layer), 0, "nope", 1),
+            torch.randn(1, h),
+            "unknown experts kernel",
+        ),
+        (ComputeExperts.single(Step("r", 1, layer), 0, "eager", 1), torch.randn(1, h + 1), "rows of shape"),
+        (
+            ComputeExperts.single(Step("r", 1, layer), 0, "eager", 1),
+            torch.randn(1, h).double(),
+            "rows of torch.float64",
+        ),
+        (
+            ComputeExperts.single(Step("r", 1, 99), 0, "eager", 1),
+            torch.randn(1, h),
+            "not in this worker's store",
+        ),
     ]
     for message, x, problem in wrong:
         result, _ = _send(executor, message, [x])
         assert problem in result.error
+    # mini-batches are one expert's
+    parts = ComputeExperts(Step("r", 0, layer), [0, 1], [[1], [1]], "eager", parts=2)
+    result, _ = _send(executor, parts, [torch.randn(1, h), torch.randn(1, h)])
+    assert "part 0 of 2 for 2 experts" in result.error
     many = ComputeExperts(Step("r", 1, layer), [0], [[2]], "eager")
     result, outputs = _send(executor, many, [torch.randn(3, h)])
     assert "do not add up" in result.error and outputs == []

@@ -8,7 +8,7 @@ import torch
 
 from odmoe.launch.settings import compose
 from odmoe.nodes.worker import WorkerNode
-from odmoe.transport.messages import ComputeExpert, Prediction, Step
+from odmoe.transport.messages import ComputeExperts, Prediction, Step
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
@@ -31,9 +31,7 @@ def worker(node):
 
 def _compute(worker, layer, expert, iteration=1):
     hidden = torch.randn(1, worker.store.gate_up_shape[1])
-    return worker.compute(
-        ComputeExpert(step=Step("r", iteration, layer), expert=expert, kernel="eager"), hidden
-    )
+    return worker.compute(ComputeExperts.single(Step("r", iteration, layer), expert, "eager", 1), [hidden])
 
 
 def test_an_expert_main_asked_for_is_not_preloaded_afterwards(worker):
@@ -59,8 +57,8 @@ def test_a_load_that_fails_is_an_error_answer_and_frees_its_slot(worker, monkeyp
     hidden = torch.randn(1, worker.store.gate_up_shape[1])
     frames = None
     for part in range(parts):
-        message = ComputeExpert(step=Step("r", 0, 0), expert=3, kernel="eager", part=part, parts=parts)
-        frames = worker.compute(message, hidden)
+        message = ComputeExperts.single(Step("r", 0, 0), 3, "eager", 1, part=part, parts=parts)
+        frames = worker.compute(message, [hidden])
     from odmoe.transport.messages import from_frames
 
     result, _ = from_frames(frames)
@@ -113,7 +111,7 @@ def test_a_hedged_expert_main_asks_for_is_a_hit(worker):
     from odmoe.transport.messages import from_frames
 
     result, _ = from_frames(frames)
-    assert result.preloaded and result.bytes_loaded > 0
+    assert result.preloaded == [True] and result.bytes_loaded[0] > 0
     assert result.hedges[:2] == [1, 1]  # one hedge loaded, one used
 
 
@@ -122,7 +120,7 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(n
     sends: what the worker preloaded for that layer and was not asked for goes (over real sockets)."""
     import zmq
 
-    from odmoe.transport.messages import ExpertResult, from_frames, to_frames
+    from odmoe.transport.messages import ExpertsResult, from_frames, to_frames
 
     worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
     worker.preload_next()  # expert 3 of layer 0 loading for iteration 1
@@ -133,13 +131,13 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(n
     try:
         hidden = torch.randn(1, worker.store.gate_up_shape[1])
         # the router chose 6, not 3 (a misprediction): main's only call to worker 0 in this layer
-        call = ComputeExpert(step=Step("r", 1, 0), expert=6, kernel="eager", release=True)
+        call = ComputeExperts.single(Step("r", 1, 0), 6, "eager", 1, release=True)
         main.send_multipart(to_frames(call, [hidden]))
         assert node.sock.poll(5000)
         node._serve_request()
         assert main.poll(5000)
         result, (rows,) = from_frames(main.recv_multipart())
-        assert isinstance(result, ExpertResult) and not result.error and rows.shape == hidden.shape
+        assert isinstance(result, ExpertsResult) and not result.error and rows.shape == hidden.shape
     finally:
         main.close(0)
     assert worker.slots.held() == []  # the unused preload of expert 3 is gone
@@ -152,7 +150,7 @@ def _alone(worker, layer, expert, rows, iteration):
     from odmoe.transport.messages import ComputeExperts, from_frames
 
     message = ComputeExperts(Step("r", iteration, layer), [expert], [[rows.shape[0]]], "eager")
-    result, (y,) = from_frames(worker.compute_many(message, [rows.clone()]))
+    result, (y,) = from_frames(worker.compute(message, [rows.clone()]))
     assert not result.error
     return y
 
@@ -163,7 +161,7 @@ def _many(worker, layer, experts, segments, iteration=1):
     h = worker.store.gate_up_shape[1]
     rows = [torch.randn(sum(seg), h) for seg in segments]
     message = ComputeExperts(Step("r", iteration, layer), list(experts), segments, "eager")
-    result, outputs = from_frames(worker.compute_many(message, rows))
+    result, outputs = from_frames(worker.compute(message, rows))
     return result, rows, outputs
 
 
@@ -197,7 +195,7 @@ def test_a_segment_computes_as_its_request_alone_not_as_part_of_the_batch(worker
     from odmoe.transport.messages import ComputeExperts, from_frames
 
     bad = ComputeExperts(Step("r", 2, 0), [3], [[2, 2]], "eager")
-    result, _ = from_frames(worker.compute_many(bad, [x]))
+    result, _ = from_frames(worker.compute(bad, [x]))
     assert "do not add up" in result.error
 
 
@@ -206,7 +204,7 @@ def test_a_prefill_call_of_another_request_does_not_end_the_decode_stream(worker
     worker.queue_preloads(Prediction(Step("stream", 2, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
     worker.preload_next()
     hidden = torch.randn(4, worker.store.gate_up_shape[1])
-    worker.compute(ComputeExpert(step=Step("newcomer", 0, 2), expert=1, kernel="eager"), hidden)
+    worker.compute(ComputeExperts.single(Step("newcomer", 0, 2), 1, "eager", 4), [hidden])
     assert worker.schedule.request == "stream" and [s.holds for s in worker.slots.held()] == [(0, 3)]
 
 

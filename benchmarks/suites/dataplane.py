@@ -2,8 +2,8 @@
 
 Measured in one run, on one machine, so the figures can be set against each other:
 
-1. wire: round trips of a message shaped like one decode layer's expert call (a ComputeExpert
-   header and one hidden row in, an ExpertResult header and one row out) between this process's
+1. wire: round trips of a message shaped like one decode layer's expert call (a ComputeExperts
+   header and one hidden row in, an ExpertsResult header and one row out) between this process's
    DEALER and a ROUTER in a process of its own (benchmarks/wire_echo.py): `raw` (the frames echoed,
    nothing decoded: ZeroMQ's own cost) and `codec` (both ends encode and decode with odmoe's codec,
    as main and a worker do), each plain and with CURVE. Variants are interleaved round by round so
@@ -66,7 +66,7 @@ from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.main_model import resolve_dtype
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
-from odmoe.transport.messages import ComputeExpert, ExpertResult, Step, from_frames, to_frames
+from odmoe.transport.messages import ComputeExperts, ExpertsResult, Step, from_frames, to_frames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +180,9 @@ def _run(cfg: BenchConfig, model_path: str, out: ResultsDir, pinning: str | None
 
 
 # -- 1. wire ---------------------------------------------------------------------------------------
-def _message(row: torch.Tensor) -> tuple[ComputeExpert, list]:
+def _message(row: torch.Tensor) -> tuple[ComputeExperts, list]:
     step = Step("dataplane-0123456789abcdef", 17, 3)  # a request id as long as main's (uuid hex)
-    return ComputeExpert(step=step, expert=5, kernel="eager"), [row]
+    return ComputeExperts.single(step, 5, "eager", row.shape[0]), [row]
 
 
 def _echo(
@@ -238,7 +238,7 @@ def _round_trips(
         else:
             sock.send_multipart(to_frames(message, tensors), copy=False)
             result, rows = from_frames(sock.recv_multipart(copy=False))
-            assert isinstance(result, ExpertResult) and rows[0].shape == row.shape
+            assert isinstance(result, ExpertsResult) and rows[0].shape == row.shape
         times.append(time.perf_counter() - start)
     return times
 
@@ -334,7 +334,7 @@ def measure_fanout(
 def measure_codec(suite: DataplaneSuite, row: torch.Tensor) -> dict:
     """µs to encode / decode each message of a decode layer's exchange, in this process."""
     message, tensors = _message(row)
-    result = ExpertResult(message.step, message.expert, 0, 1e-4, 2e-4, 0, 123_456_789)
+    result = ExpertsResult(message.step, 0, [5], [1e-4], [2e-4], [0], [False], [0.0], 123_456_789)
     frames = {
         "compute": [zmq.Frame(bytes(f)) for f in to_frames(message, tensors)],
         "result": [zmq.Frame(bytes(f)) for f in to_frames(result, tensors)],

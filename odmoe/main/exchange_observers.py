@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 from odmoe.main.expert_traffic import LayerClock
 from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.trace import Tracer, now_us
-from odmoe.transport.messages import ExpertResult, Prediction, Step
+from odmoe.transport.messages import ExpertsResult, Prediction, Step
 
 if TYPE_CHECKING:
     import torch
@@ -30,32 +30,38 @@ if TYPE_CHECKING:
     from odmoe.main.exchange_records import BatchCall, DecodeRows, RunContext
 
 
-@dataclass
-class PrefillExchange:
-    """One request's prefill (or scoring) exchange of one layer, as it happened."""
+@dataclass(kw_only=True)
+class Exchange:
+    """What both exchanges carry through the one send / wait / resend path (RemoteExperts)."""
 
-    ctx: RunContext
-    step: Step
-    experts: int = 0  # distinct experts its tokens routed to
-    answers: list[ExpertResult] = field(default_factory=list)  # every answer taken, parts included
-    resent: int = 0  # calls re-sent after their worker was lost
-    waited: float = 0.0  # seconds main waited on the workers
-
-
-@dataclass
-class DecodeExchange:
-    """Every running request's rows of one decode layer, exchanged at once, as it happened."""
-
-    step: Step
-    batch: list[DecodeRows]
-    prediction: Prediction | None = None  # the shadow's (union) prediction as it stood
-    # expert -> [(request index in batch, its rows of that expert)]
+    # expert -> [(request index, its rows of that expert)]: a prefill's one request is index 0
     users: dict[int, list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    positions: dict[int, list[int]] = field(default_factory=dict)  # "bmm" prefill: rows' token positions
     calls: list[BatchCall] = field(default_factory=list)  # the answered ones
     # first-time calls a late re-send overtook (odmoe.main.late_calls): unanswered when the layer ended
     overtaken: list[BatchCall] = field(default_factory=list)
     resent: dict[int, int] = field(default_factory=dict)  # request index -> calls re-sent with its rows
     clock: LayerClock = field(default_factory=LayerClock)
+    answers: list[ExpertsResult] = field(default_factory=list)  # every answer taken, parts included
+
+
+@dataclass
+class PrefillExchange(Exchange):
+    """One request's prefill (or scoring) exchange of one layer, as it happened."""
+
+    ctx: RunContext
+    step: Step
+    experts: int = 0  # distinct experts its tokens routed to
+    waited: float = 0.0  # seconds main waited on the workers
+
+
+@dataclass
+class DecodeExchange(Exchange):
+    """Every running request's rows of one decode layer, exchanged at once, as it happened."""
+
+    step: Step
+    batch: list[DecodeRows]
+    prediction: Prediction | None = None  # the shadow's (union) prediction as it stood
     entered: float = 0.0  # perf_counter: the layer's exchange began
     started: float = 0.0  # main began waiting (calls placed and about to be encoded)
     gathered: float = 0.0  # every answer in
@@ -137,7 +143,7 @@ class TrafficAccounting(ExchangeObserver):
         t = exchange.ctx.traffic
         for result in exchange.answers:
             t.add(result)
-        t.resent += exchange.resent
+        t.resent += sum(exchange.resent.values())
         t.note_prefill_layer(exchange.step.layer, exchange.waited, exchange.experts)
 
     def decode_done(self, exchange: DecodeExchange) -> None:

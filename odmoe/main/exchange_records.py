@@ -54,18 +54,33 @@ class DecodeRows:
 
 @dataclass
 class BatchCall:
-    """One ComputeExperts: the experts placed on one worker for a decode layer, and its answer."""
+    """One call to a worker: a decode layer's experts placed on it (one ComputeExperts), or one
+    expert of a prefill (in mini-batch messages), and its answers."""
 
     worker: int
     experts: list[int]
     releases: bool = False  # it says the layer is over for its worker (re-sent calls never do)
-    answer: tuple[ExpertsResult, list[torch.Tensor]] | None = None
+    expected: int = 1  # answers to wait for: a prefill's mini-batches computed one by one, else 1
+    answers: dict[int, tuple[ExpertsResult, list[torch.Tensor]]] = field(default_factory=dict)  # by part
     sent_at: float = 0.0  # main's perf_counter when the call left
     # main's round trip less the worker's own time (ExpertsResult.handled_s): the wire's both ways
     wire_s: float = 0.0
-    answered_at: float = 0.0  # main's perf_counter when its answer was in hand
+    answered_at: float = 0.0  # main's perf_counter when its (last) answer was in hand
     again: bool = False  # a late call's experts sent again to another worker (odmoe.main.late_calls)
 
     @property
     def done(self) -> bool:
-        return self.answer is not None
+        return len(self.answers) == self.expected
+
+    @property
+    def answer(self) -> tuple[ExpertsResult, list[torch.Tensor]] | None:
+        """The (first part's) answer, once every part is in."""
+        return self.answers[0] if self.done else None
+
+    def outputs(self) -> list[torch.Tensor]:
+        """Each expert's output rows, its parts joined in order (a done call's)."""
+        if self.expected == 1:
+            return self.answers[0][1]
+        return [
+            torch.cat([self.answers[p][1][i] for p in range(self.expected)]) for i in range(len(self.experts))
+        ]

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from odmoe.main.recall import RecallCounter
-from odmoe.transport.messages import ExpertResult, ExpertsResult
+from odmoe.transport.messages import ExpertsResult
 
 
 @dataclass
@@ -160,21 +160,22 @@ class ExpertTraffic:
         self.decode.layers += 1
         self.stall_s_per_layer[layer] = self.stall_s_per_layer.get(layer, 0.0) + stall
 
-    def add(self, result: ExpertResult) -> None:
-        """One prefill answer (a ComputeExpert's; a prompt's scoring pass counts as prefill)."""
-        if result.step.iteration <= 0:
-            self.prefill.load_s += result.load_s
-            self.prefill.compute_s += result.compute_s
-            busy = self._layer_busy
-            busy[result.worker] = busy.get(result.worker, 0.0) + result.load_s + result.compute_s
-        else:
-            self._add_decode(result.load_s, result.compute_s, result.bytes_loaded)
+    def add(self, result: ExpertsResult) -> None:
+        """One prefill answer (a prompt's scoring pass counts as prefill): its experts' costs, a
+        mini-batch's load counted with its first part."""
+        for i in range(len(result.experts)):
+            load_s, compute_s, nbytes = result.load_s[i], result.compute_s[i], result.bytes_loaded[i]
+            if result.step.iteration <= 0:
+                self.prefill.load_s += load_s
+                self.prefill.compute_s += compute_s
+                busy = self._layer_busy
+                busy[result.worker] = busy.get(result.worker, 0.0) + load_s + compute_s
+            else:
+                self._add_decode(load_s, compute_s, nbytes)
+            self._add_expert(result.worker, result.part == 0, nbytes, load_s, compute_s)
+            if result.cached and result.cached[i] and result.part == 0:
+                self._cache_hit(result.step.layer, 1, result.cached[i])
         self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
-        self._add_expert(
-            result.worker, result.part == 0, result.bytes_loaded, result.load_s, result.compute_s
-        )
-        if result.cached and result.part == 0:
-            self._cache_hit(result.step.layer, 1, result.cached)
         if result.cache:
             self.cache[result.worker] = result.cache
 

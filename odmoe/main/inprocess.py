@@ -26,7 +26,6 @@ from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.placement import Topology
 from odmoe.tools.trace import Tracer
 from odmoe.transport.messages import (
-    ComputeExpert,
     ComputeExperts,
     EndRequest,
     LiveWorkers,
@@ -65,20 +64,20 @@ class InProcessWorkers:
         self.events: list = []
         self.inbox: list[tuple[int, list]] = []
         self.messages = 0  # compute messages received
-        self.decode_messages = 0  # of which ComputeExperts: one per worker and decode layer, batched
+        self.decode_messages = 0  # of which decode's: one per worker and decode layer, batched
 
     def send(self, worker: int, frames: list, copy: bool = True) -> bool:
         executor = self.executors[worker]
         executor.received = time.perf_counter()
         message, tensors = from_frames([bytes(f) for f in frames])
-        if isinstance(message, ComputeExpert | ComputeExperts):
+        if isinstance(message, ComputeExperts):
             self.messages += 1
-            self.decode_messages += isinstance(message, ComputeExperts)
-        if isinstance(message, ComputeExpert | ComputeExperts | Release | EndRequest | LiveWorkers):
+            self.decode_messages += message.step.iteration >= 1
+        if isinstance(message, ComputeExperts | Release | EndRequest | LiveWorkers):
             answer = executor.answer(message, tensors)
             if answer is not None:  # a mini-batch that only completes a batch gets no answer
                 self.inbox.append((worker, answer))
-            if isinstance(message, ComputeExpert | ComputeExperts) and message.release:
+            if isinstance(message, ComputeExperts) and message.release:
                 executor.release(message.step)
         return True
 

@@ -6,10 +6,10 @@ It is attached to the main model (main_model.MainModel.attach) and called once p
 every forward pass, for the request whose `RunContext` is `current` (the engine sets it before it
 runs that request's forward pass).
 
-Two exchanges:
+Two exchanges, one message (`ComputeExperts`) and one send / wait / resend path (`_exchange`):
 - prefill (a request's iteration 0): the request's own, as soon as it is called: every expert its
-  prompt hits is spread over the live workers storing the layer, one ComputeExpert per expert
-  (prompt mini-batches as several), named `(request, 0, layer)`.
+  prompt hits is spread over the live workers storing the layer, one call per expert (one segment;
+  prompt mini-batches as several messages), named `(request, 0, layer)`.
 - decode: inside the engine's lockstep (`odmoe.main.lockstep`) the call parks with the request's
   `DecodeRows` and the engine hands every running request's rows of that layer to
   `exchange_decode` at once, named `(stream, tick, layer)`: each expert any of them needs is placed
@@ -57,7 +57,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -66,13 +66,14 @@ from odmoe.lossy.miss_policy import TokenBudget
 from odmoe.lossy.substitution import Substituter
 from odmoe.main.exchange_observers import (
     DecodeExchange,
+    Exchange,
     Observers,
     PrefillExchange,
     Timeline,
     TrafficAccounting,
 )
 from odmoe.main.exchange_records import BatchCall, DecodeRows, RunContext
-from odmoe.main.expert_traffic import ExpertTraffic, LayerClock
+from odmoe.main.expert_traffic import ExpertTraffic
 from odmoe.main.late_calls import LateCalls
 from odmoe.main.lockstep import in_task, park
 from odmoe.main.membership import Membership, WorkerUnavailable
@@ -86,10 +87,8 @@ from odmoe.tools.trace import Tracer
 from odmoe.transport.codec import CodecError
 from odmoe.transport.dropped import DropLog
 from odmoe.transport.messages import (
-    ComputeExpert,
     ComputeExperts,
     EndRequest,
-    ExpertResult,
     ExpertsResult,
     Pong,
     Prediction,
@@ -108,21 +107,6 @@ class WorkerFailed(RuntimeError):
     """A worker answered but could not compute what it was asked (e.g. it lacks that expert)."""
 
 
-@dataclass
-class _Call:
-    """One expert's rows of one step, and where they are now."""
-
-    worker: int
-    rows: torch.Tensor  # [n, H]
-    expected: int  # answers to wait for (mini-batch parts computed one by one, else 1)
-    parts: dict[int, torch.Tensor] = field(default_factory=dict)
-    positions: list[int] = field(default_factory=list)  # "bmm": the rows' token positions
-
-    @property
-    def done(self) -> bool:
-        return len(self.parts) == self.expected
-
-
 @dataclass(frozen=True)
 class PrefillLayer:
     """A request's prefill parked before exchanging this MoE layer (the engine meters prefills)."""
@@ -130,10 +114,11 @@ class PrefillLayer:
     layer: int
 
 
-def owed_calls(calls: dict[int, _Call], lost: set[int]) -> dict[int, int]:
-    """Pure: expert -> the lost worker it was placed on, for every call not fully answered yet.
-    A call whose answer is in is kept, even from a worker lost since (it is correct)."""
-    return {e: c.worker for e, c in calls.items() if not c.done and c.worker in lost}
+def owed_experts(calls: list[BatchCall], lost: set[int]) -> dict[int, int]:
+    """Pure: expert -> the lost worker its call was placed on, for every call still waited for
+    (`_owing`). A call whose answer is in is kept, even from a worker lost since (it is correct); a
+    call half answered (some of its mini-batches) is owed whole."""
+    return {e: c.worker for c in _owing(calls) if c.worker in lost for e in c.experts}
 
 
 class RemoteExperts:
@@ -297,22 +282,25 @@ class RemoteExperts:
     # -- prefill: one request's exchange -------------------------------------------------------
     def _prefill_layer(self, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights) -> torch.Tensor:
         """Split the prompt's rows by expert, place them over the workers, exchange, combine."""
-        exchange = PrefillExchange(ctx, Step(ctx.request, ctx.iteration, layer))
-        self.observe.entered(exchange.step)
+        x = PrefillExchange(ctx=ctx, step=Step(ctx.request, ctx.iteration, layer))
+        self.observe.entered(x.step)
         groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
-        exchange.experts = len(groups)
-        placement = self._prefill_place(exchange.step, hidden.shape[0], groups)
+        x.experts = len(groups)
+        placement = self._prefill_place(x.step, hidden.shape[0], groups)
         start = time.perf_counter()
-        rows_of = {rows.expert: expert_input(hidden, rows, top_k_weights, self.kernel) for rows in groups}
-        grouped = self._reference_shape(top_k_index)
+        x.users = {
+            rows.expert: [(0, expert_input(hidden, rows, top_k_weights, self.kernel))] for rows in groups
+        }
         # "bmm": each expert's rows sit at their tokens' positions in the reference's [T] rows
-        positions = {r.expert: r.token_idx.tolist() for r in groups} if self.kernel == "bmm" else {}
-        outputs = self._exchange(exchange, rows_of, placement, LayerClock(), grouped, positions)
+        x.positions = {r.expert: r.token_idx.tolist() for r in groups} if self.kernel == "bmm" else {}
+        # one call per expert, so that its transfer overlaps the other experts' compute
+        x.calls = self._exchange(x, _calls_of(placement, True), self._reference_shape(top_k_index))
+        outputs = self._split_answers(x)[0]
         if hidden.device.type != "cpu":  # answers arrive in host memory; combine where main computes
             outputs = {e: y.to(hidden.device) for e, y in outputs.items()}
-        exchange.waited = time.perf_counter() - start
-        self.observe.gathered(exchange.step)
-        self.observe.prefill_done(exchange)
+        x.waited = time.perf_counter() - start
+        self.observe.gathered(x.step)
+        self.observe.prefill_done(x)
         parts = [(rows, outputs[rows.expert]) for rows in groups]
         return combine(hidden, parts, top_k_weights, self.kernel, self.num_experts)
 
@@ -365,7 +353,7 @@ class RemoteExperts:
     def exchange_decode(self, layer: int, batch: list[DecodeRows]) -> list[torch.Tensor]:
         """Each request's experts output for this layer (in `batch` order), from one exchange: the
         union of their experts placed once, one ComputeExperts per worker."""
-        x = DecodeExchange(Step(self.stream, self.tick, layer), batch, entered=time.perf_counter())
+        x = DecodeExchange(step=Step(self.stream, self.tick, layer), batch=batch, entered=time.perf_counter())
         self.observe.entered(x.step)
         x.prediction = self.shadow.prediction(x.step) if self.shadow is not None else None
         x.users = _rows_by_expert(batch, self.kernel)
@@ -375,9 +363,9 @@ class RemoteExperts:
         # each worker's last (only) call says the layer is over for it; without a shadow nothing
         # is ever preloaded, so nothing to release
         releasing = self.shadow is not None
-        x.calls = self._exchange_many(x, placement, grouped, releasing)
+        x.calls = self._exchange(x, _calls_of(placement, False), grouped, releasing)
         x.gathered = time.perf_counter()
-        outputs = self._split_answers(x)
+        outputs = self._split_answers(x, len(batch))
         self.observe.gathered(x.step)
         if self.steering is not None:
             self.steering.judge(x.step, x.calls, x.overtaken, x.gathered)
@@ -410,39 +398,41 @@ class RemoteExperts:
             )
         )
 
-    def _exchange_many(
-        self, x: DecodeExchange, placement: dict[int, int], grouped: list[int], releasing: bool
+    # -- the one send / wait / resend path, prefill's and decode's ------------------------------
+    def _exchange(
+        self, x: Exchange, plan: list[tuple[int, list[int]]], grouped: list[int], releasing: bool = False
     ) -> list[BatchCall]:
-        """One ComputeExperts per worker, gathered; what a lost worker owed is re-sent elsewhere."""
-        step, users, clock = x.step, x.users, x.clock
-        by_worker: dict[int, list[int]] = {}
-        for expert in sorted(users):
-            by_worker.setdefault(placement[expert], []).append(expert)
+        """Send each call of `plan` (a worker, its experts), gather the answers: what a lost or
+        silent worker owed is re-sent elsewhere, the layer's late calls are sent again once. The
+        answered calls."""
+        step, clock = x.step, x.clock
         # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
         # threads), which on a machine with few cores can take main's core at once; the next call
         # would then leave only after that worker's whole computation.
-        messages = {w: self._encode_many(step, es, users, grouped, releasing) for w, es in by_worker.items()}
+        messages = [self._encode(x, experts, grouped, releasing) for _, experts in plan]
         clock.sending = time.perf_counter()
         calls = [
-            self._send_many(step, w, es, users, grouped, messages[w], releasing)
-            for w, es in by_worker.items()
+            self._send(x, worker, experts, grouped, m, releasing)
+            for (worker, experts), m in zip(plan, messages, strict=True)
         ]
         deadline = time.monotonic() + self.timeout_s
-        late = self.late.after_s() if self.late is not None else None
-        again_at = None if late is None else clock.sending + late  # perf_counter's clock
+        done_s: list[float] = []  # seconds from the sends to each call's last answer
+        late_sent = self.late is None  # once per layer: a second loss in a row waits for TCP
         while owing := _owing(calls):
             wait_s = deadline - time.monotonic()
-            if again_at is not None:
-                wait_s = min(wait_s, again_at - time.perf_counter())
+            late_at = None if late_sent else self._late_at(x, done_s, len(calls))
+            if late_at is not None:
+                wait_s = min(wait_s, late_at - time.perf_counter())
             received, lost = self.members.wait(math.ceil(max(wait_s, 0.0) * 1000))
             for worker, frames in received:
                 arrived = time.perf_counter()
-                result = self._take_many(step, calls, worker, frames, arrived)
+                call = self._take(x, calls, worker, frames, arrived)
                 clock.take_s += time.perf_counter() - arrived
-                if result is not None:
-                    clock.answered, clock.worker_s = arrived, result.handled_s
+                if call is not None and call.done:
+                    clock.answered, clock.worker_s = arrived, call.answers[0][0].handled_s
+                    done_s.append(arrived - clock.sending)
             if lost:
-                calls += self._resend_many(x, calls, set(lost), grouped)
+                calls += self._resend(x, calls, set(lost), grouped)
             elif time.monotonic() >= deadline and any(not c.done for c in owing):
                 # the per-call deadline: alive by heartbeat, yet silent (a frozen process)
                 silent = {c.worker for c in owing if not c.done}
@@ -450,41 +440,123 @@ class RemoteExperts:
                     self.members.mark_lost(
                         worker, f"no answer for layer {step.layer} within {self.timeout_s:g}s"
                     )
-                calls += self._resend_many(x, calls, silent, grouped)
+                calls += self._resend(x, calls, silent, grouped)
                 deadline = time.monotonic() + self.timeout_s
-            elif again_at is not None and time.perf_counter() >= again_at:
+            elif late_at is not None and time.perf_counter() >= late_at:
                 calls += self._send_late_again(x, _owing(calls), grouped)
-                again_at = None  # once per layer: a second loss in a row waits for TCP
+                late_sent = True
         answered = [c for c in calls if c.done]
-        if self.late is not None:
+        x.answers = [result for c in calls for result, _ in c.answers.values()]
+        if self.late is not None and step.iteration >= 1:
             self.late.note(answered)
             x.overtaken = [c for c in calls if not c.done and c.worker >= 0 and not c.again]
         return answered
 
-    def _send_late_again(self, x: DecodeExchange, late: list[BatchCall], grouped) -> list[BatchCall]:
-        """Each late call's experts sent again to the other live workers of their group (odmoe.main.
-        late_calls); the late call stays open: whichever answer comes first is taken."""
+    def _late_at(self, x: Exchange, done_s: list[float], calls: int) -> float | None:
+        """When the layer's unanswered calls count as late (perf_counter; None: not yet, or never):
+        a decode call a few usual round trips after the sends, a prefill's once half its calls are
+        done (odmoe.main.late_calls)."""
+        assert self.late is not None
+        if x.step.iteration >= 1:
+            after = self.late.after_s()
+            return None if after is None else x.clock.sending + after
+        return self.late.prefill_late_at(x.clock.sending, done_s, calls)
+
+    def _encode(
+        self, x: Exchange, experts: list[int], grouped: list[int], release: bool = False
+    ) -> list[list]:
+        """The frames of each message of one call: one ComputeExperts, or a prefill expert's rows in
+        `prefill.mini_batch` messages (each with its rows' positions, "bmm")."""
+        step, users = x.step, x.users
+        rows = [torch.cat([r for _, r in users[e]]) if len(users[e]) > 1 else users[e][0][1] for e in experts]
+        segments = [[r.shape[0] for _, r in users[e]] for e in experts]
+        positions = [x.positions[e] for e in experts] if x.positions else []
+        size = self.prefill.mini_batch
+        if step.iteration >= 1 or len(experts) > 1 or size <= 0 or rows[0].shape[0] <= size:
+            message = ComputeExperts(
+                step, experts, segments, self.kernel, grouped, release, positions=positions
+            )
+            return [to_frames(message, rows)]
+        chunks = torch.split(rows[0], size)
+        return [
+            to_frames(
+                ComputeExperts(
+                    step,
+                    experts,
+                    [[chunk.shape[0]]],
+                    self.kernel,
+                    grouped,
+                    part=part,
+                    parts=len(chunks),
+                    per_part=self.prefill.compute_per_mini_batch,
+                    positions=[positions[0][part * size : (part + 1) * size]] if positions else [],
+                ),
+                [chunk],
+            )
+            for part, chunk in enumerate(chunks)
+        ]
+
+    def _send(
+        self, x: Exchange, worker: int, experts: list[int], grouped, messages=None, releases: bool = False
+    ) -> BatchCall:
+        """Send one call (`messages`: as `_encode` made them). A worker that cannot take them is
+        lost, and the call goes to its replacement (one worker)."""
+        step = x.step
+        messages = messages or self._encode(x, experts, grouped)
+        while not all(self.members.send(worker, frames, copy=False) for frames in messages):
+            self.members.mark_lost(worker, "cannot take messages")
+            worker = self._replacement(step, dict.fromkeys(experts, worker))[experts[0]]
+            messages, releases = self._encode(x, experts, grouped), False
+        self.observe.sent(step, experts)
+        expected = len(messages) if len(messages) > 1 and self.prefill.compute_per_mini_batch else 1
+        return BatchCall(worker, list(experts), releases, expected, sent_at=time.perf_counter())
+
+    def _resend(self, x: Exchange, calls: list[BatchCall], lost: set[int], grouped) -> list[BatchCall]:
+        """Re-place and re-send the experts of every unanswered call on a lost worker; a re-sent
+        call never releases (its new worker gets a Release after the layer if it got no call)."""
+        step = x.step
+        owed = owed_experts(calls, lost)
+        if not owed:
+            return []
+        for c in calls:
+            if not c.done and c.worker in lost:
+                c.worker = -1  # abandoned: an answer from the lost worker is never taken
+        new = self._replacement(step, owed)
+        resent = [self._send(x, w, es, grouped) for w, es in _calls_of(new, step.iteration <= 0)]
+        _count_resent(x, resent)
+        log.info(
+            "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
+        )
+        return resent
+
+    def _send_late_again(self, x: Exchange, late: list[BatchCall], grouped) -> list[BatchCall]:
+        """Each late call's experts sent again to the other live workers that serve them (odmoe.main.
+        late_calls). A decode call stays open: whichever answer comes first is taken. A prefill call
+        is moved (its old answer is then never taken): its rows are many, so not sent twice over."""
         step, live = x.step, self.members.live
         again: list[BatchCall] = []
         for call in late:
             others = [w for w in live if w != call.worker]
             try:
-                placed = self.topology.decode_placement(step.layer, call.experts, others, step.iteration)
+                placed = self.topology.replace_lost(
+                    step.layer,
+                    dict.fromkeys(call.experts, call.worker),
+                    others,
+                    step.iteration == 0,
+                    step.iteration,
+                )
             except LayerUnavailable:
                 continue  # no other worker serves the layer: TCP's retransmission it is
-            by_worker: dict[int, list[int]] = {}
-            for expert in call.experts:
-                by_worker.setdefault(placed[expert], []).append(expert)
-            for worker, experts in by_worker.items():
-                sent = self._send_many(step, worker, experts, x.users, grouped)
+            if step.iteration <= 0:
+                call.worker = -1
+            for worker, experts in _calls_of(placed, step.iteration <= 0):
+                sent = self._send(x, worker, experts, grouped)
                 sent.again = True
                 again.append(sent)
-            # the stats' resent_calls: every request whose rows went again, lost worker or late
-            for b in {b for e in call.experts for b, _ in x.users[e]}:
-                x.resent[b] = x.resent.get(b, 0) + 1
         if again:
             assert self.late is not None
             self.late.resent += len(again)
+            _count_resent(x, again)  # the stats' resent_calls: every call sent again, lost worker or late
             log.info(
                 "layer %d of %s: experts of late calls to workers %s sent again to %s",
                 step.layer,
@@ -494,53 +566,12 @@ class RemoteExperts:
             )
         return again
 
-    def _encode_many(self, step: Step, experts: list[int], users, grouped: list[int], release: bool) -> list:
-        rows = [torch.cat([x for _, x in users[e]]) if len(users[e]) > 1 else users[e][0][1] for e in experts]
-        segments = [[x.shape[0] for _, x in users[e]] for e in experts]
-        return to_frames(ComputeExperts(step, experts, segments, self.kernel, grouped, release), rows)
-
-    def _send_many(
-        self, step: Step, worker: int, experts: list[int], users, grouped, frames=None, releases: bool = False
-    ) -> BatchCall:
-        """Send one worker its experts' rows. A worker that cannot take them is lost, and they go to
-        its replacement (as one call: the replacement is one worker)."""
-        frames = frames or self._encode_many(step, experts, users, grouped, False)
-        while not self.members.send(worker, frames, copy=False):
-            self.members.mark_lost(worker, "cannot take messages")
-            worker = self._replacement(step, dict.fromkeys(experts, worker))[experts[0]]
-            frames, releases = self._encode_many(step, experts, users, grouped, False), False
-        self.observe.sent(step, experts)
-        return BatchCall(worker, list(experts), releases, sent_at=time.perf_counter())
-
-    def _resend_many(
-        self, x: DecodeExchange, calls: list[BatchCall], lost: set[int], grouped
-    ) -> list[BatchCall]:
-        """Re-place and re-send the experts of every unanswered call on a lost worker; a re-sent
-        call never releases (its new worker gets a Release after the layer if it got no call)."""
-        step, users = x.step, x.users
-        owed = {e: c.worker for c in _owing(calls) if c.worker in lost for e in c.experts}
-        if not owed:
-            return []
-        for c in calls:
-            if not c.done and c.worker in lost:
-                c.worker = -1  # abandoned: an answer from the lost worker is never taken
-        new = self._replacement(step, owed)
-        by_worker: dict[int, list[int]] = {}
-        for expert in sorted(owed):
-            by_worker.setdefault(new[expert], []).append(expert)
-        resent = [self._send_many(step, w, es, users, grouped) for w, es in by_worker.items()]
-        for b in {b for e in owed for b, _ in users[e]}:  # every request whose rows went again
-            x.resent[b] = x.resent.get(b, 0) + 1
-        log.info(
-            "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
-        )
-        return resent
-
-    def _take_many(
-        self, step: Step, calls: list[BatchCall], worker: int, frames, arrived: float = 0.0
-    ) -> ExpertsResult | None:
-        """Record one answer if it is one this layer waits for, from the worker its call is on
-        (`arrived`: when main had its frames, for the call's wire time)."""
+    def _take(
+        self, x: Exchange, calls: list[BatchCall], worker: int, frames, arrived: float
+    ) -> BatchCall | None:
+        """Record one answer if it is one this layer waits for, from the worker its call is on now
+        (`arrived`: when main had its frames, for the call's wire time); the call it answered."""
+        step = x.step
         try:
             result, tensors = from_frames(frames)
         except CodecError as exc:
@@ -549,44 +580,41 @@ class RemoteExperts:
         if not isinstance(result, ExpertsResult) or result.step != step or result.worker != worker:
             return None  # a Pong, or a late answer to an earlier, abandoned step
         call = next(
-            (c for c in calls if c.worker == worker and c.experts == result.experts and not c.done), None
+            (
+                c
+                for c in calls
+                if c.worker == worker
+                and c.experts == result.experts
+                and not c.done
+                and result.part not in c.answers
+            ),
+            None,
         )
         if call is None:
             return None  # re-sent elsewhere since, or a duplicate
         if result.error:
             raise WorkerFailed(f"worker {worker} failed on layer {step.layer}: {result.error}")
-        n = len(call.experts)
-        stats = (result.load_s, result.compute_s, result.bytes_loaded, result.preloaded, result.waited_s)
-        if (
-            len(tensors) != n
-            or any(len(column) != n for column in stats)
-            or any(t.dim() != 2 for t in tensors)
-        ):
-            self.dropped.drop(f"worker {worker} answered experts {call.experts} with malformed rows")
+        if problem := _answer_problem(x, call, result, tensors):
+            self.dropped.drop(f"worker {worker} answered experts {call.experts} with {problem}")
             return None
         self.observe.answered(step, call.experts)
         if result.cache:
             self.cache_reports[worker] = result.cache
-        call.answer, call.answered_at = (result, tensors), arrived
-        if arrived and call.sent_at:
+        call.answers[result.part] = (result, tensors)
+        call.answered_at = arrived
+        if call.done and call.sent_at:
             call.wire_s = max(0.0, arrived - call.sent_at - result.handled_s)
-        return result
+        return call
 
-    def _split_answers(self, x: DecodeExchange) -> list[dict[int, torch.Tensor]]:
+    def _split_answers(self, x: Exchange, requests: int = 1) -> list[dict[int, torch.Tensor]]:
         """Each request's outputs by expert, cut from the answers' segments."""
-        outputs: list[dict[int, torch.Tensor]] = [{} for _ in x.batch]
+        outputs: list[dict[int, torch.Tensor]] = [{} for _ in range(requests)]
         for call in x.calls:
-            assert call.answer is not None  # _exchange_many returns the answered calls
-            result, tensors = call.answer
-            for i, expert in enumerate(result.experts):
+            for expert, y in zip(call.experts, call.outputs(), strict=True):
                 segments = x.users[expert]
-                sizes = [rows.shape[0] for _, rows in segments]
-                if tensors[i].shape[0] != sum(sizes):
-                    got = tensors[i].shape[0]
-                    raise WorkerFailed(f"worker {call.worker} answered expert {expert} with {got} rows")
-                pieces = torch.split(tensors[i], sizes) if len(sizes) > 1 else (tensors[i],)
-                for (b, _), y in zip(segments, pieces, strict=True):
-                    outputs[b][expert] = y
+                pieces = torch.split(y, [r.shape[0] for _, r in segments]) if len(segments) > 1 else (y,)
+                for (b, _), piece in zip(segments, pieces, strict=True):
+                    outputs[b][expert] = piece
         return outputs
 
     def _serving(self, layer: int) -> list[int]:
@@ -595,109 +623,6 @@ class RemoteExperts:
         except LayerUnavailable:
             return []
 
-    # -- prefill's per-expert calls --------------------------------------------------------------
-    def _exchange(
-        self,
-        x: PrefillExchange,
-        rows: dict[int, torch.Tensor],
-        placement: dict[int, int],
-        clock: LayerClock,
-        grouped: list[int],
-        positions: dict[int, list[int]],
-    ) -> dict[int, torch.Tensor]:
-        """Send every expert's rows, gather the answers; re-send what a lost worker owed."""
-        step = x.step
-        # Every call is encoded before the first one leaves (see _exchange_many).
-        messages = {e: self._encode(step, e, x, grouped, positions.get(e, [])) for e, x in rows.items()}
-        clock.sending = time.perf_counter()
-        calls = {
-            e: self._send(step, e, x, placement[e], grouped, positions.get(e, []), messages[e])
-            for e, x in rows.items()
-        }
-        deadline = time.monotonic() + self.timeout_s
-        done_s: list[float] = []  # seconds from the sends to each call's last answer
-        moved = self.late is None  # late calls are moved once per layer
-        while not all(c.done for c in calls.values()):
-            wait_s = deadline - time.monotonic()
-            late_at = None if moved else self.late.prefill_late_at(clock.sending, done_s, len(calls))
-            if late_at is not None:
-                wait_s = min(wait_s, late_at - time.perf_counter())
-            received, lost = self.members.wait(math.ceil(max(wait_s, 0.0) * 1000))
-            done = sum(c.done for c in calls.values())
-            for worker, frames in received:
-                self._take(x, calls, worker, frames)
-            now_done = sum(c.done for c in calls.values())
-            done_s += [time.perf_counter() - clock.sending] * (now_done - done)
-            if lost:
-                self._resend(x, calls, set(lost), grouped)
-            if time.monotonic() >= deadline and not all(c.done for c in calls.values()):
-                # the per-call deadline: alive by heartbeat, yet silent (a frozen process)
-                silent = {c.worker for c in calls.values() if not c.done}
-                for worker in silent:
-                    self.members.mark_lost(
-                        worker, f"no answer for layer {step.layer} within {self.timeout_s:g}s"
-                    )
-                self._resend(x, calls, silent, grouped)
-                deadline = time.monotonic() + self.timeout_s
-            elif late_at is not None and time.perf_counter() >= late_at:
-                self._move_late(x, calls, grouped)
-                moved = True
-        return {
-            e: torch.cat([c.parts[i] for i in sorted(c.parts)]) if len(c.parts) > 1 else c.parts[0]
-            for e, c in calls.items()
-        }
-
-    def _encode(
-        self, step: Step, expert: int, x: torch.Tensor, grouped: list[int], positions: list[int]
-    ) -> list[list]:
-        """One expert's rows as the frames of each message: one message, or prefill mini-batches
-        (each with its rows' positions, "bmm")."""
-        size = self.prefill.mini_batch if self.prefill.mini_batch > 0 else x.shape[0]
-        size = max(size, 1)
-        chunks = torch.split(x, size) if x.shape[0] > size else (x,)
-        per_part = self.prefill.compute_per_mini_batch and len(chunks) > 1
-        return [
-            to_frames(
-                ComputeExpert(
-                    step,
-                    expert,
-                    self.kernel,
-                    part=part,
-                    parts=len(chunks),
-                    per_part=per_part,
-                    grouped_shape=grouped,
-                    positions=positions[part * size : (part + 1) * size],
-                ),
-                [chunk],
-            )
-            for part, chunk in enumerate(chunks)
-        ]
-
-    def _send(
-        self,
-        step: Step,
-        expert: int,
-        x: torch.Tensor,
-        worker: int,
-        grouped: list[int],
-        positions: list[int],
-        messages: list[list] | None = None,
-    ) -> _Call:
-        """Send one expert's rows (`messages`: as `_encode` made them). A worker that cannot take
-        them is lost, and the rows go to its replacement."""
-        messages = messages or self._encode(step, expert, x, grouped, positions)
-        while True:
-            sent = True
-            for frames in messages:
-                sent = sent and self.members.send(worker, frames, copy=False)
-            if sent:
-                break
-            self.members.mark_lost(worker, "cannot take messages")
-            worker = self._replacement(step, {expert: worker})[expert]
-        self.observe.sent(step, [expert])
-        per_part = len(messages) > 1 and self.prefill.compute_per_mini_batch
-        return _Call(worker, x, len(messages) if per_part else 1, positions=positions)
-
     def _replacement(self, step: Step, lost: dict[int, int]) -> dict[int, int]:
         return self._placed(
             lambda: self.topology.replace_lost(
@@ -705,65 +630,6 @@ class RemoteExperts:
             ),
             f"; request {step.request} cannot go on",
         )
-
-    def _resend(self, x: PrefillExchange, calls: dict[int, _Call], lost: set[int], grouped) -> None:
-        step, owed = x.step, owed_calls(calls, lost)
-        if not owed:
-            return
-        new = self._replacement(step, owed)
-        for e in owed:
-            calls[e] = self._send(step, e, calls[e].rows, new[e], grouped, calls[e].positions)
-            x.resent += 1
-        log.info(
-            "layer %d of %s: re-sent experts %s to workers %s", step.layer, step.request, sorted(owed), new
-        )
-
-    def _move_late(self, x: PrefillExchange, calls: dict[int, _Call], grouped) -> None:
-        """Each late prefill call placed again on another live holder of the layer (the old one's
-        answer is then ignored: answers are taken from where a call is placed now). Moving rather
-        than doubling: a prefill call's rows are many, and one call per expert is what _take keeps."""
-        step, live = x.step, self.members.live
-        late = {e: c.worker for e, c in calls.items() if not c.done}
-        moved: dict[int, int] = {}
-        for expert, worker in late.items():
-            others = [w for w in live if w != worker]
-            try:
-                new = self.topology.replace_lost(step.layer, {expert: worker}, others, spread=True)[expert]
-            except LayerUnavailable:
-                continue  # no other holder: TCP's retransmission it is
-            call = calls[expert]
-            calls[expert] = self._send(step, expert, call.rows, new, grouped, call.positions)
-            moved[expert] = new
-            x.resent += 1  # the stats' resent_calls: every call sent again, lost worker or late
-        if moved:
-            assert self.late is not None
-            self.late.resent += len(moved)
-            log.info("layer %d of %s: late prefill experts moved %s", step.layer, step.request, moved)
-
-    def _take(self, x: PrefillExchange, calls: dict[int, _Call], worker: int, frames) -> None:
-        """Record one answer if it is one this step is waiting for, from the worker it is placed on."""
-        step = x.step
-        try:
-            result, tensors = from_frames(frames)
-        except CodecError as exc:
-            self.dropped.drop(f"from worker {worker}: {exc}")
-            return
-        if not isinstance(result, ExpertResult) or result.step != step:
-            return  # a Pong, or a late answer to an earlier, abandoned step
-        call = calls.get(result.expert)
-        if call is None or call.worker != worker or result.worker != worker or result.part in call.parts:
-            return  # re-sent elsewhere since, or a duplicate
-        if result.error:
-            raise WorkerFailed(f"worker {worker} failed on layer {step.layer}: {result.error}")
-        n = call.rows.shape[0] if call.expected == 1 else None
-        if len(tensors) != 1 or tensors[0].dim() != 2 or (n is not None and tensors[0].shape[0] != n):
-            self.dropped.drop(f"worker {worker} answered expert {result.expert} with malformed rows")
-            return
-        self.observe.answered(step, [result.expert])
-        if result.cache:
-            self.cache_reports[worker] = result.cache
-        x.answers.append(result)
-        call.parts[result.part] = tensors[0]
 
     # -- stats ---------------------------------------------------------------------------------
     def recall(self, ctx: RunContext | None = None, wait_s: float = 1.0) -> RecallCounter:
@@ -798,6 +664,38 @@ def _owing(calls: list[BatchCall]) -> list[BatchCall]:
     (a late call's, or the one sent again for it) has brought."""
     answered = {e for c in calls if c.done for e in c.experts}
     return [c for c in calls if not c.done and c.worker >= 0 and not answered.issuperset(c.experts)]
+
+
+def _calls_of(placement: dict[int, int], one_per_expert: bool) -> list[tuple[int, list[int]]]:
+    """The calls a placement (expert -> worker) makes: one per worker with all its experts (decode),
+    or one per expert (prefill: each expert's transfer overlaps the others' compute)."""
+    if one_per_expert:
+        return [(placement[e], [e]) for e in sorted(placement)]
+    by_worker: dict[int, list[int]] = {}
+    for expert in sorted(placement):
+        by_worker.setdefault(placement[expert], []).append(expert)
+    return list(by_worker.items())
+
+
+def _count_resent(x: Exchange, calls: list[BatchCall]) -> None:
+    """The stats' resent_calls: each call sent again counts for every request whose rows it took."""
+    for call in calls:
+        for b in {b for e in call.experts for b, _ in x.users[e]}:
+            x.resent[b] = x.resent.get(b, 0) + 1
+
+
+def _answer_problem(x: Exchange, call: BatchCall, result: ExpertsResult, tensors: list[torch.Tensor]) -> str:
+    """What is wrong with an answer's rows for `call`, or "": one 2-D tensor and one figure of each
+    column per expert, each with its segments' rows (a mini-batch's: any rows)."""
+    n = len(call.experts)
+    columns = (result.load_s, result.compute_s, result.bytes_loaded, result.preloaded, result.waited_s)
+    if len(tensors) != n or any(len(column) != n for column in columns) or any(t.dim() != 2 for t in tensors):
+        return "malformed rows"
+    if call.expected == 1:
+        for expert, y in zip(call.experts, tensors, strict=True):
+            if y.shape[0] != sum(r.shape[0] for _, r in x.users[expert]):
+                return f"{y.shape[0]} rows for expert {expert}"
+    return ""
 
 
 def _rows_by_expert(batch: list[DecodeRows], kernel: str) -> dict[int, list[tuple[int, torch.Tensor]]]:

@@ -29,68 +29,65 @@ class Step:
 
 
 @dataclass(frozen=True)
-class ComputeExpert:
-    """main -> worker: compute `expert` of `step.layer` on these rows (tensor 0: hidden [n, H])."""
-
-    step: Step
-    expert: int
-    kernel: str
-    # Prefill mini-batches: rows arrive in `parts` messages. The worker computes once all parts are
-    # in (bit-exact: a matmul's rows depend on how many rows it sees) unless `per_part` opts out.
-    part: int = 0
-    parts: int = 1
-    per_part: bool = False
-    # [rows, experts] of the reference's grouped_mm call over the whole layer (T*k, E): a CUDA worker
-    # mirrors that call's shape so the kernel picks the reference's tiles (odmoe.models.expert_math);
-    # [] = none
-    grouped_shape: list[int] = field(default_factory=list)
-    # decode: main asks this worker nothing more in this layer, so once it has answered it drops what
-    # it preloaded for the layer, as a Release would, without a message (and a wake-up) of its own
-    release: bool = False
-    # kernel "bmm" (Llama 4): this part's rows' token positions among the reference bmm's
-    # grouped_shape[0] rows, where the worker computes them (odmoe.models.expert_math); [] = the
-    # rows are all of them
-    positions: list[int] = field(default_factory=list)
-    kind: str = "compute"
-
-    @staticmethod
-    def joined(parts: dict[int, tuple[torch.Tensor, list[int]]]) -> tuple[torch.Tensor, list[int]]:
-        """One expert's prefill mini-batches, part index -> (rows [n, H], their positions), as
-        the whole batch: the rows concatenated in part order, and their positions."""
-        ordered = [parts[i] for i in range(len(parts))]
-        return torch.cat([rows for rows, _ in ordered]), [p for _, positions in ordered for p in positions]
-
-    def positions_problem(self, rows: int) -> str:
-        """What is wrong with `positions` for `rows` rows, or "": the bmm kernel and its
-        [rows, experts], one distinct position per row, each within the reference's rows."""
-        shape = self.grouped_shape
-        if self.kernel != "bmm" or len(shape) != 2:
-            return f"row positions need the bmm kernel and [rows, experts]: {self.kernel!r:.20} {shape!r:.30}"
-        if len(self.positions) != rows or len(set(self.positions)) != rows:
-            return f"{len(self.positions)} row positions for {rows} rows"
-        if not all(type(p) is int and 0 <= p < shape[0] for p in self.positions):
-            return f"row positions outside the reference's {shape[0]} rows"
-        return ""
-
-
-@dataclass(frozen=True)
 class ComputeExperts:
-    """main -> worker, one decode layer: every running request's rows of the experts main placed on
-    this worker, in one message (tensor i: expert `experts[i]`'s rows, the requests' segments one
-    after another, `segments[i]` their row counts). The worker loads each expert once and computes
-    each segment on its own, in the shape it has when its request runs alone (a matmul's result for a
-    row may depend on the rows around it), so every request gets the bits it would get alone.
-    `step` names the batch: (stream, tick, layer) (`odmoe.main.engine`)."""
+    """main -> worker: compute `experts` of `step.layer` on their rows (tensor i: expert `experts[i]`'s
+    rows [n, H], its requests' segments one after another, `segments[i]` their row counts). The one
+    compute message, for prefill and decode alike:
+    - decode, `(stream, tick, layer)` (`odmoe.main.engine`): every running request's rows of the
+      experts main placed on this worker. The worker loads each expert once and computes each
+      segment on its own, in the shape it has when its request runs alone (a matmul's result for a
+      row may depend on the rows around it), so every request gets the bits it would get alone.
+    - prefill, `(request, 0, layer)`: one expert per message, one segment (the prompt's rows of that
+      expert), sent as soon as it is split so transfer and compute overlap across experts; a long
+      segment may come in `parts` mini-batches (one message each, the same expert)."""
 
     step: Step
     experts: list[int]
     segments: list[list[int]]
     kernel: str
-    # [rows, experts] of each request's reference grouped_mm call (T*k, E; the same for every
-    # request of a decode batch, T = 1); [] = none (see ComputeExpert)
+    # [rows, experts] of each request's reference grouped_mm call (T*k, E; T = 1 in decode): a CUDA
+    # worker mirrors that call's shape so the kernel picks the reference's tiles
+    # (odmoe.models.expert_math); [] = none
     grouped_shape: list[int] = field(default_factory=list)
-    release: bool = False  # as ComputeExpert.release: main asks this worker nothing more this layer
+    # decode: main asks this worker nothing more in this layer, so once it has answered it drops what
+    # it preloaded for the layer, as a Release would, without a message (and a wake-up) of its own
+    release: bool = False
+    # Prefill mini-batches (one expert): this message's rows are part `part` of `parts`. The worker
+    # computes once all parts are in (bit-exact: a matmul's rows depend on how many rows it sees)
+    # unless `per_part` opts out, when it answers each part.
+    part: int = 0
+    parts: int = 1
+    per_part: bool = False
+    # kernel "bmm" (Llama 4), prefill: per expert, its rows' token positions among the reference
+    # bmm's grouped_shape[0] rows, where the worker computes them (odmoe.models.expert_math); [] =
+    # the rows are all of them
+    positions: list[list[int]] = field(default_factory=list)
     kind: str = "compute_experts"
+
+    @staticmethod
+    def single(step: Step, expert: int, kernel: str, rows: int, **fields) -> ComputeExperts:
+        """One expert's `rows` rows in one segment (a prefill's call, or one of its mini-batches)."""
+        return ComputeExperts(step, [expert], [[rows]], kernel, **fields)
+
+
+def joined_parts(parts: dict[int, tuple[torch.Tensor, list[int]]]) -> tuple[torch.Tensor, list[int]]:
+    """One expert's prefill mini-batches, part index -> (rows [n, H], their positions), as the whole
+    batch: the rows concatenated in part order, and their positions."""
+    ordered = [parts[i] for i in range(len(parts))]
+    return torch.cat([rows for rows, _ in ordered]), [p for _, positions in ordered for p in positions]
+
+
+def positions_problem(kernel: str, grouped_shape: list[int], positions: list[int], rows: int) -> str:
+    """What is wrong with one expert's row `positions` for its `rows` rows, or "": the bmm kernel
+    and its [rows, experts], one distinct position per row, each within the reference's rows."""
+    shape = grouped_shape
+    if kernel != "bmm" or len(shape) != 2:
+        return f"row positions need the bmm kernel and [rows, experts]: {kernel!r:.20} {shape!r:.30}"
+    if len(positions) != rows or len(set(positions)) != rows:
+        return f"{len(positions)} row positions for {rows} rows"
+    if not all(type(p) is int and 0 <= p < shape[0] for p in positions):
+        return f"row positions outside the reference's {shape[0]} rows"
+    return ""
 
 
 @dataclass(frozen=True)
@@ -104,46 +101,24 @@ class ExpertsResult:
     load_s: list[float]
     compute_s: list[float]
     bytes_loaded: list[int]
-    preloaded: list[bool]
-    waited_s: list[float]
+    preloaded: list[bool]  # the shadow's prediction had loaded it before main asked
+    waited_s: list[float]  # how long the call waited for the expert's load (0: it was ready)
     peak_rss: int
     error: str = ""
-    hedges: list[int] = field(default_factory=list)  # as ExpertResult.hedges
-    device_peak_bytes: int = 0
-    handled_s: float = 0.0  # as ExpertResult.handled_s
-    cached: list[int] = field(default_factory=list)  # as ExpertResult.cached, per expert
-    cache: list[int] = field(default_factory=list)  # as ExpertResult.cache
-    kind: str = "experts_result"
-
-
-@dataclass(frozen=True)
-class ExpertResult:
-    """worker -> main: the unweighted expert output (tensor 0: [n, H]) and what it cost."""
-
-    step: Step
-    expert: int
-    worker: int
-    load_s: float
-    compute_s: float
-    bytes_loaded: int
-    peak_rss: int
-    error: str = ""
-    preloaded: bool = False  # the shadow's prediction had loaded it before main asked
-    part: int = 0  # with per_part mini-batches: which part this answers
-    waited_s: float = 0.0  # how long the request waited for the expert's load (0: it was ready)
     # hedged prefetch, this request so far on this worker: [hedge loads, hedges used, bytes hedges loaded]
     hedges: list[int] = field(default_factory=list)
     device_peak_bytes: int = 0  # CUDA's max_memory_allocated in this worker process (0 off CUDA)
     # the worker's time from the call's frames in hand to this result: decoding, checks, waiting for
-    # the load, computing (not encoding this, nor sending it): main's round trip less this is the wire's
+    # loads, computing (not encoding this, nor sending it): main's round trip less this is the wire's
     handled_s: float = 0.0
-    # worker.cache: the bytes this expert's load would have moved, when the worker's cache had it (0:
+    # worker.cache, per expert: the bytes its load would have moved, when the worker's cache had it (0:
     # it was loaded for this call or preloaded for it); and the worker's cache so far
     # (odmoe.worker.expert_cache.CacheBook.report: capacity, cached, hits, misses, bytes saved, evictions,
     # experts it is home for, of them cached, then (layer, evictions) pairs)
-    cached: int = 0
+    cached: list[int] = field(default_factory=list)
     cache: list[int] = field(default_factory=list)
-    kind: str = "result"
+    part: int = 0  # with per_part mini-batches: which part this answers
+    kind: str = "experts_result"
 
 
 @dataclass(frozen=True)
@@ -286,9 +261,7 @@ class LiveWorkers:
 
 
 _ALL = (
-    ComputeExpert,
     ComputeExperts,
-    ExpertResult,
     ExpertsResult,
     Ping,
     Pong,
@@ -303,9 +276,7 @@ _ALL = (
 )
 _KINDS = {cls.kind: cls for cls in _ALL}
 Message = (
-    ComputeExpert
-    | ComputeExperts
-    | ExpertResult
+    ComputeExperts
     | ExpertsResult
     | Ping
     | Pong
@@ -318,9 +289,8 @@ Message = (
     | EndRequest
     | LiveWorkers
 )
-# Kinds whose tensors are part of their meaning (an Align carries 0 or 2: the shadow checks; a
-# result 1: main checks, since an error result is sent without rows in tests).
-_TENSORS = {"compute": 1}
+# How many tensors a message carries is checked by its receiver, who knows what they mean (a
+# ComputeExperts one per expert: the worker; an Align 0 or 2: the shadow; a result: main).
 
 
 def to_frames(message: Message, tensors: list[torch.Tensor] = ()) -> list:
@@ -341,8 +311,6 @@ def from_frames(frames: list) -> tuple[Message, list[torch.Tensor]]:
     cls = _KINDS.get(kind) if isinstance(kind, str) else None
     if cls is None:
         raise CodecError(f"unknown message kind {kind!r:.40}")
-    if cls.kind in _TENSORS and len(tensors) != _TENSORS[cls.kind]:
-        raise CodecError(f"{cls.kind} carries {len(tensors)} tensors, expected {_TENSORS[cls.kind]}")
     values = {}
     for name, check, where in _checkers(cls):
         if name in header:

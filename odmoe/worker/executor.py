@@ -1,9 +1,9 @@
 """A worker's experts without its sockets: what it holds, what it preloads, keeps, evicts, computes.
 
 Contract: `ExpertExecutor` takes a decoded message and its tensors and gives back the frames to send
-(`answer`; `compute` for a `ComputeExpert`, `compute_many` for a `ComputeExperts`), or None where
-nothing is sent (a prefill mini-batch that only completes a batch, a `Release`). It never opens a
-socket, never imports zmq and never reads a config; its constructor builds nothing but bookkeeping.
+(`answer`; `compute` for the one compute message, `ComputeExperts`), or None where nothing is sent
+(a prefill mini-batch that only completes a batch, a `Release`). It never opens a socket, never
+imports zmq and never reads a config; its constructor builds nothing but bookkeeping.
 The worker node (`odmoe.nodes.worker`) binds, receives, decodes, hands each message here and sends
 what comes back; `odmoe.main.inprocess` runs one executor per worker inside main's process, so the
 fast tier computes the experts with this same code.
@@ -29,24 +29,25 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 
-from odmoe.models.expert_math import KERNELS, ExpertMLP, expert_forward
+from odmoe.models.expert_math import KERNELS, ExpertMLP
 from odmoe.placement import LayerUnavailable, Topology
 from odmoe.tools.memory import peak_rss_bytes
 from odmoe.tools.trace import Tracer, now_us
 from odmoe.transport.codec import CodecError
 from odmoe.transport.messages import (
-    ComputeExpert,
     ComputeExperts,
     EndRequest,
-    ExpertResult,
     ExpertsResult,
     LiveWorkers,
     Prediction,
     Release,
     Step,
+    joined_parts,
+    positions_problem,
     to_frames,
 )
 from odmoe.worker.device_slots import device_peak_bytes
@@ -67,38 +68,35 @@ ExpertKey = tuple[int, int]  # (layer, expert)
 
 
 def request_problem(
-    request: ComputeExpert, hidden: torch.Tensor, hidden_size: int, dtype: torch.dtype
-) -> str:
-    """What is wrong with a compute request, or "" (an untrusted peer may send anything)."""
-    if request.kernel not in KERNELS:
-        return f"unknown experts kernel {request.kernel!r:.40}"
-    if not 0 <= request.part < request.parts:
-        return f"part {request.part} of {request.parts}"
-    if hidden.dim() != 2 or hidden.shape[1] != hidden_size:
-        return f"rows of shape {list(hidden.shape)}, expected [n, {hidden_size}]"
-    if hidden.dtype != dtype:
-        return f"rows of {hidden.dtype}, the experts are {dtype}"
-    shape = request.grouped_shape
-    if shape and (len(shape) != 2 or not (1 <= shape[0] <= MAX_GROUPED_ROWS and 1 <= shape[1] <= MAX_GROUPS)):
-        return f"grouped_shape {shape!r:.40} is not [rows <= {MAX_GROUPED_ROWS}, experts <= {MAX_GROUPS}]"
-    if request.positions:
-        return request.positions_problem(hidden.shape[0])
-    return ""
-
-
-def many_problem(
     request: ComputeExperts, tensors: list[torch.Tensor], hidden_size: int, dtype: torch.dtype
 ) -> str:
     """What is wrong with a ComputeExperts, or "" (an untrusted peer may send anything)."""
     n = len(request.experts)
     if not n or len(tensors) != n or len(request.segments) != n or len(set(request.experts)) != n:
         return f"{n} experts, {len(request.segments)} segment lists, {len(tensors)} tensors"
-    for expert, segments, rows in zip(request.experts, request.segments, tensors, strict=True):
-        one = ComputeExpert(request.step, expert, request.kernel, grouped_shape=request.grouped_shape)
-        if problem := request_problem(one, rows, hidden_size, dtype):
-            return problem
+    if request.kernel not in KERNELS:
+        return f"unknown experts kernel {request.kernel!r:.40}"
+    if not 0 <= request.part < request.parts or (request.parts > 1 and n > 1):
+        return f"part {request.part} of {request.parts} for {n} experts"
+    shape = request.grouped_shape
+    if shape and (len(shape) != 2 or not (1 <= shape[0] <= MAX_GROUPED_ROWS and 1 <= shape[1] <= MAX_GROUPS)):
+        return f"grouped_shape {shape!r:.40} is not [rows <= {MAX_GROUPED_ROWS}, experts <= {MAX_GROUPS}]"
+    if request.positions and len(request.positions) != n:
+        return f"{len(request.positions)} position lists for {n} experts"
+    for i, (expert, segments, rows) in enumerate(
+        zip(request.experts, request.segments, tensors, strict=True)
+    ):  # noqa: E501
+        if rows.dim() != 2 or rows.shape[1] != hidden_size:
+            return f"rows of shape {list(rows.shape)}, expected [n, {hidden_size}]"
+        if rows.dtype != dtype:
+            return f"rows of {rows.dtype}, the experts are {dtype}"
         if not segments or any(s < 1 for s in segments) or sum(segments) != rows.shape[0]:
             return f"segments {segments!r:.40} do not add up to the {rows.shape[0]} rows of expert {expert}"
+        if request.positions and (len(segments) > 1 or request.positions[i]):
+            if len(segments) > 1:
+                return "row positions with several segments"
+            if problem := positions_problem(request.kernel, shape, request.positions[i], rows.shape[0]):
+                return problem
     return ""
 
 
@@ -356,10 +354,8 @@ class ExpertExecutor:
     def answer(self, message, tensors: list[torch.Tensor], peer: bytes = b"") -> list | None:
         """The frames that answer one message from main, or None (nothing to send). A kind a worker
         does not take from main raises CodecError (the node drops it)."""
-        if isinstance(message, ComputeExpert):
-            return self.compute(message, tensors[0], peer)
         if isinstance(message, ComputeExperts):
-            return self.compute_many(message, tensors)
+            return self.compute(message, tensors, peer)
         if isinstance(message, Release):
             self.release(message.step)
         elif isinstance(message, EndRequest):
@@ -370,116 +366,76 @@ class ExpertExecutor:
             raise CodecError(f"worker cannot handle {message.kind}")
         return None
 
-    # -- one expert: decode's single call, or prefill's mini-batches --------------------------
-    def compute(self, request: ComputeExpert, hidden: torch.Tensor, peer: bytes = b"") -> list | None:
-        """Rows in one message, or prefill mini-batches: the expert loads when the first part arrives
-        (overlapping the rest of the transfer) and, bit-exact by default, computes once all are in."""
+    # -- the one compute path: a decode layer's experts, or one expert of a prefill ------------
+    def compute(self, request: ComputeExperts, tensors: list[torch.Tensor], peer: bytes = b"") -> list | None:
+        """Each expert of `request` loaded once (preloaded, cached, or now) and evicted after use
+        unless the cache keeps it, each segment of its rows computed on its own (the shape it has
+        alone: bit-exact), the outputs in one answer. Prefill mini-batches (`parts`) wait for the
+        whole batch first; None while a batch is incomplete."""
         step = request.step
-        if problem := request_problem(request, hidden, self.hidden_size, self.store.dtype):
-            return to_frames(self._result(request, 0.0, 0.0, 0, error=problem), [hidden[:0]])
-        key, tag = (step.layer, request.expert), (step.request, step.iteration)
-        if step.iteration >= 1:  # a prefill call belongs to one request, not to main's decode stream
-            self.keeper.serving(step, request.expert)
-        self.tracer.message("compute", "compute", step, request.expert, sent=False)
+        if problem := request_problem(request, tensors, self.hidden_size, self.store.dtype):
+            return self._failed(request, problem)
+        for expert in request.experts:
+            if step.iteration >= 1:  # a prefill call belongs to one request, not to main's decode stream
+                self.keeper.serving(step, expert)
+            self.tracer.message("compute", "compute", step, expert, sent=False)
+        if request.parts > 1:
+            return self._compute_part(request, tensors[0], peer)
+        tag = (step.request, step.iteration)
+        slots = [self.slots.find((step.layer, e), tag) for e in request.experts]
+        return self._compute_found(request, tensors, slots, [s is not None for s in slots])
+
+    def _compute_part(self, request: ComputeExperts, rows: torch.Tensor, peer: bytes) -> list | None:
+        """One prefill mini-batch of one expert: the expert starts loading when the first part
+        arrives (overlapping the rest of the transfer) and, bit-exact by default, is computed once
+        every part is in; with `per_part` (opt-in) each part is computed as it comes."""
+        step, expert = request.step, request.experts[0]
+        key, tag = (step.layer, expert), (step.request, step.iteration)
         slot = self.slots.find(key, tag)
         preloaded = slot is not None and request.part == 0
-        hit = slot is not None and slot.cached
-        arrived = time.perf_counter()
         if slot is None:
             try:
                 self.keeper.make_room()
-                # The first of several mini-batches loads in the background while the rest arrive.
-                load = self.slots.load_async if request.parts > 1 else self.slots.load
-                slot = load(key, tag=tag)
+                slot = self.slots.load_async(key, tag=tag)
             except (KeyError, RuntimeError, ValueError) as exc:  # ValueError: a corrupt stored chunk
-                return to_frames(self._result(request, 0.0, 0.0, 0, error=str(exc)), [hidden[:0]])
-        positions, last = request.positions, request.part == request.parts - 1
-        if request.parts > 1 and not request.per_part:  # the whole batch, once every part is in
-            assembled = self._assemble((peer, step, request.expert), request, hidden)
-            if assembled is None:
-                return None
-            (hidden, positions), last = assembled, True
-        try:
-            slot.wait_filled()
-        except Exception as exc:  # the background load failed (e.g. a corrupt chunk): say so to main
-            self.slots.evict(slot)
-            return to_frames(self._result(request, 0.0, 0.0, 0, error=f"loading failed: {exc}"), [hidden[:0]])
-        waited_s = time.perf_counter() - arrived  # this message waited on the expert's load
-        try:
-            y, compute_s, waited_s = self._forward(request, slot, hidden, positions, preloaded, waited_s)
-            first = request.part == 0 or not request.per_part
-            # count a load once, and none for a cached expert
-            load_s, nbytes = (slot.load_s, slot.nbytes) if first and not hit else (0.0, 0)
-            saved = slot.nbytes if first and hit else 0
-            if first and self.cache.enabled:
-                self.cache.used(key, hit, saved, decode=step.iteration >= 1)
-        finally:
-            if last:
-                self.keeper.after_use(slot)
-        result = self._result(
-            request, load_s, compute_s, nbytes, preloaded=preloaded, waited_s=waited_s, cached=saved
-        )
-        self.tracer.message("compute", "result", step, request.expert, sent=True)
-        return to_frames(result, [y])
-
-    def _forward(
-        self,
-        request: ComputeExpert,
-        slot: Slot,
-        hidden: torch.Tensor,
-        positions: list[int],
-        preloaded: bool,
-        waited_s: float,
-    ) -> tuple[torch.Tensor, float, float]:
-        """The expert in `slot` on `hidden`: output, compute s, and `waited_s` plus how long the
-        compute waited on the device for the load (CUDA)."""
-        step = request.step
-        start, start_us = time.perf_counter(), now_us()
-        with torch.inference_mode():
-            probe = self.slots.await_on_device(slot)  # CUDA: compute waits for the copy on the GPU
-            y = expert_forward(
-                self._on_device(hidden),
-                slot.gate_up,
-                slot.down,
-                self.mlp,
-                request.kernel,
-                tuple(request.grouped_shape) or None,
-                positions or None,
-            )
-            y = y if self.on_host else y.cpu()
-        compute_s, device_wait_s = self._computed(
-            slot, probe, start, start_us, step, request.expert, waited_s,
-            rows=hidden.shape[0], preloaded=preloaded,
-        )  # fmt: skip
-        return y, compute_s, waited_s + device_wait_s
+                return self._failed(request, str(exc))
+        if request.per_part:  # the load counted with the first part, the slot settled after the last
+            first, last = request.part == 0, request.part == request.parts - 1
+            return self._compute_found(request, [rows], [slot], [preloaded], first, last)
+        batch = self._assemble((peer, step, expert), request, rows)
+        if batch is None:
+            return None
+        rows, positions = batch
+        whole = replace(request, segments=[[rows.shape[0]]], part=0, parts=1, positions=[positions])
+        return self._compute_found(whole, [rows], [slot], [False])
 
     def _assemble(
-        self, key: tuple, request: ComputeExpert, hidden: torch.Tensor
+        self, key: tuple, request: ComputeExperts, rows: torch.Tensor
     ) -> tuple[torch.Tensor, list[int]] | None:
         """Collect one expert's prefill mini-batches; the whole batch (rows, their positions) once
         every part is in."""
         parts = self.batches.setdefault(key, {})
-        parts[request.part] = (hidden, request.positions)
+        parts[request.part] = (rows, request.positions[0] if request.positions else [])
         if len(parts) < request.parts:
             while len(self.batches) > MAX_OPEN_BATCHES:  # parts that will never complete (a lost main)
                 self.batches.popitem(last=False)
             return None
         del self.batches[key]
-        return ComputeExpert.joined(parts)
+        return joined_parts(parts)
 
-    # -- one decode layer's experts for every running request ---------------------------------
-    def compute_many(self, request: ComputeExperts, tensors: list[torch.Tensor]) -> list:
-        """One decode layer's experts for every running request, in one message: each expert loaded
-        once (preloaded, or now) and evicted after use, each request's segment of its rows computed
-        on its own (the shape it has alone: bit-exact), the outputs in one answer."""
-        step = request.step
-        if problem := many_problem(request, tensors, self.hidden_size, self.store.dtype):
-            return to_frames(self._many_result(request, error=problem), [])
-        for expert in request.experts:
-            self.keeper.serving(step, expert)
-        tag, n = (step.request, step.iteration), len(request.experts)
-        slots = [self.slots.find((step.layer, e), tag) for e in request.experts]
-        preloaded = [s is not None for s in slots]
+    def _compute_found(
+        self,
+        request: ComputeExperts,
+        tensors: list[torch.Tensor],
+        slots: list[Slot | None],
+        preloaded: list[bool],
+        first: bool = True,
+        last: bool = True,
+    ) -> list:
+        """`request`'s experts, `slots` what was found for them (None: to load). `first`: this call
+        counts their loads; `last`: their slots are settled after it (a per-part mini-batch's)."""
+        step, n = request.step, len(request.experts)
+        tag = (step.request, step.iteration)
         hits = [s is not None and s.cached for s in slots]
         # cached experts of this message stay until computed, whatever the others' admissions drop
         self.keeper.computing = {(step.layer, e) for e, hit in zip(request.experts, hits, strict=True) if hit}
@@ -487,7 +443,7 @@ class ExpertExecutor:
         # preloaded experts, else the first miss, loaded here first (a lone miss gains nothing from a
         # hand-off to the loader thread, which costs a wake-up). Whatever finds no free slot now
         # loads when its turn comes, after the ones before it are computed and evicted.
-        misses = [i for i in range(n) if not preloaded[i]]
+        misses = [i for i in range(n) if slots[i] is None]
         try:
             if misses and len(misses) == n:
                 self.keeper.make_room()
@@ -496,18 +452,19 @@ class ExpertExecutor:
                 if slots[i] is None and self.slots.free:
                     slots[i] = self.slots.load_async((step.layer, request.experts[i]), tag=tag)
         except Exception as exc:  # a store without the expert, a corrupt chunk: say so to main
-            for slot, was_there in zip(slots, preloaded, strict=True):
-                if slot is not None and not was_there:
-                    self.slots.evict(slot)
-            return to_frames(self._many_result(request, error=f"loading failed: {exc}"), [])
+            for i in misses:
+                if slots[i] is not None:
+                    self.slots.evict(slots[i])
+            self.keeper.computing = set()
+            return self._failed(request, f"loading failed: {exc}")
         # preloaded first, then the ones loading, then the ones still to load
         order = sorted(range(n), key=lambda i: (not preloaded[i], slots[i] is None))
         try:
-            return self._compute_in_order(request, tensors, order, slots, preloaded, hits)
+            return self._compute_in_order(request, tensors, order, slots, preloaded, hits, first, last)
         finally:
             self.keeper.computing = set()
 
-    def _compute_in_order(self, request, tensors, order, slots, preloaded, hits) -> list:
+    def _compute_in_order(self, request, tensors, order, slots, preloaded, hits, first, last) -> list:
         step, tag, n = request.step, (request.step.request, request.step.iteration), len(request.experts)
         outputs: list[torch.Tensor | None] = [None] * n
         load_s, compute_s, nbytes, waited, saved = [0.0] * n, [0.0] * n, [0] * n, [0.0] * n, [0] * n
@@ -522,23 +479,28 @@ class ExpertExecutor:
                 for j in order[turn:]:  # those before were computed and have left already
                     if slots[j] is not None and not slots[j].cached:
                         self.slots.evict(slots[j])
-                return to_frames(self._many_result(request, error=f"loading failed: {exc}"), [])
+                return self._failed(request, f"loading failed: {exc}")
             waited[i] = time.perf_counter() - arrived
             try:
                 outputs[i], compute_s[i], device_wait = self._compute_segments(
                     request, i, slots[i], tensors[i], preloaded[i], waited[i]
                 )
                 waited[i] += device_wait
-                if hits[i]:
-                    saved[i] = slots[i].nbytes
-                else:
-                    load_s[i], nbytes[i] = slots[i].load_s, slots[i].nbytes
-                if self.cache.enabled:
-                    self.cache.used((step.layer, request.experts[i]), hits[i], saved[i])
+                if first:  # count a load once, and none for a cached expert
+                    if hits[i]:
+                        saved[i] = slots[i].nbytes
+                    else:
+                        load_s[i], nbytes[i] = slots[i].load_s, slots[i].nbytes
+                    if self.cache.enabled:
+                        key = (step.layer, request.experts[i])
+                        self.cache.used(key, hits[i], saved[i], decode=step.iteration >= 1)
             finally:
                 self.keeper.computing.discard((step.layer, request.experts[i]))
-                self.keeper.after_use(slots[i])
-        result = self._many_result(request, load_s, compute_s, nbytes, preloaded, waited, cached=saved)
+                if last:
+                    self.keeper.after_use(slots[i])
+        result = self._result(request, load_s, compute_s, nbytes, preloaded, waited, cached=saved)
+        for expert in request.experts:
+            self.tracer.message("compute", "result", step, expert, sent=True)
         return to_frames(result, outputs)
 
     def _compute_segments(
@@ -550,11 +512,19 @@ class ExpertExecutor:
         step = request.step
         start, start_us = time.perf_counter(), now_us()
         with torch.inference_mode():
-            probe = self.slots.await_on_device(slot)
+            probe = self.slots.await_on_device(slot)  # CUDA: compute waits for the copy on the GPU
             grouped = tuple(request.grouped_shape) or None
             segments = request.segments[i]
+            positions = request.positions[i] if request.positions else None
             y = self.stacked.forward(
-                self._on_device(rows), segments, slot.gate_up, slot.down, self.mlp, request.kernel, grouped
+                self._on_device(rows),
+                segments,
+                slot.gate_up,
+                slot.down,
+                self.mlp,
+                request.kernel,
+                grouped,
+                positions or None,
             )
             y = y if self.on_host else y.cpu()
         compute_s, device_wait_s = self._computed(
@@ -596,37 +566,11 @@ class ExpertExecutor:
         return rows if self.on_host else rows.to(self.slots.device)
 
     # -- results -----------------------------------------------------------------------------
-    def _result(
-        self,
-        request: ComputeExpert,
-        load_s: float,
-        compute_s: float,
-        nbytes: int,
-        error: str = "",
-        preloaded: bool = False,
-        waited_s: float = 0.0,
-        cached: int = 0,
-    ) -> ExpertResult:
-        return ExpertResult(
-            step=request.step,
-            expert=request.expert,
-            worker=self.index,
-            load_s=load_s,
-            compute_s=compute_s,
-            bytes_loaded=nbytes,
-            peak_rss=peak_rss_bytes(),
-            error=error,
-            preloaded=preloaded,
-            waited_s=waited_s,
-            part=request.part if request.per_part else 0,
-            hedges=self.schedule.hedges_of(request.step.request),
-            device_peak_bytes=device_peak_bytes(self.slots.device),
-            handled_s=time.perf_counter() - self.received,
-            cached=cached,
-            cache=self.keeper.cache_report(),
-        )
+    def _failed(self, request: ComputeExperts, error: str) -> list:
+        """An error answer (no rows): main raises WorkerFailed with `error`."""
+        return to_frames(self._result(request, error=error), [])
 
-    def _many_result(
+    def _result(
         self,
         request: ComputeExperts,
         load_s=(),
@@ -654,4 +598,5 @@ class ExpertExecutor:
             handled_s=time.perf_counter() - self.received,
             cached=list(cached) or [0] * n,
             cache=self.keeper.cache_report(),
+            part=request.part if request.per_part else 0,
         )

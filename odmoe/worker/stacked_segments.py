@@ -58,10 +58,13 @@ class StackedSegments:
         mlp: ExpertMLP,
         kernel: str,
         grouped_shape: tuple[int, int] | None = None,
+        positions: list[int] | None = None,
     ) -> torch.Tensor:
-        """x [sum(segments), H] -> [sum(segments), H]: each segment's rows as expert_forward alone."""
+        """x [sum(segments), H] -> [sum(segments), H]: each segment's rows as expert_forward alone
+        (`positions`, "bmm" with one segment: the rows' token positions, as expert_forward takes them)."""
         if len(segments) == 1:
-            return expert_forward(_aligned(x), gate_up, down, mlp, kernel, grouped_shape)
+            return expert_forward(_aligned(x), gate_up, down, mlp, kernel, grouped_shape, positions)
+        assert positions is None, "row positions are a one-segment (prefill) call's"
         key = (
             kernel, mlp.layout, tuple(segments), tuple(gate_up.shape), tuple(down.shape),
             x.dtype, gate_up.dtype, x.device.type,
