@@ -131,28 +131,21 @@ def test_shadow_choice_scores_rank_as_the_router_chooses(routing, tmp_path):
 
 @pytest.mark.parametrize("routing", ["v2-group_limited_greedy", "v3-sigmoid-bias-groups"])
 def test_the_shadow_node_hedges_the_best_expert_of_a_near_tied_group_left_out(routing, tmp_path):
-    """The shadow node's router hook (nodes/shadow.py) publishes group hedges for a group-limited
-    router: with a margin wider than any gap, the best expert of the best group left out, which the
-    router scored -inf, beside the (k+1)-th candidate."""
-    from types import SimpleNamespace
-
-    from odmoe.nodes.shadow import ShadowNode
+    """The shadow's router hook (odmoe/shadow/predictor.py, by odmoe/shadow/choices.py's rule)
+    publishes group hedges for a group-limited router: with a margin wider than any gap, the best
+    expert of the best group left out, which the router scored -inf, beside the (k+1)-th candidate."""
+    from odmoe.shadow.choices import router_choice
     from odmoe.shadow.hedging import GroupLimit
 
     model = AutoModelForCausalLM.from_pretrained(_save_tiny(routing, tmp_path / "m"))
     router = _moe_routers(model)[0]
-    node = SimpleNamespace(
-        top_k=router.top_k,
-        num_experts=router.num_experts if hasattr(router, "num_experts") else router.n_routed_experts,
-        scfg=SimpleNamespace(hedge_margin=100.0),
-        made_wrong=SimpleNamespace(experts=lambda experts: experts),  # emulation.inject_wrong off
-    )
+    num_experts = router.num_experts if hasattr(router, "num_experts") else router.n_routed_experts
     torch.manual_seed(3)
-    size = node.num_experts // router.num_group
+    size = num_experts // router.num_group
     for row in torch.randn(20, model.config.hidden_size):
         with torch.no_grad():
             output = router(row[None])
-        choice = ShadowNode.choice(node, router, output, 0, group_limit(router))
+        choice = router_choice(router, output, 0, router.top_k, 100.0, group_limit(router))
         experts, candidates, hedges = choice.experts, choice.candidates, choice.hedges
         chosen_groups = {e // size for e in experts}
         assert candidates[router.top_k] in hedges  # the (k+1)-th: every gap is within this margin

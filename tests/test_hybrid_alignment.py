@@ -2,7 +2,7 @@
 recurrent state, every 4th layer full attention). Alignment copies the attention layers' K/V rows
 and leaves each linear-attention layer's recurrent state to the shadow (odmoe/models/kv_rows.py); a
 speculative shadow that must roll back rebuilds its cache from the tokens that held, since a
-recurrent state cannot be cut back to an earlier position (nodes/shadow.py `_refilled`)."""
+recurrent state cannot be cut back to an earlier position (odmoe/shadow/predictor.py `_refilled`)."""
 
 from __future__ import annotations
 

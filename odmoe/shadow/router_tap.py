@@ -15,9 +15,10 @@ expert's unmasked score for group hedging) and `wrong_experts` (fault injection:
 expert replaced, with probability `rate`, by one the prediction does not hold) are the rules the
 shadow node runs and the benchmarks that replay or emulate it share, so they cannot drift apart.
 
-Users: nodes/shadow.py (predictions), odmoe/lossy/substitution.py (importance-driven substitution on
-main), odmoe/tools/training.py (routing statistics, DeepSeek-V3's bias updates), benchmarks/replay.py
-(recall replays), benchmarks/lossy_quality.py (quality of lossy policies).
+Users: odmoe/shadow/predictor.py (predictions, ranked by odmoe/shadow/choices.py),
+odmoe/lossy/substitution.py (importance-driven substitution on main), odmoe/tools/training.py
+(routing statistics, DeepSeek-V3's bias updates), benchmarks/replay.py (recall replays),
+benchmarks/lossy_quality.py (quality of lossy policies).
 """
 
 from __future__ import annotations
