@@ -33,6 +33,11 @@ def cluster_words(cfg: BenchConfig, *extra: str) -> list[str]:
     ]
 
 
+def link_words(bandwidth_gbps: float, latency_ms: float) -> list[str]:
+    """The odmoe-launch words of an emulated load link."""
+    return [f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}", f"emulation.link.latency_ms={latency_ms:g}"]
+
+
 @dataclass
 class ClusterRun:
     words: list[str]

@@ -21,10 +21,9 @@ import shutil
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 from odmoe.benchmarks.cluster_runs import run_cluster
-from odmoe.benchmarks.results import write_report
+from odmoe.benchmarks.results import RESULTS, write_report
 from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
@@ -32,7 +31,6 @@ from odmoe.tools.model_names import resolve_model
 
 SUBNET, BRIDGE = "10.77.0", "odmoe-br"
 BRIDGE_ADDRESS = f"{SUBNET}.254"  # the root namespace's side: the client (and any relay) lives here
-RESULTS = Path(__file__).parent / "results"
 
 
 class Lan:

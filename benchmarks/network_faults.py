@@ -40,13 +40,13 @@ import shutil
 import subprocess
 import threading
 import time
-from pathlib import Path
 
 import httpx
 
 import odmoe
+from odmoe.benchmarks.cluster_runs import link_words
 from odmoe.benchmarks.netns_lan import BRIDGE_ADDRESS, Lan
-from odmoe.benchmarks.results import write_report
+from odmoe.benchmarks.results import RESULTS, write_report
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
@@ -54,7 +54,6 @@ from odmoe.tools.link_relay import Relay
 from odmoe.tools.model_names import resolve_model
 from odmoe.transport.security import TLS_NAME
 
-RESULTS = Path(__file__).parent / "results"
 WORKERS = 4
 NODES = ["main", "shadow", *[f"worker{i}" for i in range(WORKERS)]]
 NEW_TOKENS = 48
@@ -331,10 +330,6 @@ def shadow_cut(lan: Lan, path: str, words: list[str], prompts, wants, cut_s: flo
         "lost_requests": len(load.errors) + len(watched.errors),
         "workers_declared_lost": sum(e["event"] == "lost" for e in events),
     }
-
-
-def link_words(bandwidth_gbps: float, latency_ms: float) -> list[str]:
-    return [f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}", f"emulation.link.latency_ms={latency_ms:g}"]
 
 
 def straggler(lan: Lan, path: str, words: list[str], prompts, wants, seconds: float, slower: float = 10.0,

@@ -17,6 +17,8 @@ from pathlib import Path
 
 from odmoe.benchmarks.config import BenchConfig
 
+RESULTS = Path(__file__).parent / "results"  # where the committed figures live (the scripts' default)
+
 
 class ResultsDir:
     def __init__(self, cfg: BenchConfig, model_path: str):
@@ -62,11 +64,6 @@ class ResultsDir:
         )
         print(f"wrote {out}", flush=True)
         return out
-
-
-def fmt(x: float | None, width: int = 8, spec: str = ".3f") -> str:
-    """A table cell: the number, or "-" where there is none (e.g. recall without a shadow)."""
-    return f"{'-':>{width}}" if x is None else f"{x:{width}{spec}}"
 
 
 def _slug(text: str) -> str:

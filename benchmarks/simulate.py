@@ -17,11 +17,10 @@ validated against a measured grid.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
+from odmoe.benchmarks.results import RESULTS
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
-RESULTS = Path(__file__).parent / "results"
 LAYERS, GROUPS = 32, 4  # Mixtral-8x7B; 8 workers in groups of 2 (top-2)
 EXPERT_BYTES = 3 * 4096 * 14336 * 2  # w1, w2, w3 in fp16: 352 MB
 FULL_SPEED = 4.89  # tokens/s, Transformers with all experts cached (paper Table 2)

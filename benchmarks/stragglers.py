@@ -37,13 +37,13 @@ import time
 from pathlib import Path
 
 import odmoe
-from odmoe.benchmarks.results import write_report
+from odmoe.benchmarks.cluster_runs import link_words
+from odmoe.benchmarks.results import RESULTS, write_report
 from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
 
-RESULTS = Path(__file__).parent / "results"
 SLOW = "worker3"
 SHAPE = ["--layers", "8", "--hidden", "512", "--intermediate", "1024", "--experts", "8", "--top-k", "2"]
 
@@ -56,10 +56,6 @@ def make_model(out: Path) -> str:
             check=True,
         )  # fmt: skip
     return str(out)
-
-
-def link_words(bandwidth_gbps: float, latency_ms: float) -> list[str]:
-    return [f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}", f"emulation.link.latency_ms={latency_ms:g}"]
 
 
 def run_case(

@@ -11,11 +11,19 @@ from __future__ import annotations
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir, fmt
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.suite_kit import Table, prompts
 from odmoe.models.open_model import load_tokenizer
 
-PROMPT_TOKENS = 32
+TABLE = Table(
+    "token:>6:token_period",
+    "kv:>4:kv_period",
+    "decode tok/s:14.1f:decode_tokens_per_s.mean",
+    "± stdev:9.1f:decode_tokens_per_s.stdev",
+    "recall:8.3f:recall",
+    "in time:8.3f:timely_recall",
+    "late ms:9.2f:late_departure_ms_mean",
+)
 PANELS = [
     ("decode_tokens_per_s", "decode tokens/s (mean)", "{:.1f}"),
     ("recall", "recall (Eq. 3)", "{:.3f}"),
@@ -26,24 +34,19 @@ PANELS = [
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.alignment
     tokenizer = load_tokenizer(model_path)
-    prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.repeats)]
-    print(f"{'token':>6}{'kv':>4}{'decode tok/s':>14}{'± stdev':>9}{'recall':>8}{'in time':>8}{'late ms':>9}")
+    requests = prompts(tokenizer, suite.repeats)
+    TABLE.header()
     rows = []
     for token_period in suite.token_periods:
         for kv_period in suite.kv_periods:
             words = cluster_words(
                 cfg, f"alignment.token_period={token_period}", f"alignment.kv_period={kv_period}"
             )
-            row = summarise(run_cluster(model_path, words, prompts, suite.new_tokens))
-            d = row["decode_tokens_per_s"]
+            row = summarise(run_cluster(model_path, words, requests, suite.new_tokens))
             row.update(token_period=token_period, kv_period=kv_period)
-            row["decode_tokens_per_s_mean"] = d["mean"]
+            row["decode_tokens_per_s_mean"] = row["decode_tokens_per_s"]["mean"]
             rows.append(row)
-            print(
-                f"{token_period:>6}{kv_period:>4}{d['mean']:14.1f}{d['stdev']:9.1f}{fmt(row['recall'])}"
-                f"{fmt(row['timely_recall'])}{fmt(row['late_departure_ms_mean'], 9, '.2f')}",
-                flush=True,
-            )
+            TABLE.record(row)
     report = {"new_tokens": suite.new_tokens, "repeats": suite.repeats, "rows": rows}
     out.write("alignment", "alignment", report)
     panels = [("decode_tokens_per_s_mean", *PANELS[0][1:]), *PANELS[1:]]

@@ -29,17 +29,31 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.benchmarks.suite_kit import Table, prompts
+from odmoe.benchmarks.workload import reference_tokens
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
+
+TABLE = Table(
+    "budget:>7g:budget",
+    "system:<16:system",
+    "experts:>8:capacity_experts",
+    "decode tok/s:>13.1f:decode_tokens_per_s",
+    "vs resident:>12.3f:vs_resident",
+    "hit rate:>9.3f:hit_rate",
+    "MiB/token:>10.3f:mib_per_token",
+    "vs cacheless:>13.3f:bytes_vs_cacheless",
+    "differ:>7:differ",
+    sep=" ",
+)
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.cache
     tok = load_tokenizer(model_path)
-    prompts = [prompt_ids(tok, 200 + i, suite.prompt_tokens) for i in range(suite.prompts)]
-    wanted = [reference_tokens(model_path, ids, suite.new_tokens) for ids in prompts]
+    requests = prompts(tok, suite.prompts, suite.prompt_tokens, first=200)
+    wanted = [reference_tokens(model_path, ids, suite.new_tokens) for ids in requests]
     expert_bytes, experts = _expert_size(model_path)
     workers = cfg.cluster.workers
     rows = []
@@ -49,7 +63,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             if system == "resident_workers" and budget != max(suite.budgets):
                 continue  # the ceiling: measured once
             print(f"-- budget {budget:g}: {system}", flush=True)
-            row = _measure(cfg, model_path, system, per_worker, expert_bytes, prompts, suite.new_tokens)
+            row = _measure(cfg, model_path, system, per_worker, expert_bytes, requests, suite.new_tokens)
             row.update(budget=budget, system=system)
             row["differ"] = sum(a != b for a, b in zip(row.pop("token_ids"), wanted, strict=True))
             rows.append(row)
@@ -167,17 +181,7 @@ def _print(report: dict) -> None:
         f"\nexpert cache: {report['experts']} experts of {report['expert_bytes'] / 2**20:.2f} MiB, "
         f"{report['workers']} workers; budget = share of every expert's bytes, cluster-wide"
     )
-    print(
-        f"{'budget':>7} {'system':<16} {'experts':>8} {'decode tok/s':>13} {'vs resident':>12} "
-        f"{'hit rate':>9} {'MiB/token':>10} {'vs cacheless':>13} {'differ':>7}"
-    )
+    TABLE.header()
     for r in report["rows"]:
-        hit = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
-        vs = "-" if r["vs_resident"] is None else f"{r['vs_resident']:.3f}"
-        vb = "-" if r["bytes_vs_cacheless"] is None else f"{r['bytes_vs_cacheless']:.3f}"
-        print(
-            f"{r['budget']:>7g} {r['system']:<16} {r['capacity_experts']:>8} "
-            f"{r['decode_tokens_per_s']:>13.1f} {vs:>12} {hit:>9} {r['bytes_per_token'] / 2**20:>10.3f} "
-            f"{vb:>13} {r['differ']:>7}"
-        )
+        TABLE.record(r, mib_per_token=r["bytes_per_token"] / 2**20)
     print(f"tokens identical to transformers everywhere: {report['identical']}")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -35,7 +34,7 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig, BenchLink
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.suite_kit import Table, prompts
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.model_names import resolve_model
 from odmoe.worker.bitfields import byte_view, join_into, split
@@ -45,6 +44,7 @@ from odmoe.worker.expert_sources import CompressedExpert
 
 KINDS = ("gate_up", "down")
 METHODS = ("odmoe", "zstd", "lz4", "zipnn")
+RATIOS = ("odmoe", "zipnn", "zstd", "lz4", "bound")  # the ratio table's columns
 EXPONENT_BITS = {torch.bfloat16: (7, 8), torch.float16: (10, 5), torch.float32: (23, 8)}  # (shift, width)
 
 
@@ -155,22 +155,19 @@ def _zipnn(dtype: torch.dtype, threads: int = 1):
 
 def _print_ratios(label: str, path: str, by_dtype: dict) -> None:
     print(f"\nstored / raw bytes, every expert of {label} ({path})")
-    print(f"{'dtype':<10}{'tensor':<9}{'raw MiB':>9}{'odmoe':>8}{'zipnn':>8}{'zstd':>8}{'lz4':>8}"
-          f"{'bound':>8}{'H(exp) bits':>13}")  # fmt: skip
+    table = Table(
+        "dtype:<10", "tensor:<9", "raw MiB:9.2f", *(f"{k}:8.1%" for k in RATIOS), "H(exp) bits:13.2f"
+    )
+    table.header()
     for dtype, rows in by_dtype.items():
         for kind, r in rows.items():
-            cells = "".join(_pct(r[k]) for k in ("odmoe", "zipnn", "zstd", "lz4", "bound"))
-            print(
-                f"{dtype:<10}{kind:<9}{r['raw_bytes'] / 2**20:9.2f}{cells}{r['exponent_entropy_bits']:13.2f}"
+            table.row(
+                dtype, kind, r["raw_bytes"] / 2**20, *(r[k] for k in RATIOS), r["exponent_entropy_bits"]
             )
     if _zipnn(torch.bfloat16) is None:
         print("zipnn: not installed (pip install zipnn, the compression extra): its column is empty")
     if _lz4() is None:
         print("lz4: not installed (pip install lz4, the compression extra): its column is empty")
-
-
-def _pct(x: float | None) -> str:
-    return f"{'-':>8}" if x is None else f"{x * 100:7.1f}%"
 
 
 # -- 2. decompression speed ----------------------------------------------------------------------
@@ -281,7 +278,7 @@ def _print_coders(rows: dict, stages: dict) -> None:
 def decode(cfg: BenchConfig, model_path: str) -> dict:
     suite = cfg.compression
     tokenizer = load_tokenizer(model_path)
-    prompts = [prompt_ids(tokenizer, 200 + i, 32) for i in range(suite.repeats)]
+    requests = prompts(tokenizer, suite.repeats, first=200)
     link_cfg = dataclasses.replace(cfg, link=BenchLink(suite.bandwidth_gbps, suite.latency_ms))
     results = {}
     with tempfile.TemporaryDirectory(prefix="odmoe-pack-") as pack_dir:
@@ -290,7 +287,7 @@ def decode(cfg: BenchConfig, model_path: str) -> dict:
         for system in suite.systems:
             print(f"-- {system}", flush=True)
             if system == "lru_offloader":
-                results[system] = _lru(cfg, model_path, prompts)
+                results[system] = _lru(cfg, model_path, requests)
                 continue
             words = cluster_words(
                 link_cfg,
@@ -298,7 +295,7 @@ def decode(cfg: BenchConfig, model_path: str) -> dict:
                 f"worker.store={system}",
                 f"worker.pack_dir={pack_dir}",
             )
-            run = run_cluster(model_path, words, prompts, suite.new_tokens)
+            run = run_cluster(model_path, words, requests, suite.new_tokens)
             row = summarise(run)
             row["token_ids"] = run.token_ids
             row["bytes_loaded_per_token"] = statistics.mean(
@@ -343,17 +340,24 @@ def _print_decode(rows: dict, suite) -> None:
         f"\ndecode tokens/s at {suite.dtype} over a {suite.bandwidth_gbps:g} Gbit/s + "
         f"{suite.latency_ms:g} ms link, {suite.repeats} requests x {suite.new_tokens} tokens"
     )
-    head = f"{'system':<16}{'decode tok/s':>16}{'stall ms/token':>16}{'KiB moved/token':>17}"
-    print(f"{head}{'worker RSS MiB':>16}")
+    table = Table(
+        "system:<16",
+        "decode tok/s:>16",
+        "stall ms/token:16.2f",
+        "KiB moved/token:17.1f",
+        "worker RSS MiB:16.0f",
+    )
+    table.header()
     for name, r in rows.items():
         d = r["decode_tokens_per_s"]
-        stall = r.get("stall_ms_per_token")
         moved = r.get("bytes_loaded_per_token")
         rss = r.get("peak_rss_bytes") or {}
-        worker_rss = max((v for k, v in rss.items() if k.startswith(("worker", "lru"))), default=math.nan)
-        print(
-            f"{name:<16}{d['mean']:9.1f} ± {d['stdev']:4.1f}"
-            f"{stall if stall is not None else math.nan:16.2f}"
-            f"{(moved or math.nan) / 1024:17.1f}{worker_rss / 2**20:16.0f}"
+        worker_rss = max((v for k, v in rss.items() if k.startswith(("worker", "lru"))), default=None)
+        table.row(
+            name,
+            f"{d['mean']:9.1f} ± {d['stdev']:4.1f}",
+            r.get("stall_ms_per_token"),
+            moved / 1024 if moved else None,
+            worker_rss and worker_rss / 2**20,
         )
     print(f"tokens identical across systems: {all(r['tokens_identical'] for r in rows.values())}")

@@ -29,33 +29,35 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.benchmarks.suite_kit import Table, prompts
+from odmoe.benchmarks.workload import reference_tokens
 from odmoe.models.open_model import load_tokenizer
 
-PROMPT_TOKENS = 32
+TABLE = Table(
+    "node:<9:node",
+    "action:<7:action",
+    "detect s:9.3f:detect_s",
+    "stall s:9.3f:stall_s",
+    "recovery s:11.3f:recovery_s",
+    "gap before ms:14.1f:gap_ms",
+    "tokens equal:>13:tokens_equal",
+    none="n/a",
+)
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.faults
 
     tok = load_tokenizer(model_path)
-    prompts = [prompt_ids(tok, i, PROMPT_TOKENS) for i in range(max(suite.streams, 1))]
-    wants = [reference_tokens(model_path, p, suite.new_tokens) for p in prompts]
-    print(
-        f"{'node':<9}{'action':<7}{'detect s':>9}{'stall s':>9}{'recovery s':>11}"
-        f"{'gap before ms':>14}{'tokens equal':>13}",
-        flush=True,
-    )
+    streams = prompts(tok, max(suite.streams, 1))
+    wants = [reference_tokens(model_path, p, suite.new_tokens) for p in streams]
+    TABLE.header()
     rows = []
     for case in suite.cases:
         node, action = case.split(":")
-        row = _one(cfg, model_path, prompts, wants, node, action)
+        row = _one(cfg, model_path, streams, wants, node, action)
         rows.append(row)
-        print(
-            f"{node:<9}{action:<7}{_s(row['detect_s'])}{_s(row['stall_s'])}{_s(row['recovery_s'], 11)}"
-            f"{row['median_gap_before_s'] * 1e3:14.1f}{str(row['tokens_equal']):>13}",
-            flush=True,
-        )
+        TABLE.record(row, gap_ms=row["median_gap_before_s"] * 1e3)
     report = {
         "new_tokens": suite.new_tokens,
         "at_token": suite.at_token,
@@ -139,7 +141,3 @@ def _measure(node, action, fired, arrivals, equal, stats, failovers) -> dict:
         "gaps_s": gaps,
         "resumed_tokens": stats.get("resumed_tokens", 0),
     }
-
-
-def _s(x: float | None, width: int = 9) -> str:
-    return f"{'n/a':>{width}}" if x is None else f"{x:{width}.3f}"

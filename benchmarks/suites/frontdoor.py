@@ -20,10 +20,19 @@ import odmoe
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.suite_kit import Table, median, prompts
 from odmoe.models.open_model import load_tokenizer
 
 PATHS = ("grpc", "http_stream", "http_whole")
+TABLE = Table(
+    "path:<13",
+    "TTFT ms:9.1f",
+    "e2e ms:9.1f",
+    "decode tok/s:14.1f",
+    "Δe2e ms:>9",
+    "Δe2e %:8.1f",
+    "Δ/token ms:11.2f",
+)
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -32,7 +41,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
     suite = cfg.frontdoor
     tok = load_tokenizer(model_path)
-    prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
+    requests = prompts(tok, suite.prompts, suite.prompt_tokens)
     samplings = [{}, {"temperature": 0.8, "seed": 7}] if suite.sampled else [{}]
     rows: dict[str, list[dict]] = {p: [] for p in PATHS}
     mismatches = 0
@@ -44,10 +53,10 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             http_client=httpx.Client(verify=cluster.http_auth.get("verify", True)),
         )
         name = api.models.list().data[0].id
-        _grpc(cluster.client, name, prompts[0], 4, {})  # warm-up, both doors
-        _http_stream(api, name, prompts[0], 4, {})
+        _grpc(cluster.client, name, requests[0], 4, {})  # warm-up, both doors
+        _http_stream(api, name, requests[0], 4, {})
         for r in range(suite.repeats):
-            for ids in prompts:
+            for ids in requests:
                 for sampling in samplings:
                     texts = {}
                     for path in _order(r):
@@ -134,11 +143,7 @@ def _row(start, first, end, tokens, text) -> dict:
 
 
 def _summary(rows: list[dict]) -> dict:
-    def med(key):
-        values = [r[key] for r in rows if r[key] is not None]
-        return statistics.median(values) if values else None
-
-    return {k: med(k) for k in ("ttft_s", "e2e_s", "decode_tokens_per_s")}
+    return {k: median(r[k] for r in rows) for k in ("ttft_s", "e2e_s", "decode_tokens_per_s")}
 
 
 def _overhead(rows: list[dict], grpc: list[dict]) -> dict:
@@ -159,13 +164,15 @@ def _print(report: dict) -> None:
         f"{report['requests_per_path']} requests per path, {report['prompt_tokens']} prompt tokens, "
         f"{report['new_tokens']} new tokens; texts differing between paths: {report['texts_differ']}"
     )
-    print(
-        f"{'path':<13}{'TTFT ms':>9}{'e2e ms':>9}{'decode tok/s':>14}"
-        f"{'Δe2e ms':>9}{'Δe2e %':>8}{'Δ/token ms':>11}"
-    )
+    TABLE.header()
     for path, s in report["paths"].items():
-        o = report["overhead_vs_grpc"].get(path)
-        ttft = f"{s['ttft_s'] * 1e3:9.1f}" if s["ttft_s"] is not None else f"{'-':>9}"
-        tps = f"{s['decode_tokens_per_s']:14.1f}" if s["decode_tokens_per_s"] else f"{'-':>14}"
-        extra = f"{o['e2e_ms']:9.1f}{o['e2e_pct']:8.1f}{o['per_token_ms']:11.2f}" if o else f"{'(base)':>9}"
-        print(f"{path:<13}{ttft}{s['e2e_s'] * 1e3:9.1f}{tps}{extra}")
+        o = report["overhead_vs_grpc"].get(path) or {}  # none for gRPC itself: the base
+        TABLE.row(
+            path,
+            s["ttft_s"] * 1e3 if s["ttft_s"] is not None else None,
+            s["e2e_s"] * 1e3,
+            s["decode_tokens_per_s"] or None,
+            f"{o['e2e_ms']:.1f}" if o else "(base)",
+            o.get("e2e_pct"),
+            o.get("per_token_ms"),
+        )

@@ -47,12 +47,23 @@ import torch
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.config import BenchConfig, GpuSuite, gpu_system
-from odmoe.benchmarks.results import ResultsDir, fmt
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.suite_kit import Table, fmt, prompts
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
 
+SYSTEMS = Table(
+    "system:<20",
+    "decode tok/s:13.2f",
+    "TTFT s:8.3f",
+    "experts:8d",
+    "hit:6.2f",
+    "MB/token:9.1f",
+    "device GiB (peak, per node):>30",
+    "tokens = single:>5",
+    sep=" ",
+)
 NO_CUDA = (
     "suite=gpu needs a CUDA device and this machine's torch sees none (torch {version}). Install a CUDA "
     "build of torch (README: On a GPU), or run the dry run: odmoe-bench suite=gpu gpu.device=cpu "
@@ -96,7 +107,7 @@ def _model_gb(spec: ModelSpec) -> float:
     return (spec.layers * per_layer + 2 * spec.vocab * spec.hidden) * 2 / 1e9
 
 
-def cluster_words(g: GpuSuite, cache: bool | str = False, policy: str = "prediction") -> list[str]:
+def gpu_words(g: GpuSuite, cache: bool | str = False, policy: str = "prediction") -> list[str]:
     d = g.device
     # cache=False: the issue's odmoe, each worker bounded by its slots; True: odmoe's default cache;
     # a string: that worker.cache (bytes, for the same-budget sweep)
@@ -126,7 +137,7 @@ def cluster_words(g: GpuSuite, cache: bool | str = False, policy: str = "predict
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     g = cfg.gpu
     tokenizer = load_tokenizer(model_path)
-    prompts = [prompt_ids(tokenizer, 200 + i, g.prompt_tokens) for i in range(g.repeats)]
+    requests = prompts(tokenizer, g.repeats, g.prompt_tokens, first=200)
     ckpt = open_checkpoint(model_path)
     expert_bytes = ckpt.expert(ckpt.moe_layers[0], 0).nbytes
     bus = _bus_peak(g)
@@ -153,12 +164,12 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
                 if count is not None:
                     cache = str(count * expert_bytes)
                 policy = "lru" if kind == "odmoe_lru" else "prediction"
-                systems[system] = _odmoe(g, model_path, prompts, cache, policy)
+                systems[system] = _odmoe(g, model_path, requests, cache, policy)
                 # device memory for experts, in experts (odmoe_cache's "auto" is measured, not set)
                 cached = 0 if kind == "odmoe" else count
                 systems[system]["expert_budget"] = None if cached is None else g.workers * (g.slots + cached)
             else:
-                systems[system] = _process(g, model_path, kind, prompts, budget, count)
+                systems[system] = _process(g, model_path, kind, requests, budget, count)
         except Exception as e:  # noqa: BLE001 - any failure of one system is reported, not fatal
             failed[system] = f"{type(e).__name__}: {e}"
             print(f"-- {system} FAILED: {failed[system]}", flush=True)
@@ -198,7 +209,7 @@ def _odmoe_weight_bytes(ckpt: Checkpoint, g: GpuSuite, expert_bytes: int) -> int
 def _odmoe(g: GpuSuite, model_path: str, prompts: list[list[int]], cache: bool | str, policy: str) -> dict:
     # warmed up with a whole request: a 4-token warm-up left the first timed request at a tenth of
     # the second's speed on an H200 (one process: 31 against 358 tokens/s)
-    words = cluster_words(g, cache, policy)
+    words = gpu_words(g, cache, policy)
     run = run_cluster(model_path, words, prompts, g.new_tokens, warmup_tokens=g.new_tokens)
     stats = run.stats
     loaded = sum(w["bytes_loaded"] for s in stats for w in s["per_worker"].values())
@@ -268,19 +279,18 @@ def _process(
 def _print(report: dict) -> None:
     bus = report["bus_peak_bytes_per_s"]
     print(f"bus peak (pinned copy_): {fmt(bus / 1e9 if bus else None, 6, '.1f')} GB/s")
-    print(
-        f"{'system':20} {'decode tok/s':>13} {'TTFT s':>8} {'experts':>8} {'hit':>6} {'MB/token':>9} "
-        f"{'device GiB (peak, per node)':>30}  tokens = single"
-    )
+    SYSTEMS.header()
     for name, s in report["systems"].items():
-        peaks = ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(s["device_peak_bytes"].items()))
-        hit = s.get("cache_hit_rate", s.get("lru_hit_rate"))
         per_token = s.get("bytes_loaded_per_token")
-        print(
-            f"{name:20} {fmt(statistics.mean(s['decode_tokens_per_s']), 13, '.2f')} "
-            f"{fmt(statistics.mean(s['ttft_s']), 8, '.3f')} {fmt(s.get('expert_budget'), 8, 'd')} "
-            f"{fmt(hit, 6, '.2f')} {fmt(per_token / 1e6 if per_token is not None else None, 9, '.1f')} "
-            f"{peaks:>30}  {s['tokens_equal_single_process']}"
+        SYSTEMS.row(
+            name,
+            statistics.mean(s["decode_tokens_per_s"]),
+            statistics.mean(s["ttft_s"]),
+            s.get("expert_budget"),
+            s.get("cache_hit_rate", s.get("lru_hit_rate")),
+            per_token / 1e6 if per_token is not None else None,
+            ", ".join(f"{k} {v / 2**30:.2f}" for k, v in sorted(s["device_peak_bytes"].items())),
+            s["tokens_equal_single_process"],
         )
     for name, why in report["failed"].items():
         print(f"{name:20} FAILED: {why}")

@@ -25,7 +25,7 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.suite_kit import Table, prompts
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
 
@@ -42,7 +42,7 @@ def cells(cfg: BenchConfig, tokenizer) -> list[dict]:
             "name": f"{n_in}/{n_out}",
             "input": n_in,
             "output": n_out,
-            "prompts": [prompt_ids(tokenizer, 100 + i, n_in) for i in range(g.repeats)],
+            "prompts": prompts(tokenizer, g.repeats, n_in, first=100),
             "new_tokens": n_out,
         }
         for n_in in g.inputs
@@ -193,21 +193,28 @@ def cell_mean(cell: dict, key: str) -> float:
 
 def _print_table(grid: list[dict], systems: dict) -> None:
     mib = 2**20
-    print(
-        f"\n{'system':<18}{'in/out':>8}{'TTFT ms':>9}{'decode tok/s':>14}{'overall tok/s':>15}"
-        f"{'sim tok/s':>11}"
+    speeds = Table(
+        "system:<18",
+        "in/out:>8",
+        "TTFT ms:9.1f",
+        "decode tok/s:14.1f",
+        "overall tok/s:15.1f",
+        "sim tok/s:11.1f",
     )
+    speeds.header("\n")
     for name, s in systems.items():
         for cell in s["cells"]:
             sim = cell.get("simulated")
-            print(
-                f"{name:<18}{cell['name']:>8}{cell_mean(cell, 'ttft_s') * 1e3:9.1f}"
-                f"{cell_mean(cell, 'decode_tokens_per_s'):14.1f}"
-                f"{cell_mean(cell, 'overall_tokens_per_s'):15.1f}"
-                f"{sim['predicted_tokens_per_s'] if sim else float('nan'):11.1f}"
+            speeds.row(
+                name,
+                cell["name"],
+                cell_mean(cell, "ttft_s") * 1e3,
+                cell_mean(cell, "decode_tokens_per_s"),
+                cell_mean(cell, "overall_tokens_per_s"),
+                sim["predicted_tokens_per_s"] if sim else None,
             )
-    print(f"\n{'system':<18}{'peak RSS MiB (per node)':<50}{'device MiB (per node)'}")
+    memory = Table("system:<18", "peak RSS MiB (per node):<50", "device MiB (per node):<0")
+    memory.header("\n")
     for name, s in systems.items():
         rss = ", ".join(f"{k} {v / mib:.0f}" for k, v in s["peak_rss_bytes"].items())
-        dev = ", ".join(f"{k} {v / mib:.1f}" for k, v in s["device_bytes"].items())
-        print(f"{name:<18}{rss:<50}{dev}")
+        memory.row(name, rss, ", ".join(f"{k} {v / mib:.1f}" for k, v in s["device_bytes"].items()))

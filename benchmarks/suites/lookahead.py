@@ -38,8 +38,8 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words, cpu_per_token, pooled_recall, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
-from odmoe.benchmarks.results import ResultsDir, fmt
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.suite_kit import Table, prompts
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
@@ -68,6 +68,29 @@ def _systems(cfg: BenchConfig) -> dict[str, list[str]]:
 
 
 PINNED = ("speculative", "hedged", "resident_workers")
+SYSTEMS = Table(
+    "system:<28:system",
+    "shadow:>13:precision",
+    "decode tok/s:>16:speed",
+    "vs resident:12.3f:vs_resident",
+    "timely:8.4f:timely_recall",
+    "recall:8.4f:recall",
+    "reloads/tok:12.3f:reloads_per_token",
+    "stall ms/tok:13.2f:stall_ms_per_token",
+    "ahead L:8.2f:lookahead_layers",
+    "ahead it:9.2f:lookahead_iterations",
+    "rollbacks:10d:rollbacks",
+    "hedge MiB:10.2f:hedge_mib",
+)
+HEDGES = Table(
+    "shadow:<14:precision",
+    "margin:>8g:margin",
+    "recall:>9.4f:recall",
+    "with hedges:>13.5f:recall_with_hedges",
+    "95% low:>9.5f:recall_with_hedges_low95",
+    "misses:>14:misses",
+    "extra loads:>13.1%:extra_loads",
+)
 
 
 def _pinned(name: str) -> NodePlacement:
@@ -78,7 +101,7 @@ def _pinned(name: str) -> NodePlacement:
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.lookahead
     tokenizer = load_tokenizer(model_path)
-    prompts = [prompt_ids(tokenizer, 300 + i, suite.prompt_tokens) for i in range(suite.prompts)]
+    requests = prompts(tokenizer, suite.prompts, suite.prompt_tokens, first=300)
     systems = _systems(cfg)
     rows: list[dict] = []
     pin = suite.pin and shutil.which("taskset") is not None
@@ -92,13 +115,13 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             for pinned in variants:
                 if name == "lru_offloader":
                     if precision == suite.precisions[0] and not pinned:
-                        rows.append(_lru_row(cfg, model_path, prompts))
+                        rows.append(_lru_row(cfg, model_path, requests))
                     continue
                 words = cluster_words(cfg, f"shadow.precision={precision}", *systems[name])
                 label = name + (" (pinned)" if pinned else "")
                 print(f"-- {precision} {label}", flush=True)
                 run_ = run_cluster(
-                    model_path, words, prompts, suite.new_tokens, place=_pinned if pinned else None
+                    model_path, words, requests, suite.new_tokens, place=_pinned if pinned else None
                 )
                 rows.append(_row(label, precision, run_))
     identical = None  # lookahead.systems=[]: part 2 alone, no cluster ran
@@ -208,22 +231,11 @@ def _ratios(rows: list[dict]) -> None:
 
 
 def _print_table(rows: list[dict]) -> None:
-    print(
-        f"\n{'system':<28}{'shadow':>13}{'decode tok/s':>16}{'vs resident':>12}{'timely':>8}"
-        f"{'recall':>8}{'reloads/tok':>12}{'stall ms/tok':>13}{'ahead L':>8}{'ahead it':>9}"
-        f"{'rollbacks':>10}{'hedge MiB':>10}"
-    )
+    SYSTEMS.header("\n")
     for r in rows:
         speed = f"{r['decode_tokens_per_s']:.1f} ± {r['decode_sd']:.1f}"
         hedge = r.get("hedge_bytes", 0) / 2**20 if r.get("hedge_bytes") is not None else None
-        print(
-            f"{r['system']:<28}{r['precision']:>13}{speed:>16}{fmt(r.get('vs_resident'), 12, '.3f')}"
-            f"{fmt(r.get('timely_recall'), 8, '.4f')}{fmt(r.get('recall'), 8, '.4f')}"
-            f"{fmt(r.get('reloads_per_token'), 12, '.3f')}{fmt(r.get('stall_ms_per_token'), 13, '.2f')}"
-            f"{fmt(r.get('lookahead_layers'), 8, '.2f')}{fmt(r.get('lookahead_iterations'), 9, '.2f')}"
-            f"{fmt(r.get('rollbacks'), 10, 'd')}{fmt(hedge, 10, '.2f')}",
-            flush=True,
-        )
+        SYSTEMS.record(r, speed=speed, hedge_mib=hedge)
         for periods in r.get("periods") or []:
             print(f"{'':<28}tuned periods: {periods}")
 
@@ -255,27 +267,27 @@ def _print_bounds(rows: list[dict]) -> None:
         "1000 / that"
     )
     nodes = ("main", "shadow", "workers", "client")
-    print(
-        f"{'system':<28}{'shadow':>13}"
-        + "".join(f"{n:>9}" for n in nodes)
-        + f"{'total':>8}{'cores busy':>11}{'tok/s':>8}{'bound':>8}{'bound vs resident':>18}"
-        + f"{'link ms/tok':>12}{'link bound':>11}{'vs resident':>12}"
+    table = Table(
+        "system:<28:system",
+        "shadow:>13:precision",
+        *(f"{n}:9.2f:cpu.ms_per_token.{n}" for n in nodes),
+        "total:8.2f:cpu.total_ms_per_token",
+        "cores busy:11.2f:cpu.cores_busy",
+        "tok/s:8.1f:cpu.tokens_per_s",
+        "bound:8.1f:cpu.bound_tokens_per_s",
+        "bound vs resident:18.3f:share",
+        "link ms/tok:12.2f:link_ms_per_token",
+        "link bound:11.1f:link_bound",
+        "vs resident:12.3f:link_share",
     )
+    table.header()
     for r in rows:
         c = r["cpu"]
         ref = base.get(_resident(r["system"]))
         share = c["bound_tokens_per_s"] / ref if ref and c["bound_tokens_per_s"] else None
-        link = r.get("link_ms_per_token")
-        link_bound = 1e3 / link if link else None
+        link_bound = 1e3 / r["link_ms_per_token"] if r.get("link_ms_per_token") else None
         link_share = link_bound / ref if link_bound and ref else None
-        print(
-            f"{r['system']:<28}{r['precision']:>13}"
-            + "".join(fmt(c["ms_per_token"].get(n), 9, ".2f") for n in nodes)
-            + f"{c['total_ms_per_token']:>8.2f}{c['cores_busy']:>11.2f}{c['tokens_per_s']:>8.1f}"
-            + f"{fmt(c['bound_tokens_per_s'], 8, '.1f')}{fmt(share, 18, '.3f')}"
-            + f"{fmt(link, 12, '.2f')}{fmt(link_bound, 11, '.1f')}{fmt(link_share, 12, '.3f')}",
-            flush=True,
-        )
+        table.record(r, share=share, link_bound=link_bound, link_share=link_share)
 
 
 def _hedging(cfg: BenchConfig, model_path: str, tokenizer) -> list[dict]:
@@ -283,17 +295,13 @@ def _hedging(cfg: BenchConfig, model_path: str, tokenizer) -> list[dict]:
     suite = cfg.lookahead
     ckpt = open_checkpoint(model_path)
     reference = load_reference(model_path)
-    prompts = [prompt_ids(tokenizer, 400 + i, suite.prompt_tokens) for i in range(suite.replay_prompts)]
     eos = {tokenizer.eos_token_id}
     trajs = [
         reference_trajectory(reference, p, suite.replay_tokens, ckpt.num_experts, ckpt.top_k, eos)
-        for p in prompts
+        for p in prompts(tokenizer, suite.replay_prompts, suite.prompt_tokens, first=400)
     ]
     rows = []
-    print(
-        f"\n{'shadow':<14}{'margin':>8}{'recall':>9}{'with hedges':>13}{'95% low':>9}{'misses':>14}"
-        f"{'extra loads':>13}"
-    )
+    HEDGES.header("\n")
     for precision in suite.hedge_precisions:
         shadow = load_shadow(model_path, precision)
         replays = []
@@ -325,12 +333,7 @@ def _hedging(cfg: BenchConfig, model_path: str, tokenizer) -> list[dict]:
                 "extra_loads": hedges_n / predicted_n,
             }
             rows.append(row)
-            print(
-                f"{precision:<14}{margin:>8g}{row['recall']:>9.4f}{row['recall_with_hedges']:>13.5f}"
-                f"{row['recall_with_hedges_low95']:>9.5f}{row['misses']:>7}/{activated:<6}"
-                f"{row['extra_loads'] * 100:>12.1f}%",
-                flush=True,
-            )
+            HEDGES.record(row, misses=f"{row['misses']:>7}/{activated:<6}")
         del shadow
     return rows
 

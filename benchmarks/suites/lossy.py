@@ -25,13 +25,30 @@ from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig, LossySuite
 from odmoe.benchmarks.lossy_quality import inject_wrong, perplexity, score_window, shadow_predictions
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES, prompt_ids
+from odmoe.benchmarks.suite_kit import Table, prompts
+from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES
 from odmoe.lossy.miss_policy import MissConfig
 from odmoe.lossy.substitution import profile_path
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.shadow_model import load_shadow_model
 
 HELD_OUT_FROM = 500  # held-out windows are prompts 500.. (cluster prompts are 0..)
+
+# one space between columns; each width below is the column's less that space
+TABLE = Table(
+    "inject:6.2f:inject_wrong",
+    "policy:<11:policy",
+    "value:>5:value",
+    "ppl:8.3f:perplexity",
+    "subs/tok:8.3f:substitutions_per_token",
+    "miss rate:9.3f:miss_rate",
+    "agree:6.3f:agreement",
+    "tok/s:7.1f:cluster.decode_tokens_per_s.mean",
+    "stall ms/tok:12.2f:cluster.stall_ms_per_token",
+    "reloads/tok:11.2f:cluster.reloads_per_token",
+    "c.subs/tok:10.2f:cluster_substitutions_per_token",
+    sep=" ",
+)
 
 
 def settings(suite: LossySuite) -> list[tuple[str, float | None, MissConfig]]:
@@ -86,14 +103,10 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     tokenizer = load_tokenizer(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     shadow = load_shadow_model(model_path, suite.shadow_precision)
-    windows = [prompt_ids(tokenizer, HELD_OUT_FROM + i, suite.text_tokens) for i in range(suite.texts)]
+    windows = prompts(tokenizer, suite.texts, suite.text_tokens, first=HELD_OUT_FROM)
     predictions = [shadow_predictions(shadow, ids, experts) for ids in windows]
-    prompts = [prompt_ids(tokenizer, i, suite.prompt_tokens) for i in range(suite.prompts)]
-    print(
-        f"{'inject':>6} {'policy':<11}{'value':>6}{'ppl':>9}{'subs/tok':>9}{'miss rate':>10}"
-        f"{'agree':>7}{'tok/s':>8}{'stall ms/tok':>13}{'reloads/tok':>12}{'c.subs/tok':>11}",
-        flush=True,
-    )
+    requests = prompts(tokenizer, suite.prompts, suite.prompt_tokens)
+    TABLE.header()
     rows, started = [], time.perf_counter()
     for rate in suite.inject_wrong:
         wrong = [inject_wrong(p, rate, experts, seed=i) for i, p in enumerate(predictions)]
@@ -122,7 +135,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
                     f"alignment.kv_period={suite.kv_period}",
                     *miss_words(miss),
                 )
-                run_ = run_cluster(model_path, words, prompts, suite.new_tokens)
+                run_ = run_cluster(model_path, words, requests, suite.new_tokens)
                 lossless = run_.token_ids if policy == "reload" else lossless
                 summary = summarise(run_)
                 decode = [s["new_tokens"] - 1 for s in run_.stats]
@@ -159,15 +172,5 @@ def subtitle(cfg: BenchConfig, out: ResultsDir) -> str:
 
 
 def _print_row(row: dict) -> None:
-    value = "-" if row["value"] is None else f"{row['value']:g}"
-    line = (
-        f"{row['inject_wrong']:6.2f} {row['policy']:<11}{value:>6}{row['perplexity']:9.3f}"
-        f"{row['substitutions_per_token']:9.3f}{row['miss_rate']:10.3f}"
-    )
-    if "cluster" in row:
-        c = row["cluster"]
-        line += (
-            f"{row['agreement']:7.3f}{c['decode_tokens_per_s']['mean']:8.1f}{c['stall_ms_per_token']:13.2f}"
-            f"{c['reloads_per_token']:12.2f}{row['cluster_substitutions_per_token']:11.2f}"
-        )
-    print(line, flush=True)
+    value = None if row["value"] is None else f"{row['value']:g}"
+    TABLE.record(row, value=value)

@@ -49,11 +49,23 @@ from odmoe.benchmarks.network_faults import (
     shadow_cut,
     straggler,
 )
-from odmoe.benchmarks.results import ResultsDir, fmt
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.suite_kit import Table, prompts
+from odmoe.benchmarks.workload import reference_tokens
 from odmoe.models.open_model import load_tokenizer
 
-PROMPT_TOKENS = 16
+TABLE = Table(
+    "case:<28:case",
+    "tokens/s:9.2f:tokens_per_s",
+    "vs healthy:11.2f:vs_healthy",
+    "stall s:9.3f:longest_stall_s",
+    "detect s:9.3f:detect_s",
+    "recover s:10.3f:recover_s",
+    "false losses:13d:false_losses",
+    "requests:9d:requests",
+    "tokens:8d:tokens_checked",
+    "different:10d:different",
+)
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -64,56 +76,47 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     import odmoe
 
     tok = load_tokenizer(model_path)
-    prompts = [prompt_ids(tok, i, PROMPT_TOKENS) for i in range(suite.streams)]
-    wants = [reference_tokens(model_path, p, NEW_TOKENS) for p in prompts]
+    streams = prompts(tok, suite.streams, length=16)
+    wants = [reference_tokens(model_path, p, NEW_TOKENS) for p in streams]
     nodes = ["main", "shadow", *[f"worker{i}" for i in range(cfg.cluster.workers)]]
     rows = []
     words = cluster_words(cfg)
     with Lan(nodes, 1.0, 0.1) as lan:
         with odmoe.LocalCluster(model_path, overrides=words, place=lan.placement) as cluster:
-            cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
-            healthy = phase(cluster, prompts, wants, max(suite.seconds / 4, 10))
+            cluster.client.generate(streams[0], max_new_tokens=4)  # warm
+            healthy = phase(cluster, streams, wants, max(suite.seconds / 4, 10))
             rows.append(_row("healthy", healthy, healthy))
             if "loss" in suite.cases:
                 for node in nodes:
                     lan.drop(node, suite.loss)
-                lossy = phase(cluster, prompts, wants, suite.seconds)
+                lossy = phase(cluster, streams, wants, suite.seconds)
                 for node in nodes:
                     lan.heal(node)
                 rows.append(_row(f"loss {suite.loss:.0%}", lossy, healthy))
             if "black_hole" in suite.cases:
-                hole = black_hole(lan, cluster, prompts, wants, suite.hole_s)
+                hole = black_hole(lan, cluster, streams, wants, suite.hole_s)
                 rows.append(_row(f"worker1 black-holed {suite.hole_s:g} s", hole, healthy))
             if "client_cut" in suite.cases:
                 context = AutoConfig.from_pretrained(model_path).max_position_embeddings
-                cut = client_cut(cluster, prompts, wants, context)
+                cut = client_cut(cluster, streams, wants, context)
                 rows.append(_row("a client black-holed", cut, healthy))
         if "jitter_loss" in suite.cases:
             both = jitter_and_loss(
-                lan, model_path, words, prompts, wants, suite.loss, suite.jitter_ms / 1e3, suite.seconds
+                lan, model_path, words, streams, wants, suite.loss, suite.jitter_ms / 1e3, suite.seconds
             )
             case = f"loss {suite.loss:.0%} + jitter 0-{suite.jitter_ms:g} ms"
             rows.append(_row(case, both["jitter_loss"], both["healthy"]))
         if "shadow_cut" in suite.cases:
-            cut = shadow_cut(lan, model_path, words, prompts, wants, suite.cut_s)
+            cut = shadow_cut(lan, model_path, words, streams, wants, suite.cut_s)
             rows.append(
                 _row(f"main-shadow cut {suite.cut_s:g} s", cut, {"tokens_per_s": cut["healthy_tokens_per_s"]})
             )
         if "straggler" in suite.cases:
-            both = straggler(lan, model_path, words, prompts, wants, suite.straggler_s, suite.slower)
+            both = straggler(lan, model_path, words, streams, wants, suite.straggler_s, suite.slower)
             rows.append(_row(f"worker3 {suite.slower:g}x slower link", both["straggler"], both["healthy"]))
-    print(
-        f"{'case':<28}{'tokens/s':>9}{'vs healthy':>11}{'stall s':>9}{'detect s':>9}{'recover s':>10}"
-        f"{'false losses':>13}{'requests':>9}{'tokens':>8}{'different':>10}",
-        flush=True,
-    )
+    TABLE.header()
     for r in rows:
-        print(
-            f"{r['case']:<28}{r['tokens_per_s']:9.2f}{r['vs_healthy']:11.2f}{fmt(r['longest_stall_s'], 9)}"
-            f"{fmt(r['detect_s'], 9)}{fmt(r['recover_s'], 10)}{fmt(r['false_losses'], 13, 'd')}"
-            f"{r['requests']:9d}{fmt(r['tokens_checked'], 8, 'd')}{r['different']:10d}",
-            flush=True,
-        )
+        TABLE.record(r)
     report = {
         "loss": suite.loss,
         "hole_s": suite.hole_s,

@@ -23,14 +23,14 @@ from odmoe.benchmarks.replay import (
     reference_trajectory,
     replay_shadow,
 )
-from odmoe.benchmarks.results import ResultsDir, fmt
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.suite_kit import PROMPT_TOKENS, Table, fmt, prompts
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.main.recall import RecallCounter
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.shadow_model import model_bytes
 
-PROMPT_TOKENS = 32
+TABLE = Table("predictor:<28", "recall:8.4f", "first 16:10.4f", "last 16:9.4f", "MiB:8.2f", "s:6.0f")
 
 
 def score(trajectories, predictions: list[dict]) -> dict:
@@ -46,12 +46,12 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     ckpt = open_checkpoint(model_path)
     tokenizer = load_tokenizer(model_path)
     eos = tokenizer.eos_token_id
-    prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.prompts)]
+    requests = prompts(tokenizer, suite.prompts)
     reference = load_reference(model_path)
     start = time.perf_counter()
     trajs = [
         reference_trajectory(reference, p, suite.new_tokens, ckpt.num_experts, ckpt.top_k, {eos})
-        for p in prompts
+        for p in requests
     ]
     decode_tokens = sum(t.iterations for t in trajs)
     print(
@@ -61,7 +61,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
         {"predictor": "next-layer gate", **score(trajs, [t.next_layer_gate for t in trajs])},
         {"predictor": "frequency", **score(trajs, [t.frequency for t in trajs])},
     ]
-    print(f"{'predictor':<28}{'recall':>8}{'first 16':>10}{'last 16':>9}{'MiB':>8}{'s':>6}", flush=True)
+    TABLE.header()
     for row in rows:
         _print_row(row, None, 0)
     for precision in suite.precisions:
@@ -83,7 +83,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             rows.append(row)
             _print_row(row, mib, time.perf_counter() - start)
         del shadow
-    checks = [_cross_check(cfg, model_path, precision, prompts, trajs) for precision in suite.cross_check]
+    checks = [_cross_check(cfg, model_path, precision, requests, trajs) for precision in suite.cross_check]
     report = {
         "prompts": suite.prompts,
         "prompt_tokens": PROMPT_TOKENS,
@@ -107,11 +107,7 @@ def _print_row(row: dict, mib: float | None, seconds: float) -> None:
     per = list(row["per_token"].values())
     first = sum(per[:16]) / len(per[:16]) if per else None
     last = sum(per[-16:]) / len(per[-16:]) if per else None
-    print(
-        f"{row['predictor']:<28}{fmt(row['overall'], 8, '.4f')}{fmt(first, 10, '.4f')}{fmt(last, 9, '.4f')}"
-        f"{fmt(mib, 8, '.2f')}{seconds:6.0f}",
-        flush=True,
-    )
+    TABLE.row(row["predictor"], row["overall"], first, last, mib, seconds)
 
 
 def _cross_check(cfg: BenchConfig, model_path: str, precision: str, prompts, trajs) -> dict:

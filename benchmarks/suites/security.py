@@ -13,24 +13,27 @@ tokens of both must be identical: security changes who may talk, never what is s
 from __future__ import annotations
 
 import json
-import statistics
 import time
 
 import odmoe
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.suite_kit import Table, change_pct, median, prompts
 from odmoe.models.open_model import load_tokenizer
 
 MODES = ("on", "off")
+TABLE = Table(
+    "security:<10",
+    *(f"{h}:14.2f" for h in ("decode tok/s", "TTFT ms", "main TTFT ms", "start s", "connect ms")),
+)
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
     suite = cfg.security
     tok = load_tokenizer(model_path)
-    prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
+    requests = prompts(tok, suite.prompts, suite.prompt_tokens)
     rows: dict[str, list[dict]] = {m: [] for m in MODES}
     starts: dict[str, list[dict]] = {m: [] for m in MODES}
     mismatches = 0
@@ -43,9 +46,9 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
                 clusters[mode] = odmoe.LocalCluster(model_path, overrides=words).start()
                 wall = time.perf_counter() - began
                 starts[mode].append({"start_s": wall, "connect_s": clusters[mode].main_info.get("connect_s")})
-                _request(clusters[mode].client, prompts[0], 4)  # warm-up
+                _request(clusters[mode].client, requests[0], 4)  # warm-up
             for r in range(suite.repeats):
-                for ids in prompts:
+                for ids in requests:
                     texts = {}
                     for mode in _order(rnd + r):
                         row = _request(clusters[mode].client, ids, suite.new_tokens)
@@ -67,7 +70,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     }
     on, off = report["modes"]["on"], report["modes"]["off"]
     report["cost"] = {
-        "decode_tokens_per_s_pct": _pct(on["decode_tokens_per_s"], off["decode_tokens_per_s"]),
+        "decode_tokens_per_s_pct": change_pct(on["decode_tokens_per_s"], off["decode_tokens_per_s"]),
         "ttft_ms": _diff_ms(on["ttft_s"], off["ttft_s"]),
         "start_s": _diff(on["start_s"], off["start_s"]),
         "connect_ms": _diff_ms(on["connect_s"], off["connect_s"]),
@@ -98,24 +101,15 @@ def _request(client, ids, new_tokens: int) -> dict:
     }
 
 
-def _median(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.median(values) if values else None
-
-
 def _summary(rows: list[dict], starts: list[dict]) -> dict:
     return {
-        "decode_tokens_per_s": _median(r["decode_tokens_per_s"] for r in rows),
-        "ttft_s": _median(r["ttft_s"] for r in rows),
-        "main_ttft_s": _median(r["main_ttft_s"] for r in rows),
-        "e2e_s": _median(r["e2e_s"] for r in rows),
-        "start_s": _median(s["start_s"] for s in starts),
-        "connect_s": _median(s["connect_s"] for s in starts),
+        "decode_tokens_per_s": median(r["decode_tokens_per_s"] for r in rows),
+        "ttft_s": median(r["ttft_s"] for r in rows),
+        "main_ttft_s": median(r["main_ttft_s"] for r in rows),
+        "e2e_s": median(r["e2e_s"] for r in rows),
+        "start_s": median(s["start_s"] for s in starts),
+        "connect_s": median(s["connect_s"] for s in starts),
     }
-
-
-def _pct(on: float | None, off: float | None) -> float | None:
-    return None if not on or not off else (on / off - 1) * 100
 
 
 def _diff(on: float | None, off: float | None) -> float | None:
@@ -133,17 +127,16 @@ def _print(report: dict) -> None:
         f"{report['prompt_tokens']} prompt tokens, {report['new_tokens']} new tokens; "
         f"token sequences differing: {report['tokens_differ']}"
     )
-    head = ("decode tok/s", "TTFT ms", "main TTFT ms", "start s", "connect ms")
-    print(f"{'security':<10}" + "".join(f"{h:>14}" for h in head))
+    TABLE.header()
     for mode, s in report["modes"].items():
-        cells = (
+        TABLE.row(
+            mode,
             s["decode_tokens_per_s"],
             _ms(s["ttft_s"]),
             _ms(s["main_ttft_s"]),
             s["start_s"],
             _ms(s["connect_s"]),
         )
-        print(f"{mode:<10}" + "".join(f"{c or 0:>14.2f}" for c in cells))
     c = {k: v or 0 for k, v in report["cost"].items()}
     print(
         f"cost of security: decode {c['decode_tokens_per_s_pct']:+.1f} %, TTFT {c['ttft_ms']:+.1f} ms, "

@@ -35,11 +35,33 @@ import httpx
 import odmoe
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir, fmt
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.suite_kit import Table, percentile, prompts
+from odmoe.benchmarks.workload import reference_tokens
 from odmoe.models.open_model import load_tokenizer
 
 SAMPLINGS = [{}, {"do_sample": True, "temperature": 0.8, "seed": 11}]  # greedy, seeded
+LOADS = Table(
+    "load:<14:name",
+    "tok/s:10.1f:tokens_per_s",
+    "x c=1:10.2f:throughput_x",
+    "TTFT p50:10.1f:ttft_p50_ms",
+    "p99:10.1f:ttft_p99_ms",
+    "ITL p50:10.2f:itl_p50_ms",
+    "p99:10.2f:itl_p99_ms",
+    "bytes/tok:>10:megabytes",
+    "batch:10.2f:batch_size_mean",
+    "differ:>10:differ",
+)
+GUIDELLM = Table(
+    "guidellm:<14:concurrency",
+    "tok/s:10.1f:output_tokens_per_s",
+    "TTFT p50:10.1f:ttft_p50_ms",
+    "p99:10.1f:ttft_p99_ms",
+    "ITL p50:10.2f:itl_p50_ms",
+    "p99:10.2f:itl_p99_ms",
+    "errors:>8:errored",
+)
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -47,17 +69,17 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
     suite = cfg.serving
     tok = load_tokenizer(model_path)
-    prompts = [prompt_ids(tok, i, suite.prompt_tokens) for i in range(suite.prompts)]
-    wanted = _alone_references(model_path, prompts, suite.new_tokens)
+    requests = prompts(tok, suite.prompts, suite.prompt_tokens)
+    wanted = _alone_references(model_path, requests, suite.new_tokens)
     words = cluster_words(cfg, f"server.max_running={suite.max_running}", "server.max_waiting=1024")
     loads = []
     with odmoe.LocalCluster(model_path, overrides=words) as cluster:
-        _one(cluster, prompts[0], 4, {})  # warm-up: every node's first request is slow
+        _one(cluster, requests[0], 4, {})  # warm-up: every node's first request is slow
         for c in suite.concurrency:
-            loads.append(_measure(cluster, f"closed c={c}", lambda c=c: _closed(cluster, prompts, c, suite)))
+            loads.append(_measure(cluster, f"closed c={c}", lambda c=c: _closed(cluster, requests, c, suite)))
         for rate in suite.rates:
             loads.append(
-                _measure(cluster, f"open {rate:g}/s", lambda r=rate: _open(cluster, prompts, r, suite))
+                _measure(cluster, f"open {rate:g}/s", lambda r=rate: _open(cluster, requests, r, suite))
             )
         external = _guidellm(cluster, model_path, suite, out) if suite.guidellm else None
     for load in loads:
@@ -208,13 +230,6 @@ def _counters(cluster) -> dict[str, float]:
     }
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    values = sorted(values)
-    return values[min(int(q * len(values)), len(values) - 1)]
-
-
 def _summary(load: dict) -> dict:
     rows = load["requests"]
     ttft = [r["ttft_s"] for r in rows if r["ttft_s"] is not None]
@@ -226,27 +241,21 @@ def _summary(load: dict) -> dict:
         "requests_done": len(rows),
         "tokens": tokens,
         "tokens_per_s": tokens / span if span > 0 else 0.0,
-        "ttft_p50_ms": _pct(ttft, 0.5) * ms if ttft else None,
-        "ttft_p99_ms": _pct(ttft, 0.99) * ms if ttft else None,
-        "itl_p50_ms": _pct(itl, 0.5) * ms if itl else None,
-        "itl_p99_ms": _pct(itl, 0.99) * ms if itl else None,
+        "ttft_p50_ms": percentile(ttft, 0.5) * ms if ttft else None,
+        "ttft_p99_ms": percentile(ttft, 0.99) * ms if ttft else None,
+        "itl_p50_ms": percentile(itl, 0.5) * ms if itl else None,
+        "itl_p99_ms": percentile(itl, 0.99) * ms if itl else None,
         "e2e_mean_s": statistics.fmean(r["end"] - r["start"] for r in rows) if rows else None,
     }
 
 
 def _print(report: dict, described: str) -> None:
     print(f"serving, {described}, up to {report['max_running']} running requests")
-    head = ("load", "tok/s", "x c=1", "TTFT p50", "p99", "ITL p50", "p99", "bytes/tok", "batch", "differ")
-    print(f"{head[0]:<14}" + "".join(f"{h:>10}" for h in head[1:]))
+    LOADS.header()
     for x in report["loads"]:
-        print(
-            f"{x['name']:<14}{fmt(x['tokens_per_s'], 10, '.1f')}{fmt(x['throughput_x'], 10, '.2f')}"
-            f"{fmt(x['ttft_p50_ms'], 10, '.1f')}{fmt(x['ttft_p99_ms'], 10, '.1f')}"
-            f"{fmt(x['itl_p50_ms'], 10, '.2f')}{fmt(x['itl_p99_ms'], 10, '.2f')}"
-            f"{fmt(x['bytes_per_token'] / 1e6 if x['bytes_per_token'] else None, 9, '.2f')}M"
-            f"{fmt(x['batch_size_mean'], 10, '.2f')}{x['differ']:>10}"
-            + (f"  ({x['refused']} refused)" if x["refused"] else "")
-        )
+        megabytes = f"{x['bytes_per_token'] / 1e6:.2f}M" if x["bytes_per_token"] else None
+        refused = f"  ({x['refused']} refused)" if x["refused"] else ""
+        print(LOADS.line(*LOADS.cells(x, megabytes=megabytes)) + refused, flush=True)
     cores = len(os.sched_getaffinity(0))
     print(f"CPU ms per generated token, by node (what {cores} cores cap tokens/s at: {cores} s / the total):")
     for x in report["loads"]:
@@ -305,11 +314,7 @@ def _guidellm(cluster, model_path: str, suite, out: ResultsDir) -> dict:
                 "errored": (m["request_totals"] or {}).get("errored"),
             }
         )
-    print(f"{'guidellm':<14}{'tok/s':>10}{'TTFT p50':>10}{'p99':>10}{'ITL p50':>10}{'p99':>10}{'errors':>8}")
+    GUIDELLM.header()
     for r in rows:
-        print(
-            f"{'  c=' + str(r['concurrency']):<14}{fmt(r['output_tokens_per_s'], 10, '.1f')}"
-            f"{fmt(r['ttft_p50_ms'], 10, '.1f')}{fmt(r['ttft_p99_ms'], 10, '.1f')}"
-            f"{fmt(r['itl_p50_ms'], 10, '.2f')}{fmt(r['itl_p99_ms'], 10, '.2f')}{r['errored'] or 0:>8}"
-        )
+        GUIDELLM.record(r, concurrency=f"  c={r['concurrency']}", errored=r["errored"] or 0)
     return {"command": shown, "report": str(report), "rows": rows}

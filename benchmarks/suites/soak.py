@@ -35,21 +35,20 @@ import odmoe
 from odmoe.benchmarks import plots
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe.benchmarks.suite_kit import prompts
+from odmoe.benchmarks.workload import reference_tokens
 from odmoe.launch.local_cluster import ClusterStartError
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
-
-PROMPT_TOKENS = 16
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.soak
     tokenizer = load_tokenizer(model_path)
-    prompts = [prompt_ids(tokenizer, i, PROMPT_TOKENS) for i in range(suite.prompts)]
-    wanted = [reference_tokens(model_path, p, suite.new_tokens) for p in prompts]
+    requests = prompts(tokenizer, suite.prompts, length=16)  # short: the soak is about many requests
+    wanted = [reference_tokens(model_path, p, suite.new_tokens) for p in requests]
     words = [f"cluster.workers={suite.workers}", "cluster.group_size=2", *cfg.cluster.overrides]
-    report = soak(model_path, words, prompts, wanted, suite)
+    report = soak(model_path, words, requests, wanted, suite)
     print(summary(report, suite.requests), flush=True)
     for name, growth in report["rss_growth"].items():
         print(

@@ -23,18 +23,17 @@ from odmoe.benchmarks import plots
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe.benchmarks.suite_kit import prompts
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.trace import merge
 
-PROMPT_TOKENS = 32
 IDLE_FLUSH_S = 1.5  # workers write their spans out after 1 s idle
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     suite = cfg.timeline
     tokenizer = load_tokenizer(model_path)
-    prompt = prompt_ids(tokenizer, 0, PROMPT_TOKENS)
+    (prompt,) = prompts(tokenizer, 1)
     trace_dir = Path(tempfile.mkdtemp(prefix="odmoe-trace-"))
     try:
         words = cluster_words(cfg, f"trace_dir={trace_dir}")
