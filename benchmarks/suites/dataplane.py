@@ -60,8 +60,8 @@ from odmoe.benchmarks.baselines import timed_generate
 from odmoe.benchmarks.cluster_runs import cluster_words
 from odmoe.benchmarks.config import BenchConfig, DataplaneSuite
 from odmoe.benchmarks.results import ResultsDir
+from odmoe.benchmarks.suite_kit import median, prompts
 from odmoe.benchmarks.wire_echo import busy
-from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.main_model import resolve_dtype
@@ -361,7 +361,7 @@ def measure_codec(suite: DataplaneSuite, row: torch.Tensor) -> dict:
 def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: str | None = None) -> dict:
     suite = cfg.dataplane
     tok = load_tokenizer(model_path)
-    prompts = [prompt_ids(tok, 200 + i, suite.prompt_tokens) for i in range(suite.prompts)]
+    requests = prompts(tok, suite.prompts, suite.prompt_tokens, first=200)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as every node of a local cluster (cluster.torch_threads=1)
     reference = AutoModelForCausalLM.from_pretrained(model_path).eval()
@@ -384,9 +384,9 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
                 place = lambda name: NodePlacement(prefix=_taskset(pinning, 0 if name == "main" else 1))  # noqa: E731
             clusters[system] = odmoe.LocalCluster(model_path, overrides=words, place=place).start()
         for system in SYSTEMS:  # warm-up: first-request costs are not the data plane's
-            _generate(system, reference, clusters, prompts[0], 4)
+            _generate(system, reference, clusters, requests[0], 4)
         for r in range(suite.layer_repeats):
-            for i, ids in enumerate(prompts):
+            for i, ids in enumerate(requests):
                 order = SYSTEMS[(r + i) % 3 :] + SYSTEMS[: (r + i) % 3]
                 tokens = {}
                 for system in order:
@@ -401,7 +401,7 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
         torch.set_num_threads(threads)
         for cluster in clusters.values():
             cluster.stop()
-    per_token = {s: statistics.median(r["decode_s_per_token"] for r in rows[s]) for s in SYSTEMS}
+    per_token = {s: median(r["decode_s_per_token"] for r in rows[s]) for s in SYSTEMS}
     summary = {
         "prompts": suite.prompts,
         "repeats": suite.layer_repeats,
@@ -414,13 +414,15 @@ def measure_layers(cfg: BenchConfig, model_path: str, moe_layers: int, pinning: 
             s: (per_token[s] - per_token["reference"]) / moe_layers * 1e6 for s in SYSTEMS[1:]
         },
         # main blocked on workers per decode layer, and one expert's compute on a worker
-        "wait_us_per_layer": {s: _median(rows[s], "wait_us_per_layer") for s in SYSTEMS[1:]},
-        "worker_compute_us_per_expert": {s: _median(rows[s], "compute_us_per_expert") for s in SYSTEMS[1:]},
+        "wait_us_per_layer": {s: median(r["wait_us_per_layer"] for r in rows[s]) for s in SYSTEMS[1:]},
+        "worker_compute_us_per_expert": {
+            s: median(r["compute_us_per_expert"] for r in rows[s]) for s in SYSTEMS[1:]
+        },
         # where a cluster's decode layer goes, and the one-process experts call it replaces
         "stages_us_per_layer": {
-            s: {k: statistics.median(r["stages_us"][k] for r in rows[s]) for k in STAGES} for s in SYSTEMS[1:]
+            s: {k: median(r["stages_us"][k] for r in rows[s]) for k in STAGES} for s in SYSTEMS[1:]
         },
-        "reference_experts_us_per_layer": _median(rows["reference"], "experts_us_per_layer"),
+        "reference_experts_us_per_layer": median(r["experts_us_per_layer"] for r in rows["reference"]),
         "rows": rows,
     }
     # The experts call alone: main's whole remote call (prepare + round trip + take + combine) above
@@ -472,10 +474,6 @@ def _time_decode_experts(model) -> list[float]:
             experts.register_forward_pre_hook(pre)
             experts.register_forward_hook(post)
     return times
-
-
-def _median(rows: list[dict], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
 
 
 # -- the verdict -----------------------------------------------------------------------------------
