@@ -70,6 +70,7 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
         node = MainNode(cfg, model_path)
         if admissions is not None:  # boxes that join from now on are taken in while main serves
             admissions.on_ready = node.take_in
+        node.start()
         node.serve(cfg.ready_file)
         if door is not None:
             door.stop(grace=1)

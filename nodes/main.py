@@ -1,9 +1,10 @@
 """The main node: the gRPC front door and the one thread that runs the decode loop.
 
-Lifecycle: the constructor builds (the model without its experts, the sockets, the engine) and does
-no blocking network I/O; `serve` first `connect`s (waits for the shadow, checks each worker answers
-as the worker it is supposed to be), then starts the gRPC server (Inference + standard health
-checking), announces readiness and serves until SIGINT/SIGTERM.
+Lifecycle: the constructor builds (the model without its experts, the engine) and touches no
+network; `start` connects (the workers' and the shadow's sockets and UDP beats; waits for the
+shadow, checks each worker answers as the worker it is supposed to be); `serve` then starts the
+gRPC server (Inference + standard health checking), announces readiness and serves until
+SIGINT/SIGTERM.
 
 Two front doors, one queue: the gRPC API (odmoe.Client) and the OpenAI-compatible HTTP API
 (`odmoe/serving/http_api.py`, `server.http`) both validate a request on the thread that receives it (bad
@@ -120,54 +121,19 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             self.checkpoint, resolve_dtype(cfg.model.dtype, self.checkpoint), cfg.model.device
         )
         tokenizer = load_tokenizer(model_path)
-        heartbeat = Heartbeat(cfg.failover.heartbeat_interval_s, cfg.failover.heartbeat_timeout_s)
+        self.heartbeat = Heartbeat(cfg.failover.heartbeat_interval_s, cfg.failover.heartbeat_timeout_s)
         sec = cfg.security
         self.security = NodeSecurity.load(
             sec.enabled, sec.key_dir, sec.node_name("main", 0), serves_clients=True
         )
-        shadow = None
-        if cfg.shadow.enabled and cfg.cluster.shadow_address:
-            shadow = ShadowLink(
-                cfg.cluster.shadow_address,
-                cfg.cluster.shadow_pub_address,
-                self.checkpoint.moe_layers,
-                heartbeat,
-                self.security.curve,
-                self._shadow_beats(),
-            )
-        members = Membership(
-            cfg.cluster.worker_addresses,
-            cfg.topology.for_model(self.checkpoint.moe_layers, self.checkpoint.num_experts),
-            self.checkpoint.moe_layers,
-            heartbeat,
-            cfg.failover.probe_interval_s,
-            self.security.curve,
-            homes_by_room=cfg.cluster.homes == "room",
-            beats=BeatWatch(suspicion_settings(cfg)) if cfg.failover.beat_interval_s > 0 else None,
-        )
-        self.experts = RemoteExperts(
-            members,
-            self.checkpoint.num_experts,
-            main.kernel,
-            reply_timeout_s=cfg.worker.reply_timeout_s,
-            shadow=shadow,
-            prefill=cfg.prefill,
-            tracer=Tracer("main", cfg.trace_dir),
-            substituter=Substituter.build(cfg.miss, model_path, main.model, self.checkpoint.num_experts),
-            stragglers=straggler_watch(cfg),
-            late=late_calls(cfg),
-            probe_every=cfg.failover.straggler_probe_every,
-            move_horizon=cfg.failover.straggler_move_horizon,
-            no_worker_grace_s=cfg.failover.no_worker_grace_s,
-        )
-        self.experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
-        self.connect_s = 0.0  # connections + (CURVE) handshakes + pings (`connect`), for the ready file
+        # main's side of the workers (and of the shadow): no connection yet, start() makes them
+        self.experts = remote_experts(cfg, model_path, self.checkpoint, main, self.heartbeat, self.security)
+        self.connect_s = 0.0  # connections + (CURVE) handshakes + pings (`start`), for the ready file
         # the homes' fit against the workers' rooms: checked at start when every worker is there, else
         # once a growing cluster's last worker has told its room (_check_grown_homes); its verdict
         self.homes_checked, self.homes_problem = False, ""
         self.shadow_joins: queue.Queue[tuple[str, str]] = queue.Queue()
         self.shadow_where = cfg.cluster.shadow_where  # a rejoining shadow says where it now runs
-        self.heartbeat = heartbeat
         self._next_key_check = 0.0  # when _drop_revoked_workers next reads the workers' keys
         # a random or speculative shadow is paced by main: it hears of every iteration
         pace = cfg.shadow.mode == "random" or cfg.alignment.mode == "speculative"
@@ -191,11 +157,17 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         )
         self.model_name = cfg.server.model_name or Path(model_path).name
         self.tokenizer = tokenizer
-        self.tokenizer_vocab_size = main.model.config.vocab_size
-        self.context_length = self.engine.max_positions
         self.stopped = threading.Event()
         self.engine_started = threading.Event()
         self.engine_failed: Exception | None = None
+
+    @property
+    def tokenizer_vocab_size(self) -> int:
+        return self.engine.main.model.config.vocab_size
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.max_positions
 
     # -- the engine thread -------------------------------------------------------------------
     def run_engine(self, on_failure: Callable[[], None] = lambda: None) -> None:
@@ -262,21 +234,19 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             if not curve.still_admitted(f"worker{worker}"):
                 members.mark_lost(worker, "its key was revoked (odmoe-keys revoke)")
 
-    def _shadow_beats(self) -> BeatWatch | None:
+    def _beats(self) -> BeatWatch | None:
+        """UDP beats to judge a peer by (odmoe/transport/beats.py; None: heartbeats alone)."""
         return BeatWatch(suspicion_settings(self.cfg)) if self.cfg.failover.beat_interval_s > 0 else None
+
+    def _shadow_link(self, address: str, pub_address: str) -> ShadowLink:
+        """Connections to the shadow at these addresses (its control and its predictions)."""
+        layers, curve = self.checkpoint.moe_layers, self.security.curve
+        return ShadowLink(address, pub_address, layers, self.heartbeat, curve, self._beats())
 
     def _adopt_shadow(self, address: str, pub_address: str) -> None:
         shadow = self.experts.shadow
         if shadow is None:
-            shadow = ShadowLink(
-                address,
-                pub_address,
-                self.checkpoint.moe_layers,
-                self.heartbeat,
-                self.security.curve,
-                self._shadow_beats(),
-            )
-            self.experts.shadow = shadow
+            shadow = self.experts.shadow = self._shadow_link(address, pub_address)
         elif (shadow.address, shadow.pub_address) != (address, pub_address) or not shadow.up:
             shadow.replace(address, pub_address)
         # briefly: requests wait meanwhile, and a shadow that is gone again only costs speed
@@ -408,11 +378,16 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         return odmoe_pb2.JoinReply(detail=detail)
 
     # -- lifecycle ---------------------------------------------------------------------------
-    def connect(self) -> None:
-        """The node's network start (the constructor only builds): wait for the shadow, ping every
-        worker (or cluster.min_workers of them) and check the homes fit the workers' rooms.
-        Raises WorkerUnavailable or MemoryPlanError naming what is wrong."""
+    def start(self) -> None:
+        """The node's network start (the constructor only builds): connect to the workers and the
+        shadow (with their UDP beats), wait for the shadow, ping every worker (or
+        cluster.min_workers of them) and check the homes fit the workers' rooms. Raises
+        WorkerUnavailable or MemoryPlanError naming what is wrong."""
         cfg, start = self.cfg, time.perf_counter()
+        self.experts.members.connect(self._beats())
+        if cfg.shadow.enabled and cfg.cluster.shadow_address:
+            address, pub_address = cfg.cluster.shadow_address, cfg.cluster.shadow_pub_address
+            self.experts.shadow = self._shadow_link(address, pub_address)
         shadow = self.experts.shadow
         if shadow is not None and not shadow.wait_up(cfg.worker.ready_timeout_s):
             why = f" (CURVE handshake failed: {shadow.control.refused})" if shadow.control.refused else ""
@@ -430,7 +405,7 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
 
     def _check_grown_homes(self) -> None:
         """A cluster that started below its size (cluster.min_workers): once its last worker has told
-        its room, the homes' fit is checked as connect() checks a full start. Serving by then, main
+        its room, the homes' fit is checked as start() checks a full start. Serving by then, main
         cannot refuse to start: it says so once, in its log and in Info's `homes_problem` (the short
         worker serves on, loading again what its room cannot keep)."""
         members = self.experts.members
@@ -444,48 +419,14 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             log.error("the grown cluster's homes do not fit: %s", problem)
 
     def serve(self, ready_file: str | None = None) -> None:
-        """connect(), then serve clients (gRPC, and HTTP with server.http) until SIGINT/SIGTERM."""
-        self.connect()
-        secrets = self.security.server  # None: security.enabled=false
-        # the token first (a stranger learns nothing), then every request parsed by TextCheck: bad
-        # UTF-8 in a string field answers INVALID_ARGUMENT naming it, not gRPC's bare INTERNAL
-        interceptors: list[grpc.ServerInterceptor] = [BearerToken(secrets)] if secrets else []
-        interceptors.append(TextCheck())
-        server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=16),
-            options=server_options(self.cfg.server.client_ping_s, self.cfg.server.client_ping_timeout_s),
-            interceptors=interceptors,
-        )
-        odmoe_pb2_grpc.add_InferenceServicer_to_server(self, server)
-        health_servicer = health.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-        host, port = self.cfg.cluster.host, self.cfg.cluster.main_port
-        try:
-            if secrets:
-                bound = server.add_secure_port(f"{host}:{port}", secrets.grpc_credentials())
-            else:
-                bound = server.add_insecure_port(f"{host}:{port}")
-        except RuntimeError as exc:
-            raise PortInUse(f"main cannot bind {host}:{port}: {exc}") from exc
-        if bound == 0:
-            raise PortInUse(f"main cannot bind {host}:{port} (in use?)")
-        http = None
-        if self.cfg.server.http:
-            http_host, http_port = self.cfg.server.http_host or host, self.cfg.server.http_port
-            try:
-                ping = (self.cfg.server.client_ping_s, self.cfg.server.client_ping_timeout_s)
-                http = start_http(self, http_host, http_port, secrets, *ping)
-            except OSError as exc:
-                raise PortInUse(
-                    f"main cannot serve HTTP on {http_host}:{http_port} ({exc}): set server.http_port "
-                    "(0: any free port) or server.http=false"
-                ) from exc
+        """Serve clients (gRPC, and HTTP with server.http) until SIGINT/SIGTERM; after start()."""
+        server, health_servicer, address = grpc_door(self, self.cfg, self.security.server)
+        http = http_door(self, self.cfg, self.security.server)
         done = threading.Event()
         engine = threading.Thread(target=self.run_engine, args=(done.set,), name="odmoe-engine", daemon=True)
         engine.start()
         server.start()
         health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-        address = f"{host}:{bound}"
         http_address = http.url if http else ""
         announce_ready(
             ready_file, role="main", address=address, http_address=http_address, connect_s=self.connect_s
@@ -513,6 +454,79 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             self.experts.shadow.close()
         if self.engine_failed is not None:
             raise SystemExit(1)
+
+
+def remote_experts(cfg: OdmoeConfig, model_path: str, checkpoint, main, heartbeat, security) -> RemoteExperts:
+    """Main's side of the workers (and, once MainNode.start has connected it, of the shadow)."""
+    members = Membership(
+        cfg.cluster.worker_addresses,
+        cfg.topology.for_model(checkpoint.moe_layers, checkpoint.num_experts),
+        checkpoint.moe_layers,
+        heartbeat,
+        cfg.failover.probe_interval_s,
+        security.curve,
+        homes_by_room=cfg.cluster.homes == "room",
+    )
+    experts = RemoteExperts(
+        members,
+        checkpoint.num_experts,
+        main.kernel,
+        reply_timeout_s=cfg.worker.reply_timeout_s,
+        prefill=cfg.prefill,
+        tracer=Tracer("main", cfg.trace_dir),
+        substituter=Substituter.build(cfg.miss, model_path, main.model, checkpoint.num_experts),
+        stragglers=straggler_watch(cfg),
+        late=late_calls(cfg),
+        probe_every=cfg.failover.straggler_probe_every,
+        move_horizon=cfg.failover.straggler_move_horizon,
+        no_worker_grace_s=cfg.failover.no_worker_grace_s,
+    )
+    experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
+    return experts
+
+
+def grpc_door(node: MainNode, cfg: OdmoeConfig, secrets) -> tuple[grpc.Server, health.HealthServicer, str]:
+    """The gRPC door, bound (not started): Inference and standard health checking; its address.
+    `secrets`: the TLS material and bearer token (None: security.enabled=false)."""
+    # the token first (a stranger learns nothing), then every request parsed by TextCheck: bad
+    # UTF-8 in a string field answers INVALID_ARGUMENT naming it, not gRPC's bare INTERNAL
+    interceptors: list[grpc.ServerInterceptor] = [BearerToken(secrets)] if secrets else []
+    interceptors.append(TextCheck())
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=16),
+        options=server_options(cfg.server.client_ping_s, cfg.server.client_ping_timeout_s),
+        interceptors=interceptors,
+    )
+    odmoe_pb2_grpc.add_InferenceServicer_to_server(node, server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    host, port = cfg.cluster.host, cfg.cluster.main_port
+    try:
+        if secrets:
+            bound = server.add_secure_port(f"{host}:{port}", secrets.grpc_credentials())
+        else:
+            bound = server.add_insecure_port(f"{host}:{port}")
+    except RuntimeError as exc:
+        raise PortInUse(f"main cannot bind {host}:{port}: {exc}") from exc
+    if bound == 0:
+        raise PortInUse(f"main cannot bind {host}:{port} (in use?)")
+    return server, health_servicer, f"{host}:{bound}"
+
+
+def http_door(node: MainNode, cfg: OdmoeConfig, secrets):
+    """The OpenAI-compatible HTTP API, serving (None without server.http)."""
+    if not cfg.server.http:
+        return None
+    host, port = cfg.server.http_host or cfg.cluster.host, cfg.server.http_port
+    try:
+        return start_http(
+            node, host, port, secrets, cfg.server.client_ping_s, cfg.server.client_ping_timeout_s
+        )
+    except OSError as exc:
+        raise PortInUse(
+            f"main cannot serve HTTP on {host}:{port} ({exc}): set server.http_port "
+            "(0: any free port) or server.http=false"
+        ) from exc
 
 
 def _top(top) -> list:

@@ -72,18 +72,16 @@ class Membership:
         probe_interval_s: float = 1.0,
         curve: Curve | None = None,
         homes_by_room: bool = True,
-        beats: BeatWatch | None = None,
     ):
         if len(addresses) != topology.workers:
             raise ValueError(f"{len(addresses)} worker addresses for {topology.workers} workers")
         self.topology, self.layers, self.heartbeat = topology, layers, heartbeat or Heartbeat()
         self.probe_interval_s, self.curve = probe_interval_s, curve
         self.homes_by_room = homes_by_room  # cluster.homes: deal homes by the workers' cache rooms
-        self.beats = beats  # owned: closed with the membership
+        self.beats: BeatWatch | None = None  # owned, from connect(): closed with the membership
         self.ctx = zmq.Context.instance()
         self.addresses = list(addresses)
-        # "" where a worker's address is not known yet (a box that will join by the link)
-        self.links: dict[int, WatchedSocket] = {i: self._connect(i, a) for i, a in enumerate(addresses) if a}
+        self.links: dict[int, WatchedSocket] = {}  # connect() makes them
         self.pongs: dict[int, Pong] = {}
         self.probes: dict[int, _Probe] = {}
         self.announced: queue.Queue[tuple[int, str]] = queue.Queue()
@@ -94,6 +92,14 @@ class Membership:
         self._poller = zmq.Poller()
         self._by_socket: dict[zmq.Socket, tuple[int, bool]] = {}  # socket -> (worker, is monitor)
         self._beat_verdicts: dict[int, str] = {}  # worker -> why the beats say it is lost
+
+    def connect(self, beats: BeatWatch | None = None) -> None:
+        """The network start (the constructor only builds): a connection to every worker whose
+        address is known ("" where not yet: a box that will join by the link), and the UDP `beats`
+        that judge them (None: heartbeats alone)."""
+        self.beats = beats
+        self.links = {i: self._connect(i, a) for i, a in enumerate(self.addresses) if a}
+        self._poller_stale = True
 
     # -- who is alive ------------------------------------------------------------------------
     @property
