@@ -26,8 +26,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import tempfile
 import time
 from collections import OrderedDict
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -178,6 +182,21 @@ def build(
     )
     main.attach(lru)
     return main.model, main.device_bytes + lru.slots.device_bytes, lru
+
+
+def run_in_child(
+    system: str, model_path: str, cells: list[dict], timeout: float | None = None, **flags
+) -> dict:
+    """One baseline in a process of its own (this module as a program), its report read back: each
+    keyword a flag (lru_experts=8 is --lru-experts 8)."""
+    with tempfile.TemporaryDirectory(prefix="odmoe-baseline-") as tmp:
+        cells_file, out = Path(tmp) / "cells.json", Path(tmp) / "out.json"
+        cells_file.write_text(json.dumps(cells))
+        words = [w for key, value in flags.items() for w in (f"--{key.replace('_', '-')}", str(value))]
+        command = [sys.executable, "-m", __name__, "--system", system, "--model", model_path]
+        command += ["--cells", str(cells_file), "--out", str(out), *words]
+        subprocess.run(command, check=True, timeout=timeout)
+        return json.loads(out.read_text())
 
 
 def main(argv: list[str] | None = None) -> None:

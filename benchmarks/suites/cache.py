@@ -18,14 +18,10 @@ requests, as a server's do). Reported: decode tokens/s, the share of experts com
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 from odmoe.benchmarks import plots
+from odmoe.benchmarks.baselines import run_in_child
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
@@ -154,17 +150,12 @@ def _pooled(stats: list[dict], key: str) -> float | None:
 
 
 def _offloader(cfg, model_path, prompts, new_tokens, lru_experts) -> dict:
-    with tempfile.TemporaryDirectory(prefix="odmoe-cache-") as tmp:
-        cells_file, out_file = Path(tmp) / "cells.json", Path(tmp) / "out.json"
-        cells_file.write_text(json.dumps([{"name": "cache", "prompts": prompts, "new_tokens": new_tokens}]))
-        cmd = [
-            sys.executable, "-m", "odmoe.benchmarks.baselines", "--system", "lru_offloader",
-            "--model", model_path, "--cells", str(cells_file), "--out", str(out_file),
-            "--threads", "1", "--lru-experts", str(lru_experts),
-            "--bandwidth-gbps", str(cfg.link.bandwidth_gbps), "--latency-ms", str(cfg.link.latency_ms),
-        ]  # fmt: skip
-        subprocess.run(cmd, check=True)
-        report = json.loads(out_file.read_text())
+    cells = [{"name": "cache", "prompts": prompts, "new_tokens": new_tokens}]
+    link = cfg.link
+    report = run_in_child(
+        "lru_offloader", model_path, cells, threads=1, lru_experts=lru_experts,
+        bandwidth_gbps=link.bandwidth_gbps, latency_ms=link.latency_ms,
+    )  # fmt: skip
     cell = report["cells"][0]
     new = sum(r["new_tokens"] for r in cell["runs"])
     return {

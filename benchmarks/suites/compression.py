@@ -16,14 +16,10 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -31,6 +27,7 @@ import xxhash
 import zstandard
 
 from odmoe.benchmarks import plots
+from odmoe.benchmarks.baselines import run_in_child
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
 from odmoe.benchmarks.config import BenchConfig, BenchLink
 from odmoe.benchmarks.results import ResultsDir
@@ -310,17 +307,11 @@ def decode(cfg: BenchConfig, model_path: str) -> dict:
 
 def _lru(cfg: BenchConfig, model_path: str, prompts: list[list[int]]) -> dict:
     suite = cfg.compression
-    with tempfile.TemporaryDirectory(prefix="odmoe-compression-") as tmp:
-        cells, out = Path(tmp) / "cells.json", Path(tmp) / "out.json"
-        cells.write_text(json.dumps([{"name": "decode", "prompts": prompts, "new_tokens": suite.new_tokens}]))
-        cmd = [
-            sys.executable, "-m", "odmoe.benchmarks.baselines", "--system", "lru_offloader",
-            "--model", model_path, "--cells", str(cells), "--out", str(out), "--threads", "1",
-            "--lru-experts", str(suite.lru_experts), "--bandwidth-gbps", str(suite.bandwidth_gbps),
-            "--latency-ms", str(suite.latency_ms), "--dtype", suite.dtype,
-        ]  # fmt: skip
-        subprocess.run(cmd, check=True)
-        report = json.loads(out.read_text())
+    cells = [{"name": "decode", "prompts": prompts, "new_tokens": suite.new_tokens}]
+    report = run_in_child(
+        "lru_offloader", model_path, cells, threads=1, lru_experts=suite.lru_experts,
+        bandwidth_gbps=suite.bandwidth_gbps, latency_ms=suite.latency_ms, dtype=suite.dtype,
+    )  # fmt: skip
     runs = report["cells"][0]["runs"]
     speeds = [r["decode_tokens_per_s"] for r in runs]
     return {

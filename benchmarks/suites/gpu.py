@@ -37,14 +37,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 from odmoe.benchmarks import plots
+from odmoe.benchmarks.baselines import run_in_child
 from odmoe.benchmarks.cluster_runs import run_cluster
 from odmoe.benchmarks.config import BenchConfig, GpuSuite, gpu_system
 from odmoe.benchmarks.results import ResultsDir
@@ -248,20 +246,11 @@ def _hit_rate(stats: list[dict]) -> float | None:
 def _process(
     g: GpuSuite, model_path: str, system: str, prompts: list[list[int]], budget: str, lru: int | None = None
 ) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cells = Path(tmp) / "cells.json"
-        cells.write_text(json.dumps([{"name": "gpu", "prompts": prompts, "new_tokens": g.new_tokens}]))
-        result = Path(tmp) / "out.json"
-        args = [
-            *("--system", system, "--model", model_path, "--cells", str(cells), "--out", str(result)),
-            *("--device", g.device, "--dtype", g.dtype, "--threads", "4"),
-            *("--lru-experts", str(lru or g.lru_experts), "--gpu-memory", budget),
-            *("--warmup-tokens", str(g.new_tokens)),
-        ]
-        subprocess.run(
-            [sys.executable, "-m", "odmoe.benchmarks.baselines", *args], check=True, timeout=g.timeout_s
-        )
-        report = json.loads(result.read_text())
+    cells = [{"name": "gpu", "prompts": prompts, "new_tokens": g.new_tokens}]
+    report = run_in_child(
+        system, model_path, cells, timeout=g.timeout_s, device=g.device, dtype=g.dtype, threads=4,
+        lru_experts=lru or g.lru_experts, gpu_memory=budget, warmup_tokens=g.new_tokens,
+    )  # fmt: skip
     runs = report["cells"][0]["runs"]
     return {
         "ttft_s": [r["ttft_s"] for r in runs],

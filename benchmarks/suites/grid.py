@@ -14,14 +14,10 @@ experts) and its predicted decode tokens/s is set against the measured one: the 
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 from odmoe.benchmarks import plots
+from odmoe.benchmarks.baselines import run_in_child
 from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
 from odmoe.benchmarks.config import BenchConfig
 from odmoe.benchmarks.results import ResultsDir
@@ -162,17 +158,10 @@ def simulator_check(stats: list[dict], cfg: BenchConfig, layers: int) -> dict | 
 
 
 def _process_system(cfg: BenchConfig, model_path: str, system: str, grid: list[dict]) -> dict:
-    with tempfile.TemporaryDirectory(prefix="odmoe-grid-") as tmp:
-        cells_file, out_file = Path(tmp) / "cells.json", Path(tmp) / "out.json"
-        cells_file.write_text(json.dumps(grid))
-        cmd = [
-            sys.executable, "-m", "odmoe.benchmarks.baselines", "--system", system, "--model", model_path,
-            "--cells", str(cells_file), "--out", str(out_file), "--threads", str(cfg.grid.threads),
-            "--lru-experts", str(cfg.grid.lru_experts), "--bandwidth-gbps", str(cfg.link.bandwidth_gbps),
-            "--latency-ms", str(cfg.link.latency_ms),
-        ]  # fmt: skip
-        subprocess.run(cmd, check=True)
-        report = json.loads(out_file.read_text())
+    report = run_in_child(
+        system, model_path, grid, threads=cfg.grid.threads, lru_experts=cfg.grid.lru_experts,
+        bandwidth_gbps=cfg.link.bandwidth_gbps, latency_ms=cfg.link.latency_ms,
+    )  # fmt: skip
     return {
         "cells": report["cells"],
         "peak_rss_bytes": {system: report["peak_rss_bytes"]},
