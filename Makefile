@@ -5,9 +5,9 @@ SUITE ?= quick
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-install:  ## install odmoe for development on a CPU machine
+install:  ## install odmoe (and the odmoe-bench suites beside it) for development on a CPU machine
 	$(PY) -m pip install -c constraints-cpu.txt torch==2.13.0
-	$(PY) -m pip install -c constraints-cpu.txt -e ".[dev]"
+	$(PY) -m pip install -c constraints-cpu.txt -e ".[dev]" -e ./benchmarks
 
 proto:  ## regenerate odmoe/rpc/*_pb2*.py from protos/ (never edit those by hand)
 	$(PY) -m grpc_tools.protoc -Iprotos --python_out=. --pyi_out=. --grpc_python_out=. protos/odmoe/rpc/odmoe.proto
@@ -45,8 +45,8 @@ test-newest:  ## the tests against the newest versions pyproject's ranges allow,
 cluster:  ## a whole local cluster answering one prompt on the demo model (trained on first use)
 	odmoe-launch role=local
 
-suites:  ## every benchmark suite and what it measures (from conf/bench/suite/*.yaml)
-	$(PY) -m odmoe.benchmarks.config
+suites:  ## every benchmark suite and what it measures (from benchmarks/conf/suite/*.yaml)
+	$(PY) -m odmoe_bench.config
 
 bench:  ## a benchmark suite: make bench SUITE=<name> (make suites lists them; quick: all, small)
 	odmoe-bench suite=$(SUITE)

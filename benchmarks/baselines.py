@@ -15,7 +15,7 @@ memory is its own:
 `--device cuda[:i]` runs a baseline on the GPU (experts of the LRU offloader then rest in pinned host
 memory and load by async copies, as on a CUDA worker); the report adds CUDA's own peak counter.
 
-    python -m odmoe.benchmarks.baselines --system lru_offloader --model DIR --cells cells.json --out out.json
+    python -m odmoe_bench.baselines --system lru_offloader --model DIR --cells cells.json --out out.json
 
 `--cells` is a JSON list of {"name", "prompts": [[ids...]...], "new_tokens"}; the output holds one
 entry per cell with every request's TTFT, decode tokens/s, overall tokens/s and token ids, and the

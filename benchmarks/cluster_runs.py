@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 import odmoe
-from odmoe.benchmarks.config import BenchConfig
+from odmoe_bench.config import BenchConfig
 
 
 def cluster_words(cfg: BenchConfig, *extra: str) -> list[str]:

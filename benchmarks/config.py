@@ -1,4 +1,4 @@
-"""The schema of `odmoe-bench` (Hydra fills it from conf/bench/bench.yaml and conf/bench/suite/*.yaml).
+"""The schema of `odmoe-bench` (Hydra fills it from conf/bench.yaml and conf/suite/*.yaml beside it).
 
 One dataclass per suite holds that suite's knobs; `BenchConfig` holds what every suite shares: the
 model, the local cluster's shape, the emulated load link, where results go. `suite=quick` runs
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib import resources
 
-# Every suite, in the order `suite=quick` runs them; each has conf/bench/suite/<name>.yaml, whose
+# Every suite, in the order `suite=quick` runs them; each has benchmarks/conf/suite/<name>.yaml, whose
 # opening comment says what it measures (`suite_summaries`, `make suites`).
 SUITES = (
     "recall",
@@ -633,9 +633,9 @@ def validate(cfg: BenchConfig) -> None:
 
 
 def suite_summaries() -> dict[str, str]:
-    """Each suite's opening comment in conf/bench/suite/<name>.yaml, joined into one line: the one
+    """Each suite's opening comment in benchmarks/conf/suite/<name>.yaml, joined into one line: the one
     place the help texts (`make suites`, `odmoe-bench`'s docs) take what a suite measures from."""
-    folder = resources.files("odmoe.conf.bench") / "suite"
+    folder = resources.files("odmoe_bench.conf") / "suite"
     out = {}
     for name in SUITES:
         head = []

@@ -1,8 +1,8 @@
 """odmoe's defaults against the paper's configuration (`preset=paper`) on the demo model: the
 README's first command, measured over more than one answer.
 
-    python -m odmoe.benchmarks.defaults            # 2 rounds, each: a cluster per configuration
-    python -m odmoe.benchmarks.defaults --rounds 3 --new-tokens 64
+    python -m odmoe_bench.defaults            # 2 rounds, each: a cluster per configuration
+    python -m odmoe_bench.defaults --rounds 3 --new-tokens 64
 
 Each round starts one local cluster per configuration (2 workers, the demo model, no emulated
 link, as `odmoe-launch role=local` runs), sends an 8-token warm-up request, then four prompts of

@@ -5,7 +5,7 @@ emulated link (every expert a token uses crosses it as stored; a GGUF worker deq
 arrival) — link bytes per token, each worker's expert bytes and peak memory, decode tokens/s, and
 whether the tokens equal transformers loading the same checkpoint in one process.
 
-python -m odmoe.benchmarks.gguf_link [--hidden 1024] [--intermediate 3584] [--layers 4] [--tokens 16]
+python -m odmoe_bench.gguf_link [--hidden 1024] [--intermediate 3584] [--layers 4] [--tokens 16]
     [--gbps 8] [--device cpu|cuda] [--out benchmarks/results/gguf-link.json]
 
 Every node is a process on this machine, so decode speed is this machine's: the workers'
@@ -94,7 +94,7 @@ def run(path: str, tokens: int, gbps: float, device: str = "cpu") -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m odmoe.benchmarks.gguf_link", description=__doc__.splitlines()[0]
+        prog="python -m odmoe_bench.gguf_link", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=3584)

@@ -1,7 +1,7 @@
 """Each node's memory with the nodes on a GPU at real width (issue 45 on a lent GPU box), beside one
 process running the same model, and whether the cluster's tokens are that process's.
 
-    python -m odmoe.benchmarks.gpu_memory --model DIR [--device cuda] [--new-tokens 16] [--out FILE.json]
+    python -m odmoe_bench.gpu_memory --model DIR [--device cuda] [--new-tokens 16] [--out FILE.json]
 
 One process: `from_pretrained(dtype=bfloat16)` on the device and greedy `generate` (in a child
 process, so its peaks are its own): host VmHWM and CUDA's max_memory_allocated. The cluster: main,

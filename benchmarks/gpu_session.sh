@@ -90,7 +90,7 @@ for name in ("transformers", "accelerate", "bitsandbytes", "huggingface_hub", "t
         print(f"  {name} MISSING")
 import transformers
 print("transformers from", transformers.__file__)
-for mod in ("odmoe.nodes.worker", "odmoe.nodes.main", "odmoe.launch.cli", "odmoe.benchmarks.suites.gpu",
+for mod in ("odmoe.nodes.worker", "odmoe.nodes.main", "odmoe.launch.cli", "odmoe_bench.suites.gpu",
             "odmoe.rpc.odmoe_pb2_grpc", "grpc_health.v1.health", "fastapi", "uvicorn", "sse_starlette",
             "zmq", "zstandard", "cryptography.x509", "hydra"):
     try:
@@ -120,7 +120,7 @@ part2() {  # suite gpu. Its model: LAYERS x 8 experts x 352 MB, bf16 (4 layers: 
   # filled from a seeded pool and written to /tmp (about a minute at 4 layers, most of it the write),
   # then odmoe, one process, accelerate offload and the LRU offloader in turn (est. 5-8 min at 4
   # layers, 3-5 at 2; its JSON and figure are written at the end only).
-  step gpu-bench 500 "$PY" -m odmoe.launch.bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
+  step gpu-bench 500 "$PY" -m odmoe_bench.cli suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
     gpu.model_dir="/tmp/odmoe-gpu-model-$LAYERS" gpu.timeout_s=400 ${BENCH_ARGS:-}
   df -h /tmp | tail -n 1 | tee -a "$LOG"
 }
@@ -136,7 +136,7 @@ lease() {  # all of it in one call of a 15-minute lease (timeout_s 600): every g
   local only=()  # TESTS_K: a -k expression, to rerun some tests on a second call
   [ -n "${TESTS_K:-}" ] && only=(-k "$TESTS_K")
   step gpu-tests "${TESTS_S:-240}" "${PYTEST[@]}" "${workers[@]}" "${only[@]}" -m gpu --junitxml="$OUT/gpu-tests.xml"
-  step gpu-bench "${BENCH_S:-320}" "$PY" -m odmoe.launch.bench suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
+  step gpu-bench "${BENCH_S:-320}" "$PY" -m odmoe_bench.cli suite=gpu gpu.layers="$LAYERS" results_dir="$OUT" \
     gpu.model_dir="/tmp/odmoe-gpu-model-$LAYERS" gpu.timeout_s=240 \
     "gpu.systems=[${SYSTEMS:-single_process,odmoe,odmoe_cache,lru_offloader,accelerate_offload}]" ${BENCH_ARGS:-}
 }
@@ -153,7 +153,7 @@ batched() {  # issue 28 on the GPU: its tests (in-process engines on CUDA, concu
   step make-wide "${MAKE_S:-60}" "$PY" -c "from odmoe.tools.model_factory import ModelSpec, make_wide_model
 make_wide_model(ModelSpec(layers=4, hidden=4096, intermediate=128, heads=32, kv_heads=8, vocab=4096,
                           max_positions=1024, dtype='bfloat16'), '$model')"
-  step main-decode-cuda "${BENCH_S:-200}" "$PY" -m odmoe.benchmarks.main_decode --model "$model" \
+  step main-decode-cuda "${BENCH_S:-200}" "$PY" -m odmoe_bench.main_decode --model "$model" \
     --device cuda --dtype bfloat16 --users "${USERS:-1,2,4,8,16}" --rounds 2 --tokens 24
 }
 
@@ -168,16 +168,16 @@ memory() {  # issue 45 in one call of a 15-minute lease (timeout_s 580): every g
   step make-wide "${MAKE_S:-100}" "$PY" -c "from odmoe.tools.model_factory import ModelSpec, make_wide_model
 make_wide_model(ModelSpec(layers=${MEM_LAYERS:-2}, hidden=4096, intermediate=14336, heads=32, kv_heads=8,
                           vocab=4096, dtype='bfloat16'), '$model')"
-  step gpu-memory "${MEM_S:-200}" "$PY" -m odmoe.benchmarks.gpu_memory --model "$model" --out "$OUT/gpu-memory.json"
+  step gpu-memory "${MEM_S:-200}" "$PY" -m odmoe_bench.gpu_memory --model "$model" --out "$OUT/gpu-memory.json"
 }
 
 gguf() {  # issue 46 in one call of a 15-minute lease (timeout_s 600): benchmarks/gguf_link.py with every
   # node on the GPU (bf16 safetensors vs Q8_0 vs Q4_K experts over the emulated 8 Gbit/s link, the
   # workers dequantizing on the GPU; tokens against transformers on the GPU), the GGUF gpu tests,
   # then the same benchmark with every node on the box's CPUs (16 cores, not this project's 2)
-  step gguf-link-cuda "${CUDA_S:-230}" "$PY" -m odmoe.benchmarks.gguf_link --device cuda --out "$OUT/gguf-link-cuda.json"
+  step gguf-link-cuda "${CUDA_S:-230}" "$PY" -m odmoe_bench.gguf_link --device cuda --out "$OUT/gguf-link-cuda.json"
   step gguf-tests "${TESTS_S:-150}" "${PYTEST[@]}" -rA -m gpu -k gguf --junitxml="$OUT/gguf-tests.xml"
-  step gguf-link-cpu "${CPU_S:-200}" "$PY" -m odmoe.benchmarks.gguf_link --device cpu --out "$OUT/gguf-link-cpu.json"
+  step gguf-link-cpu "${CPU_S:-200}" "$PY" -m odmoe_bench.gguf_link --device cpu --out "$OUT/gguf-link-cpu.json"
 }
 
 say "gpu session $PART $(date -u +%FT%TZ), commit $(git rev-parse --short HEAD 2>/dev/null || echo '?'), layers $LAYERS"

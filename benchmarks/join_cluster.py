@@ -1,7 +1,7 @@
 """A cluster joined only by the link at real width (issue 48): bytes each box pulls against its
 share, time to serve, each node's peak memory, a box joining while requests run, tokens checked.
 
-    python -m odmoe.benchmarks.join_cluster [--layers 8] [--hidden 1024] [--intermediate 3584]
+    python -m odmoe_bench.join_cluster [--layers 8] [--hidden 1024] [--intermediate 3584]
         [--workers 4] [--group-size 2] [--new-tokens 12] [--out benchmarks/results/join-cluster.json]
 
 A Mixtral-shaped bf16 checkpoint of real width (random weights, `make_wide_model`) is on main's
@@ -31,12 +31,12 @@ from pathlib import Path
 
 import psutil
 
-from odmoe.benchmarks.results import write_report
-from odmoe.benchmarks.wide_model import add_wide_model_args, wide_spec
 from odmoe.launch.pull import choose_for
 from odmoe.launch.settings import compose
 from odmoe.models.checkpoint_index import build_index
 from odmoe.tools.model_factory import make_wide_model
+from odmoe_bench.results import write_report
+from odmoe_bench.wide_model import add_wide_model_args, wide_spec
 
 PROMPT = "def fibonacci(n):"
 

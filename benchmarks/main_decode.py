@@ -1,6 +1,6 @@
 """Main's own CPU per generated token, batched decode against one forward pass per request.
 
-    python -m odmoe.benchmarks.main_decode [--model trained] [--users 1,2,4,8] [--rounds 3] [--device cuda]
+    python -m odmoe_bench.main_decode [--model trained] [--users 1,2,4,8] [--rounds 3] [--device cuda]
 
 The engine with in-process workers (`odmoe.main.inprocess`: main's real decode loop, RemoteExperts,
 codec and expert math, no sockets), so what is timed is one process's work and a busy neighbour on
@@ -59,11 +59,11 @@ def _measure(engine, workers, requests, clock=time.thread_time) -> tuple[float, 
 
 def main() -> None:
 
-    from odmoe.benchmarks.workload import prompt_ids
     from odmoe.main.engine import GenerateRequest
     from odmoe.main.inprocess import engine_in_process
     from odmoe.main.sampling import SamplingParams
     from odmoe.tools.model_names import resolve_model
+    from odmoe_bench.workload import prompt_ids
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="trained")

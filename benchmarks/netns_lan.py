@@ -22,12 +22,12 @@ import statistics
 import subprocess
 import time
 
-from odmoe.benchmarks.cluster_runs import run_cluster
-from odmoe.benchmarks.results import RESULTS, write_report
-from odmoe.benchmarks.workload import prompt_ids
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.model_names import resolve_model
+from odmoe_bench.cluster_runs import run_cluster
+from odmoe_bench.results import RESULTS, write_report
+from odmoe_bench.workload import prompt_ids
 
 SUBNET, BRIDGE = "10.77.0", "odmoe-br"
 BRIDGE_ADDRESS = f"{SUBNET}.254"  # the root namespace's side: the client (and any relay) lives here

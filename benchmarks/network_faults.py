@@ -44,15 +44,15 @@ import time
 import httpx
 
 import odmoe
-from odmoe.benchmarks.cluster_runs import link_words
-from odmoe.benchmarks.netns_lan import BRIDGE_ADDRESS, Lan
-from odmoe.benchmarks.results import RESULTS, write_report
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
 from odmoe.tools.model_names import resolve_model
 from odmoe.transport.security import TLS_NAME
+from odmoe_bench.cluster_runs import link_words
+from odmoe_bench.netns_lan import BRIDGE_ADDRESS, Lan
+from odmoe_bench.results import RESULTS, write_report
+from odmoe_bench.workload import prompt_ids, reference_tokens
 
 WORKERS = 4
 NODES = ["main", "shadow", *[f"worker{i}" for i in range(WORKERS)]]

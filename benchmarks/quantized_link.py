@@ -3,7 +3,7 @@ model in bf16 and in block-wise FP8 (transformers' own quantizer, `odmoe-make-mo
 gpt-oss-style model in bf16 and with MXFP4 experts (`--mxfp4`), each decoding through a local
 cluster with the paper's cacheless workers (every expert crosses the link as it is stored).
 
-python -m odmoe.benchmarks.quantized_link [--tokens 32] [--block 32] [--out FILE]
+python -m odmoe_bench.quantized_link [--tokens 32] [--block 32] [--out FILE]
 
 Prints, per model and format: one expert's bytes as stored, bytes loaded per decode token and per
 load, and whether the tokens equal transformers loading that checkpoint in one process.
@@ -61,7 +61,7 @@ def run(path: str, tokens: int) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m odmoe.benchmarks.quantized_link", description=__doc__.splitlines()[0]
+        prog="python -m odmoe_bench.quantized_link", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--block", type=int, default=32, help="FP8 scale block (the releases: 128)")

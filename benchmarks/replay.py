@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from odmoe.benchmarks.predictors import FrequencyPredictor, next_layer_gate
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.models.cache_argument import with_cache
 from odmoe.models.kv_rows import newest_rows, overwrite_newest_rows
 from odmoe.shadow.router_tap import RouterTap
 from odmoe.shadow.shadow_model import load_shadow_model, router_modules
+from odmoe_bench.predictors import FrequencyPredictor, next_layer_gate
 
 Position = tuple[int, int]  # (decode iteration, layer)
 

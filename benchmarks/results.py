@@ -15,7 +15,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from odmoe.benchmarks.config import BenchConfig
+from odmoe_bench.config import BenchConfig
 
 RESULTS = Path(__file__).parent / "results"  # where the committed figures live (the scripts' default)
 

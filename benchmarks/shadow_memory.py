@@ -1,6 +1,6 @@
 """The shadow's memory and speed per precision: what it holds, what loading it peaks at, how fast it decodes.
 
-    python -m odmoe.benchmarks.shadow_memory --model /tmp/rw16 [--precisions fp32,bf16,int8_dynamic,int4,auto]
+    python -m odmoe_bench.shadow_memory --model /tmp/rw16 [--precisions fp32,bf16,int8_dynamic,int4,auto]
         [--whole int8_dynamic] [--tokens 16] [--rounds 3] [--threads 1] [--out FILE.json]
 
 Memory: each precision loads in a process of its own (so `VmHWM`, the most resident memory a process
@@ -145,7 +145,7 @@ def _line(row: dict) -> str:
 
 def _child(args: list[str]):
     done = subprocess.run(
-        [sys.executable, "-m", "odmoe.benchmarks.shadow_memory", *args],
+        [sys.executable, "-m", "odmoe_bench.shadow_memory", *args],
         capture_output=True,
         text=True,
         check=False,

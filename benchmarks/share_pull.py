@@ -1,6 +1,6 @@
 """Each box pulls its share (issue 48): bytes pulled per role against its share, at real width.
 
-    python -m odmoe.benchmarks.share_pull [--layers 8] [--hidden 1024] [--intermediate 3584]
+    python -m odmoe_bench.share_pull [--layers 8] [--hidden 1024] [--intermediate 3584]
         [--workers 4] [--group-size 2] [--rate-mbps 800] [--out benchmarks/results/share-pull.json]
 
 A Mixtral-shaped bf16 checkpoint of real width (random weights, `make_wide_model`, sharded) is
@@ -19,8 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from odmoe.benchmarks.results import write_report
-from odmoe.benchmarks.wide_model import add_wide_model_args, wide_spec
 from odmoe.launch.pull import choose_for
 from odmoe.launch.settings import compose
 from odmoe.models.checkpoint_index import build_index
@@ -29,6 +27,8 @@ from odmoe.rpc import odmoe_pb2_grpc
 from odmoe.tools.model_factory import make_wide_model
 from odmoe.transport.security import ClientCredentials, ServerSecrets, init_key_dir
 from odmoe.transport.share_server import serve_share
+from odmoe_bench.results import write_report
+from odmoe_bench.wide_model import add_wide_model_args, wide_spec
 
 
 def _disk(path: Path) -> int:

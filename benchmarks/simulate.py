@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import json
 
-from odmoe.benchmarks.results import RESULTS
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
+from odmoe_bench.results import RESULTS
 
 LAYERS, GROUPS = 32, 4  # Mixtral-8x7B; 8 workers in groups of 2 (top-2)
 EXPERT_BYTES = 3 * 4096 * 14336 * 2  # w1, w2, w3 in fp16: 352 MB

@@ -37,12 +37,12 @@ import time
 from pathlib import Path
 
 import odmoe
-from odmoe.benchmarks.cluster_runs import link_words
-from odmoe.benchmarks.results import RESULTS, write_report
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
+from odmoe_bench.cluster_runs import link_words
+from odmoe_bench.results import RESULTS, write_report
+from odmoe_bench.workload import prompt_ids, reference_tokens
 
 SLOW = "worker3"
 SHAPE = ["--layers", "8", "--hidden", "512", "--intermediate", "1024", "--experts", "8", "--top-k", "2"]

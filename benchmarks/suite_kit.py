@@ -16,7 +16,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Iterable
 
-from odmoe.benchmarks.workload import prompt_ids
+from odmoe_bench.workload import prompt_ids
 
 PROMPT_TOKENS = 32  # a suite's prompt length where its config names none
 

@@ -1,7 +1,7 @@
 """The far end of the data-plane suite's round trips: a ROUTER in a process of its own that answers
 every message at once, as a worker would if computing took no time.
 
-    python -m odmoe.benchmarks.wire_echo --mode raw|codec [--curve]
+    python -m odmoe_bench.wire_echo --mode raw|codec [--curve]
 
 `raw` sends the received frames straight back (the wire's own cost: two ZeroMQ hops and the
 process wake-ups); `codec` decodes a ComputeExperts with odmoe's codec and answers with an

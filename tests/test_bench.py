@@ -9,17 +9,17 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.baselines import build, timed_generate
-from odmoe.benchmarks.config import SUITES, prefill_configuration, suite_summaries
-from odmoe.benchmarks.predictors import FrequencyPredictor
-from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
-from odmoe.benchmarks.suites.recall import score
-from odmoe.benchmarks.suites.timeline import summarise
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.tools.trace import Tracer, merge
 from odmoe.worker.expert_store import Link
+from odmoe_bench import plots
+from odmoe_bench.baselines import build, timed_generate
+from odmoe_bench.config import SUITES, prefill_configuration, suite_summaries
+from odmoe_bench.predictors import FrequencyPredictor
+from odmoe_bench.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
+from odmoe_bench.suites.recall import score
+from odmoe_bench.suites.timeline import summarise
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
@@ -30,9 +30,9 @@ RESULTS = Path(__file__).resolve().parents[1] / "benchmarks" / "results"
 def compose_bench(words):
     from hydra import compose, initialize_config_module
 
-    from odmoe.launch.bench import to_bench_config
+    from odmoe_bench.cli import to_bench_config
 
-    with initialize_config_module("odmoe.conf.bench", version_base="1.3"):
+    with initialize_config_module("odmoe_bench.conf", version_base="1.3"):
         return to_bench_config(compose("bench", overrides=words))
 
 
@@ -146,7 +146,7 @@ def test_timeline_merge_names_nodes_and_lanes(tmp_path):
     assert {"main", "worker0", "load", "compute"} <= names
     flows = [e for e in trace["traceEvents"] if e["ph"] in "sf"]
     assert len({e["id"] for e in flows}) == 1 and len(flows) == 2
-    from odmoe.benchmarks.suites.timeline import _named_lanes
+    from odmoe_bench.suites.timeline import _named_lanes
 
     rows = summarise(_named_lanes(trace["traceEvents"]))
     assert rows[1]["loads"] == 1 and rows[1]["unused_loads"] == 1 and rows[1]["main_ms"] == 0.1
@@ -170,7 +170,7 @@ def test_bench_sweep_runs_a_cluster_per_job(model_dirs, tmp_path, reap_children)
     out = tmp_path / "results"
     subprocess.run(
         [
-            sys.executable, "-m", "odmoe.launch.bench", "-m", "suite=timeline",
+            sys.executable, "-m", "odmoe_bench.cli", "-m", "suite=timeline",
             f"model={model_dirs['mixtral']}", "link.bandwidth_gbps=1,8", f"results_dir={out}",
             "timeline.new_tokens=3", "timeline.iterations=[1]", f"hydra.sweep.dir={tmp_path / 'sweep'}",
         ],
@@ -184,7 +184,7 @@ def test_bench_sweep_runs_a_cluster_per_job(model_dirs, tmp_path, reap_children)
 def test_compression_suite_bound_and_ratios():
     import numpy as np
 
-    from odmoe.benchmarks.suites.compression import exponent_counts, ratios, shannon_bound
+    from odmoe_bench.suites.compression import exponent_counts, ratios, shannon_bound
 
     # two exponent values, equally often: H = 1 bit, so bf16's bound is (1 + 8) / 16
     t = torch.tensor([1.0, 2.0] * 500, dtype=torch.bfloat16)
@@ -237,7 +237,7 @@ def test_prefill_figure_is_redrawn_from_the_earlier_scripts_results(prompt_kv, t
 def test_wilson_lower_bound_of_a_recall():
     """The hedging goal is judged on this bound: a handful of misses in a small sample must not pass
     it, dozens in a large one may."""
-    from odmoe.benchmarks.suites.lookahead import wilson_low
+    from odmoe_bench.suites.lookahead import wilson_low
 
     assert wilson_low(0, 0) == 0.0
     assert wilson_low(4063, 4064) < 0.999 < 4063 / 4064  # the old 4 x 128 sample: even 1 miss decides nothing
@@ -246,7 +246,7 @@ def test_wilson_lower_bound_of_a_recall():
 
 
 def test_cpu_per_token_pools_requests_and_sums_the_workers(monkeypatch):
-    from odmoe.benchmarks.cluster_runs import ClusterRun, cpu_per_token
+    from odmoe_bench.cluster_runs import ClusterRun, cpu_per_token
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     run = ClusterRun(words=[], token_ids=[[1] * 10, [2] * 30])
@@ -265,7 +265,7 @@ def test_cpu_per_token_pools_requests_and_sums_the_workers(monkeypatch):
 
 
 def test_the_busiest_links_load_time_per_token():
-    from odmoe.benchmarks.suites.lookahead import _busiest_link
+    from odmoe_bench.suites.lookahead import _busiest_link
 
     stats = [
         {"new_tokens": 10, "per_worker": {"worker0": {"load_s": 0.02}, "worker1": {"load_s": 0.05}}},
@@ -276,7 +276,7 @@ def test_the_busiest_links_load_time_per_token():
 
 
 def test_clusters_are_compared_with_the_lru_offloader_prompt_by_prompt(capsys):
-    from odmoe.benchmarks.suites.lookahead import _print_vs_lru, _ratios
+    from odmoe_bench.suites.lookahead import _print_vs_lru, _ratios
 
     def row(system, precision, per_request):
         return {
@@ -299,16 +299,16 @@ def test_clusters_are_compared_with_the_lru_offloader_prompt_by_prompt(capsys):
 
 
 def test_every_suite_has_its_config_its_module_and_a_line_in_each_help_text():
-    """The suites are listed in one place (SUITES, each conf/bench/suite/<name>.yaml's opening
+    """The suites are listed in one place (SUITES, each benchmarks/conf/suite/<name>.yaml's opening
     comment); a suite added without its config, module or help line fails here."""
     repo = Path(__file__).resolve().parents[1]
-    configs = {p.stem for p in (repo / "conf/bench/suite").glob("*.yaml")}
+    configs = {p.stem for p in (repo / "benchmarks/conf/suite").glob("*.yaml")}
     assert configs == set(SUITES)
     summaries = suite_summaries()
     assert all(len(summaries[name]) > 20 for name in SUITES), summaries
     modules = {p.stem for p in (repo / "benchmarks/suites").glob("*.py")} - {"__init__"}
     assert modules | {"quick"} == (set(SUITES) - {"eval"}) | {"eval_harness"}
-    bench_help = (repo / "launch/bench.py").read_text()
+    bench_help = (repo / "benchmarks/cli.py").read_text()
     assert [n for n in SUITES if f"suite={n} " not in bench_help] == []
 
 
@@ -317,7 +317,7 @@ def test_the_suites_reference_decode_is_transformers_greedy_and_seeded(model_dir
     import torch
     from transformers import AutoModelForCausalLM
 
-    from odmoe.benchmarks.workload import reference_tokens
+    from odmoe_bench.workload import reference_tokens
 
     path, ids = model_dirs["mixtral"], [5, 9, 200, 31]
     model = AutoModelForCausalLM.from_pretrained(path)

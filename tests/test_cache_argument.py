@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from odmoe.benchmarks.replay import load_shadow, reference_trajectory, replay_shadow
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.main.engine import GenerateRequest, TokenEvent
 from odmoe.main.inprocess import engine_in_process
 from odmoe.models.cache_argument import with_cache
 from odmoe.models.checkpoint import Checkpoint
+from odmoe_bench.replay import load_shadow, reference_trajectory, replay_shadow
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure

@@ -298,8 +298,8 @@ def test_a_decode_steps_combine_is_the_general_one(kernel, hidden_dtype, weight_
 def test_the_suites_floor_fans_calls_out_to_busy_echoes():
     """The dataplane suite's floor: real echo processes that stay busy before answering, every call
     answered (the round trip cannot be shorter than one echo's busy time)."""
-    from odmoe.benchmarks.config import DataplaneSuite
-    from odmoe.benchmarks.suites.dataplane import measure_fanout
+    from odmoe_bench.config import DataplaneSuite
+    from odmoe_bench.suites.dataplane import measure_fanout
 
     suite = DataplaneSuite(fanout_rounds=30, warmup_rounds=5, fanout_gap_us=50.0)
     out = measure_fanout(suite, torch.zeros(1, 8), echoes=2, calls=3, spin_us=2000.0, pinning=None)
@@ -311,8 +311,8 @@ def test_the_suites_floor_fans_calls_out_to_busy_echoes():
 def test_the_suites_floor_with_real_compute_has_its_echoes_compute_the_models_experts(model_dirs):
     """The floor with real compute: echo processes that compute the checkpoint's experts on the row
     with the workers' own expert_forward, and answer with the output; their compute time comes back."""
-    from odmoe.benchmarks.config import DataplaneSuite
-    from odmoe.benchmarks.suites.dataplane import EchoExperts, measure_fanout
+    from odmoe_bench.config import DataplaneSuite
+    from odmoe_bench.suites.dataplane import EchoExperts, measure_fanout
 
     ckpt = Checkpoint(model_dirs["mixtral"])
     suite = DataplaneSuite(fanout_rounds=20, warmup_rounds=2, fanout_gap_us=10.0)
@@ -324,8 +324,8 @@ def test_the_suites_floor_with_real_compute_has_its_echoes_compute_the_models_ex
 
 
 def test_the_echo_answers_with_the_workers_expert_output(model_dirs):
-    from odmoe.benchmarks.wire_echo import Expert
     from odmoe.models.expert_math import expert_forward
+    from odmoe_bench.wire_echo import Expert
 
     class Frame:  # a received ZeroMQ frame's interface: .buffer
         def __init__(self, t):
@@ -343,7 +343,7 @@ def test_the_echo_answers_with_the_workers_expert_output(model_dirs):
 
 
 def test_dataplane_verdict_sets_each_overhead_against_its_raw_round_trip():
-    from odmoe.benchmarks.suites.dataplane import goal
+    from odmoe_bench.suites.dataplane import goal
 
     wire = {"raw_plain": {"median": 100.0}, "raw_curve": {"median": 125.0}}
     layers = {

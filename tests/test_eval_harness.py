@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
 
 pytest.importorskip("lm_eval", reason="the eval extra (lm-eval) is not installed")
 pytestmark = [pytest.mark.integration, pytest.mark.extended]
 
 
 def test_lm_eval_through_the_cluster_scores_as_one_process(model_dirs, tmp_path, reap_children):
-    from odmoe.benchmarks.suites import eval_harness
+    from odmoe_bench.suites import eval_harness
 
     cfg = BenchConfig(suite="eval", results_dir=str(tmp_path))
     cfg.eval.limit, cfg.eval.scoring_prompts, cfg.eval.scoring_batch = 4, 4, 2

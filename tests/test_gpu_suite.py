@@ -10,11 +10,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from odmoe.benchmarks.config import BenchConfig, GpuSuite, validate
 from odmoe.config import OdmoeConfig
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.tools.model_factory import ModelSpec, make_wide_model
 from odmoe.validation import check_device
+from odmoe_bench.config import BenchConfig, GpuSuite, validate
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
@@ -39,7 +39,7 @@ def test_wide_model_is_a_sharded_checkpoint_with_per_expert_keys(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without CUDA gets")
 def test_gpu_suite_stops_with_a_message_without_cuda():
-    from odmoe.benchmarks.suites import gpu
+    from odmoe_bench.suites import gpu
 
     with pytest.raises(ValueError, match="needs a CUDA device.*gpu.device=cpu"):
         gpu.prepare(BenchConfig(suite="gpu"))
@@ -61,9 +61,9 @@ def test_gpu_suite_config_is_checked():
 
 @pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_gpu_suite_dry_run_on_cpu(tmp_path):
-    from odmoe.benchmarks import baselines
-    from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import gpu
+    from odmoe_bench import baselines
+    from odmoe_bench.results import ResultsDir
+    from odmoe_bench.suites import gpu
 
     assert baselines.accelerate_max_memory("cuda:1", "123456") == {1: 123456, "cpu": "1000GiB"}
     assert baselines.accelerate_max_memory("cuda", "8GiB")[0] == "8GiB"
@@ -87,8 +87,8 @@ def test_gpu_suite_reports_a_failed_system_and_keeps_the_others(tmp_path, monkey
     error; the other's figures are still measured, written and drawn."""
     import subprocess
 
-    from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import gpu
+    from odmoe_bench.results import ResultsDir
+    from odmoe_bench.suites import gpu
 
     measure = gpu._process
 
@@ -119,8 +119,8 @@ def test_gpu_suite_reports_a_failed_system_and_keeps_the_others(tmp_path, monkey
 @pytest.mark.integration
 @pytest.mark.extended
 def test_gpu_suite_dry_run_with_the_cluster(tmp_path, reap_children):
-    from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import gpu
+    from odmoe_bench.results import ResultsDir
+    from odmoe_bench.suites import gpu
 
     # with the same-budget sweep's names: 2 workers x (2 slots + 1 cached) = the offloader's 6
     systems = ["odmoe", "odmoe_cache_1", "odmoe_lru_1", "lru_offloader_6", "single_process"]

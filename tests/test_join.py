@@ -339,7 +339,7 @@ def test_boxes_in_their_own_network_namespaces_join_by_the_link(tmp_path, reap_c
     if not _can_make_namespaces():
         pytest.skip("cannot create network namespaces here (needs root and iproute2)")
     from odmoe import Client
-    from odmoe.benchmarks.netns_lan import Lan
+    from odmoe_bench.netns_lan import Lan
 
     model = resolve_model("tiny")
     key_dir, ready = tmp_path / "main-keys", tmp_path / "main.json"

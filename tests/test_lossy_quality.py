@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from odmoe.benchmarks.lossy_quality import inject_wrong, perplexity, score_window, shadow_predictions
-from odmoe.benchmarks.suites.lossy import agreement
 from odmoe.lossy.miss_policy import MissConfig
+from odmoe_bench.lossy_quality import inject_wrong, perplexity, score_window, shadow_predictions
+from odmoe_bench.suites.lossy import agreement
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure

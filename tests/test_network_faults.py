@@ -26,8 +26,8 @@ import time
 import pytest
 
 from odmoe import LocalCluster
-from odmoe.benchmarks.netns_lan import Lan
 from odmoe.tools.link_relay import Relay
+from odmoe_bench.netns_lan import Lan
 from tests.conftest import run_together
 from tests.test_batching import PROMPTS, alone
 

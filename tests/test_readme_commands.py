@@ -87,10 +87,10 @@ def test_every_odmoe_bench_line_of_the_docs_composes_and_validates(words):
     from hydra import compose as hydra_compose
     from hydra import initialize_config_module
 
-    from odmoe.launch.bench import to_bench_config  # registers the bench schema
+    from odmoe_bench.cli import to_bench_config  # registers the bench schema
 
     overrides = one_job(words[1:])
-    with initialize_config_module("odmoe.conf.bench", version_base="1.3"):
+    with initialize_config_module("odmoe_bench.conf", version_base="1.3"):
         to_bench_config(hydra_compose("bench", overrides=overrides))
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from odmoe.benchmarks.config import SoakSuite
-from odmoe.benchmarks.suites.soak import soak, summary
-from odmoe.benchmarks.workload import prompt_ids, reference_tokens
+from odmoe_bench.config import SoakSuite
+from odmoe_bench.suites.soak import soak, summary
+from odmoe_bench.workload import prompt_ids, reference_tokens
 
 pytestmark = [pytest.mark.integration]
 

@@ -1,6 +1,6 @@
 """Build the offline evaluation tasks' data (`benchmarks/eval/data/*.jsonl`) from Python sources.
 
-    python -m odmoe.benchmarks.eval.make_tasks            # rebuilds both files, deterministically
+    python -m odmoe_bench.eval.make_tasks            # rebuilds both files, deterministically
 
 Two tasks for lm-evaluation-harness (`benchmarks/eval/tasks/*.yaml`), both cut from standard-library
 sources the trained benchmark model never saw (`benchmarks/workload.py`), so they run offline:
@@ -18,7 +18,7 @@ import json
 import random
 from pathlib import Path
 
-from odmoe.benchmarks.workload import _unseen_sources
+from odmoe_bench.workload import _unseen_sources
 
 DATA = Path(__file__).parent / "data"
 CONTEXT_LINES = 8

@@ -7,12 +7,12 @@ prefetch, 6 no shadow: load after routing. Each case is its own local cluster wi
 
 from __future__ import annotations
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import PROMPT_TOKENS, Table, prompts
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words, run_cluster, summarise
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import PROMPT_TOKENS, Table, prompts
 
 CASES = {
     1: "token + KV alignment",

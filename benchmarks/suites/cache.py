@@ -20,16 +20,16 @@ from __future__ import annotations
 
 import statistics
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.baselines import run_in_child
-from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, prompts
-from odmoe.benchmarks.workload import reference_tokens
 from odmoe.models.load_dtypes import expert_dtype
 from odmoe.models.main_model import resolve_dtype
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
+from odmoe_bench import plots
+from odmoe_bench.baselines import run_in_child
+from odmoe_bench.cluster_runs import cluster_words, run_cluster
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, prompts
+from odmoe_bench.workload import reference_tokens
 
 TABLE = Table(
     "budget:>7g:budget",

@@ -26,18 +26,18 @@ import torch
 import xxhash
 import zstandard
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.baselines import run_in_child
-from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
-from odmoe.benchmarks.config import BenchConfig, BenchLink
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, prompts
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.model_names import resolve_model
 from odmoe.worker.bitfields import byte_view, join_into, split
 from odmoe.worker.compressed_tensor import DEFAULT_CHUNK_ELEMS, MemoryBytes, compress, exponent_compressor
 from odmoe.worker.expert_pack import write_pack
 from odmoe.worker.expert_sources import CompressedExpert
+from odmoe_bench import plots
+from odmoe_bench.baselines import run_in_child
+from odmoe_bench.cluster_runs import cluster_words, run_cluster, summarise
+from odmoe_bench.config import BenchConfig, BenchLink
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, prompts
 
 KINDS = ("gate_up", "down")
 METHODS = ("odmoe", "zstd", "lz4", "zipnn")

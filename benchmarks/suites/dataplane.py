@@ -55,18 +55,18 @@ import zmq
 from transformers import AutoModelForCausalLM
 
 import odmoe
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.baselines import timed_generate
-from odmoe.benchmarks.cluster_runs import cluster_words
-from odmoe.benchmarks.config import BenchConfig, DataplaneSuite
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import median, prompts
-from odmoe.benchmarks.wire_echo import busy
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.main_model import resolve_dtype
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.transport.messages import ComputeExperts, ExpertsResult, Step, from_frames, to_frames
+from odmoe_bench import plots
+from odmoe_bench.baselines import timed_generate
+from odmoe_bench.cluster_runs import cluster_words
+from odmoe_bench.config import BenchConfig, DataplaneSuite
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import median, prompts
+from odmoe_bench.wire_echo import busy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,7 +196,7 @@ def _echo(
     """One echo process (raw: busy `spin_us`, or computing `expert`, before each answer) and this
     process's DEALER to it; on `cpu` when given (as a spread worker), else as `pinning` says."""
     where = ["taskset", "-c", str(cpu)] if cpu is not None else _taskset(pinning, 1)
-    cmd = [*where, sys.executable, "-m", "odmoe.benchmarks.wire_echo", "--mode", mode]
+    cmd = [*where, sys.executable, "-m", "odmoe_bench.wire_echo", "--mode", mode]
     if spin_us:
         cmd += ["--spin-us", str(spin_us)]
     if expert is not None:

@@ -36,10 +36,10 @@ import yaml
 from transformers import AutoModelForCausalLM
 
 import odmoe
-from odmoe.benchmarks.cluster_runs import cluster_words
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench.cluster_runs import cluster_words
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
 
 EVAL_DIR = Path(__file__).resolve().parent.parent / "eval"
 NODE_THREADS = 1  # conf/cluster/local.yaml: torch_threads of every local node
@@ -232,7 +232,7 @@ def compare(task: str, one: dict, api: dict, sent: dict, strict: bool = False) -
 def scoring_throughput(cluster, model_path: str, prompts: int, batch: int) -> dict:
     """Prompt tokens scored per second: `echo` + `max_tokens=0` through the API (one prompt per
     request; then `batch` per request) against transformers' forward + log_softmax in one process."""
-    from odmoe.benchmarks.workload import prompt_ids
+    from odmoe_bench.workload import prompt_ids
 
     tok = load_tokenizer(model_path)
     ids = [prompt_ids(tok, i, 64 + 16 * (i % 5)) for i in range(prompts)]

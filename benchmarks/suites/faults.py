@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 
 import odmoe
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, prompts
-from odmoe.benchmarks.workload import reference_tokens
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, prompts
+from odmoe_bench.workload import reference_tokens
 
 TABLE = Table(
     "node:<9:node",

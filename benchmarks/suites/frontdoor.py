@@ -17,11 +17,11 @@ import statistics
 import time
 
 import odmoe
-from odmoe.benchmarks.cluster_runs import cluster_words
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, median, prompts
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench.cluster_runs import cluster_words
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, median, prompts
 
 PATHS = ("grpc", "http_stream", "http_whole")
 TABLE = Table(

@@ -41,15 +41,15 @@ from pathlib import Path
 
 import torch
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.baselines import run_in_child
-from odmoe.benchmarks.cluster_runs import run_cluster
-from odmoe.benchmarks.config import BenchConfig, GpuSuite, gpu_system
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, fmt, prompts
 from odmoe.models.checkpoint import Checkpoint
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
+from odmoe_bench import plots
+from odmoe_bench.baselines import run_in_child
+from odmoe_bench.cluster_runs import run_cluster
+from odmoe_bench.config import BenchConfig, GpuSuite, gpu_system
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, fmt, prompts
 
 SYSTEMS = Table(
     "system:<20",

@@ -16,14 +16,14 @@ from __future__ import annotations
 
 import statistics
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.baselines import run_in_child
-from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, prompts
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
+from odmoe_bench import plots
+from odmoe_bench.baselines import run_in_child
+from odmoe_bench.cluster_runs import cluster_words, run_cluster
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, prompts
 
 CLUSTER_SYSTEMS = {
     "odmoe": ["alignment.token_period=1", "alignment.kv_period=1"],

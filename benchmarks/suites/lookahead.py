@@ -34,16 +34,16 @@ import math
 import shutil
 import statistics
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words, cpu_per_token, pooled_recall, run_cluster
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, prompts
 from odmoe.launch.local_cluster import NodePlacement
 from odmoe.main.alignment import AlignmentSchedule
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.hedging import shadow_hedges
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words, cpu_per_token, pooled_recall, run_cluster
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, prompts
 
 
 def _systems(cfg: BenchConfig) -> dict[str, list[str]]:
@@ -195,7 +195,7 @@ def _busiest_link(stats: list[dict]) -> float | None:
 
 
 def _lru_row(cfg: BenchConfig, model_path: str, prompts) -> dict:
-    from odmoe.benchmarks.suites.grid import _process_system
+    from odmoe_bench.suites.grid import _process_system
 
     cell = {"name": "lookahead", "prompts": prompts, "new_tokens": cfg.lookahead.new_tokens}
     result = _process_system(cfg, model_path, "lru_offloader", [cell])

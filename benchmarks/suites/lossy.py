@@ -20,17 +20,17 @@ import time
 
 from transformers import AutoModelForCausalLM
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words, run_cluster, summarise
-from odmoe.benchmarks.config import BenchConfig, LossySuite
-from odmoe.benchmarks.lossy_quality import inject_wrong, perplexity, score_window, shadow_predictions
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, prompts
-from odmoe.benchmarks.workload import TRAINING_CORPUS_BYTES
 from odmoe.lossy.miss_policy import MissConfig
 from odmoe.lossy.substitution import profile_path
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.shadow_model import load_shadow_model
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words, run_cluster, summarise
+from odmoe_bench.config import BenchConfig, LossySuite
+from odmoe_bench.lossy_quality import inject_wrong, perplexity, score_window, shadow_predictions
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, prompts
+from odmoe_bench.workload import TRAINING_CORPUS_BYTES
 
 HELD_OUT_FROM = 500  # held-out windows are prompts 500.. (cluster prompts are 0..)
 

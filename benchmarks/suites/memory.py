@@ -39,13 +39,13 @@ import sys
 import time
 from pathlib import Path
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
 from odmoe.launch.memory_cgroups import MemoryCgroups
 from odmoe.memory_plan import MARGIN_BYTES, PROCESS_BYTES
 from odmoe.node_memory import process_memory
 from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
+from odmoe_bench import plots
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
 
 GiB, MiB = 1 << 30, 1 << 20
 SYSTEM_WORDS = {
@@ -193,7 +193,7 @@ def _cluster(path: str, words: list[str], m, limits: dict[str, int]) -> dict:
 def _shadow(path: str, precision: str) -> dict:
     """The shadow's memory at one precision, loaded in a process of its own (shadow_memory)."""
     code = (
-        "import json,sys;from odmoe.benchmarks.shadow_memory import measure_memory;"
+        "import json,sys;from odmoe_bench.shadow_memory import measure_memory;"
         "print(json.dumps(measure_memory(sys.argv[1],sys.argv[2],False)))"
     )
     done = subprocess.run([sys.executable, "-c", code, path, precision], capture_output=True, text=True)

@@ -35,11 +35,12 @@ from __future__ import annotations
 
 from transformers import AutoConfig
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.netns_lan import Lan
-from odmoe.benchmarks.network_faults import (
+from odmoe.models.open_model import load_tokenizer
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.netns_lan import Lan
+from odmoe_bench.network_faults import (
     NEW_TOKENS,
     black_hole,
     client_cut,
@@ -49,10 +50,9 @@ from odmoe.benchmarks.network_faults import (
     shadow_cut,
     straggler,
 )
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, prompts
-from odmoe.benchmarks.workload import reference_tokens
-from odmoe.models.open_model import load_tokenizer
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, prompts
+from odmoe_bench.workload import reference_tokens
 
 TABLE = Table(
     "case:<28:case",

@@ -16,12 +16,12 @@ import statistics
 import time
 
 import odmoe
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.workload import prompt_ids
 
 WAYS = ("local", "ray")
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import statistics
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words, recall_per_token, run_cluster
-from odmoe.benchmarks.config import BenchConfig, prefill_configuration
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.workload import prompt_ids
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words, recall_per_token, run_cluster
+from odmoe_bench.config import BenchConfig, prefill_configuration
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.workload import prompt_ids
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -62,7 +62,7 @@ def reference_ttft(model_path: str, prompts: dict[int, list[int]], repeats: int,
     import torch
     from transformers import AutoModelForCausalLM
 
-    from odmoe.benchmarks.baselines import timed_generate
+    from odmoe_bench.baselines import timed_generate
 
     before = torch.get_num_threads()
     torch.set_num_threads(threads)  # as a cluster node runs; the suites after this one get theirs back

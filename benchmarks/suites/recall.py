@@ -13,22 +13,22 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.cluster_runs import cluster_words, pooled_recall, run_cluster
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.replay import (
+from odmoe.main.alignment import AlignmentSchedule
+from odmoe.main.recall import RecallCounter
+from odmoe.models.open_model import load_tokenizer, open_checkpoint
+from odmoe.shadow.shadow_model import model_bytes
+from odmoe_bench import plots
+from odmoe_bench.cluster_runs import cluster_words, pooled_recall, run_cluster
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.replay import (
     Trajectory,
     load_reference,
     load_shadow,
     reference_trajectory,
     replay_shadow,
 )
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import PROMPT_TOKENS, Table, fmt, prompts
-from odmoe.main.alignment import AlignmentSchedule
-from odmoe.main.recall import RecallCounter
-from odmoe.models.open_model import load_tokenizer, open_checkpoint
-from odmoe.shadow.shadow_model import model_bytes
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import PROMPT_TOKENS, Table, fmt, prompts
 
 TABLE = Table("predictor:<28", "recall:8.4f", "first 16:10.4f", "last 16:9.4f", "MiB:8.2f", "s:6.0f")
 

@@ -33,12 +33,12 @@ import grpc
 import httpx
 
 import odmoe
-from odmoe.benchmarks.cluster_runs import cluster_words
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import Table, percentile, prompts
-from odmoe.benchmarks.workload import reference_tokens
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench.cluster_runs import cluster_words
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import Table, percentile, prompts
+from odmoe_bench.workload import reference_tokens
 
 SAMPLINGS = [{}, {"do_sample": True, "temperature": 0.8, "seed": 11}]  # greedy, seeded
 LOADS = Table(
@@ -65,7 +65,7 @@ GUIDELLM = Table(
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
-    from odmoe.benchmarks import plots
+    from odmoe_bench import plots
 
     suite = cfg.serving
     tok = load_tokenizer(model_path)

@@ -32,14 +32,14 @@ from collections import Counter
 import psutil
 
 import odmoe
-from odmoe.benchmarks import plots
-from odmoe.benchmarks.config import BenchConfig
-from odmoe.benchmarks.results import ResultsDir
-from odmoe.benchmarks.suite_kit import prompts
-from odmoe.benchmarks.workload import reference_tokens
 from odmoe.launch.local_cluster import ClusterStartError
 from odmoe.models.open_model import load_tokenizer
 from odmoe.tools.link_relay import Relay
+from odmoe_bench import plots
+from odmoe_bench.config import BenchConfig
+from odmoe_bench.results import ResultsDir
+from odmoe_bench.suite_kit import prompts
+from odmoe_bench.workload import reference_tokens
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:

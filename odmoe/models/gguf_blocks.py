@@ -16,7 +16,7 @@ through a small reused chunk, 1 MiB of values at a time, because a fresh 44 MB f
 load cost more in page faults (~25 ms of first touches per Qwen3-shaped expert on a 2-core box) than
 the arithmetic, and a chunk's steps stay in the cache. Q4_K's nibbles and 6-bit scales are unpacked
 four bytes at a time on int32 words. One Qwen3-shaped Q4_K expert (11 M weights): 175 ms through
-`dequantize`, ~22 ms through `dequantize_into`, one thread (`python -m odmoe.benchmarks.gguf_link`
+`dequantize`, ~22 ms through `dequantize_into`, one thread (`python -m odmoe_bench.gguf_link`
 measures it in a cluster).
 """
 

@@ -24,9 +24,9 @@
     odmoe-bench suite=quick             # all of them, small, on the tiny model (CI)
     odmoe-bench -m suite=ablation link.bandwidth_gbps=1,8   # sweep: one job per combination
 
-Each suite prints its figures and writes JSON (and PNGs) under results_dir. Needs the `bench` extra
-(matplotlib; `pip install 'odmoe[bench]'`, part of `dev`). Exit codes: 0 success, 2 bad
-configuration or a missing extra, 1 a suite failed.
+Each suite prints its figures and writes JSON (and PNGs) under results_dir. Installed with the
+suites (`pip install -e ./benchmarks`, which pulls odmoe's `bench` extra: matplotlib). Exit codes:
+0 success, 2 bad configuration or a missing extra, 1 a suite failed.
 """
 
 from __future__ import annotations
@@ -41,8 +41,8 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig
 
-from odmoe.benchmarks.config import BenchConfig, validate
 from odmoe.launch.settings import typed
+from odmoe_bench.config import BenchConfig, validate
 
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 log = logging.getLogger("odmoe.bench")
@@ -55,8 +55,9 @@ def to_bench_config(raw: DictConfig) -> BenchConfig:
 
 
 def run_suites(cfg: BenchConfig) -> None:
-    from odmoe.benchmarks.results import ResultsDir
-    from odmoe.benchmarks.suites import (
+    from odmoe.tools.model_names import resolve_model
+    from odmoe_bench.results import ResultsDir
+    from odmoe_bench.suites import (
         ablation,
         alignment,
         cache,
@@ -78,7 +79,6 @@ def run_suites(cfg: BenchConfig) -> None:
         soak,
         timeline,
     )
-    from odmoe.tools.model_names import resolve_model
 
     suites = {
         "recall": recall.run,
@@ -103,7 +103,7 @@ def run_suites(cfg: BenchConfig) -> None:
         "memory": memory.run,
     }
     if cfg.suite == "gpu":  # its own real-width model; stops at once without CUDA
-        from odmoe.benchmarks.suites import gpu
+        from odmoe_bench.suites import gpu
 
         model_path = gpu.prepare(cfg)
         out = ResultsDir(cfg, model_path)
@@ -131,7 +131,7 @@ def run_suites(cfg: BenchConfig) -> None:
         print(f"== suite {name} took {time.perf_counter() - start:.0f}s", flush=True)
 
 
-@hydra.main(config_path="pkg://odmoe.conf.bench", config_name="bench", version_base="1.3")
+@hydra.main(config_path="pkg://odmoe_bench.conf", config_name="bench", version_base="1.3")
 def main(raw: DictConfig) -> None:
     try:
         cfg = to_bench_config(raw)
