@@ -103,7 +103,7 @@ def test_calls_of_a_lost_worker_are_replaced_over_live_holders():
 
 def test_only_unanswered_calls_of_lost_workers_are_resent():
     from odmoe.main.exchange_records import BatchCall
-    from odmoe.main.remote_experts import owed_experts
+    from odmoe.main.worker_calls import owed_experts
 
     answer = (None, [])
     calls = [

@@ -46,7 +46,7 @@ def request_stats(
         # the paper's GPU memory: main's weights (KV cache aside), each worker's expert slots
         "device_bytes": {
             "main": main.device_bytes,
-            **{f"worker{w}": b for w, b in sorted(experts.device_bytes.items())},
+            **{f"worker{w}": p.device_bytes for w, p in sorted(experts.members.pongs.items())},
         },
         # CUDA's own counter (max_memory_allocated) per node process; 0 for a node on a CPU
         "device_peak_bytes": {
@@ -59,8 +59,10 @@ def request_stats(
         "batch_size_mean": sum(run.batch_sizes) / len(run.batch_sizes) if run.batch_sizes else 0.0,
         "batch_size_max": max(run.batch_sizes, default=0),
         "emulated_link": {
-            f"worker{w}": {"bandwidth_gbps": bw, "latency_ms": ms}
-            for w, (bw, ms) in experts.emulated_links.items()
+            # from each worker's pong; absent where its load link is not emulated
+            f"worker{w}": {"bandwidth_gbps": p.link[0], "latency_ms": p.link[1]}
+            for w, p in sorted(experts.members.pongs.items())
+            if p.link
         }
         or None,
         "prefill": prefill_stats(traffic, first - run.start),
