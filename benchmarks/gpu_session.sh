@@ -70,10 +70,11 @@ install() {
     echo "$stamp" > "$SITE/.odmoe-wheels"
   fi
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-  # odmoe itself: editable, so that the package-dir mapping (odmoe.nodes -> nodes/, ...) holds while
-  # tests import from the repo root (where ./odmoe would shadow a copy installed elsewhere)
-  "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . >> "$LOG" 2>&1 \
-    || { say "installing odmoe (pip install -e . offline) failed (see above)"; exit 3; }
+  # odmoe itself and the suites beside it (odmoe_bench): editable, so that the package-dir mappings
+  # (odmoe.nodes -> nodes/, odmoe_bench -> benchmarks/, ...) hold while tests import from the repo
+  # root (where ./odmoe would shadow a copy installed elsewhere)
+  "$PY" -m pip install -q --no-deps --no-index --no-build-isolation -e . -e ./benchmarks >> "$LOG" 2>&1 \
+    || { say "installing odmoe (pip install -e . -e ./benchmarks offline) failed (see above)"; exit 3; }
   say "installed in $((SECONDS - t0))s (PYTHONPATH=$PYTHONPATH)"
   "$PY" - >> "$LOG" 2>&1 <<'EOF'
 import importlib, importlib.metadata as md, sys
