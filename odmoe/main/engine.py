@@ -10,7 +10,9 @@ to the model sends them. Each request's inputs and choice of each token are thos
 Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* at a time:
   1) admit: waiting requests join at the tick boundary while `max_running` and the K/V budget
      allow; each begins with its prefill, and the shadow is told (which tick its decode starts at);
-  2) run: every running request's forward pass runs as a lockstep task (`odmoe.lockstep`), on this
+  2) run, as the tick's plan says (`odmoe.main.tick_plan.plan_tick`, pure: one request alone is a
+     direct call, decoding requests go in the batched pass, staggered prefills and followers wait):
+     every running request's forward pass runs as a lockstep task (`odmoe.lockstep`), on this
      thread, in its own shapes and cache, exactly as it would alone. At each MoE layer a decoding
      request parks with its token's rows; once all have, their rows of that layer go out in one
      exchange (`RemoteExperts.exchange_decode`: each expert loaded once for all of them, one message
@@ -47,9 +49,9 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from odmoe.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule
 from odmoe.main.batched_decode import BatchedDecode
-from odmoe.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
 from odmoe.main.request_limits import MAX_LOGPROBS, MAX_STOPS
 from odmoe.main.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
@@ -63,7 +65,7 @@ from odmoe.main.request_run import (
 )
 from odmoe.main.run_stats import request_stats
 from odmoe.main.sampling import InvalidSampling
-from odmoe.models.kv_rows import newest_rows
+from odmoe.main.tick_plan import RunView, TickPlan, kv_fits, plan_tick, prefill_quota, prefill_tick
 from odmoe.models.main_model import MainModel
 
 log = logging.getLogger("odmoe.main")
@@ -137,13 +139,6 @@ class MainEngine:
         self.batched = BatchedDecode(main) if together else None
 
     # -- requests ------------------------------------------------------------------------------
-    def validated_ids(self, ticket: Ticket) -> list[int]:
-        """The ticket's prompt ids, validated once: at submit (main's front doors) or here, the first
-        time the engine looks at a ticket made without them."""
-        if ticket.prompt_ids is None:
-            ticket.prompt_ids = self.prompt_ids(ticket.request)
-        return ticket.prompt_ids
-
     def prompt_ids(self, request: GenerateRequest) -> list[int]:
         """The request checked against the model and the limits (InvalidRequest naming what is
         wrong), its prompt tokenized: its token ids."""
@@ -189,10 +184,6 @@ class MainEngine:
                 f"than server.kv_cache_memory ({budget} bytes) holds"
             )
         return ids
-
-    @property
-    def shadow(self):
-        return self.experts.shadow
 
     # -- the loop ------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -250,40 +241,34 @@ class MainEngine:
         requests.capacity = self.batching.max_running - len(self.running)
 
     def _fits(self, ticket: Ticket) -> bool:
-        """Whether the K/V cache budget has room for this request (the first always fits)."""
+        """Whether the K/V cache budget has room for this request (tick_plan.kv_fits)."""
         budget = self.batching.kv_cache_bytes
         if not budget or not self.running:
             return True
-        if not self.kv_bytes_per_position:
-            return False  # not measured yet: one request at a time until the first prefill is done
-        held = sum(r.prompt_len + r.request.max_new_tokens for _, r in self.running)
         try:
-            need = len(self.validated_ids(ticket))
+            need = len(_validated_ids(ticket, self.prompt_ids)) + ticket.request.max_new_tokens
         except InvalidRequest:
             return True  # admitted only to be refused, with the reason
-        return (held + need + ticket.request.max_new_tokens) * self.kv_bytes_per_position <= budget
+        held = sum(r.prompt_len + r.request.max_new_tokens for _, r in self.running)
+        return kv_fits(budget, self.kv_bytes_per_position, held, need, first=False)
 
     def _start(self, ticket: Ticket, requests: RequestQueue, in_pass: bool = False) -> RequestRun | None:
         """The request admitted (its run, or None: refused, or over before it began). `in_pass`:
         admitted between two layers of a decode pass, where only a plain prefill may go at once."""
         request = ticket.request
         try:
-            ids = self.validated_ids(ticket)
+            ids = _validated_ids(ticket, self.prompt_ids)
         except InvalidRequest as exc:
             ticket.put(exc)
             requests.done(ticket)
             return None
         if not self.running and not self.finishing:  # a new busy period: its stream is named after it
             self.stream, self.tick, self.prefill_free_tick = request.request_id, 0, 0
-        quota = self._prefill_quota(len(ids))
+        quota = prefill_quota(len(ids), self.moe_layers, self.batching.chunk_tokens, bool(self.running))
         passes = 2 if request.prompt_logprobs else 1  # the prompt's scoring pass, then its prefill
         prefill_ticks = math.ceil(passes * self.moe_layers / quota)
-        # Staggered, a prompt arriving with others prefills in the first tick no other prompt's
-        # prefill holds: the streams running wait for one prompt per iteration, not k, and requests
-        # that arrived together do not finish (and come back) together again
         plain = passes == 1 and quota >= self.moe_layers and not request.prefill_group
-        earliest = self.tick + 1 if in_pass and not plain else self.tick  # mid-pass: plain ones only
-        prefill_tick = max(earliest, self.prefill_free_tick) if self.batching.stagger else self.tick
+        starts = prefill_tick(self.tick, self.prefill_free_tick, self.batching.stagger, in_pass, plain)
         run = RequestRun(
             request,
             ids,
@@ -292,8 +277,8 @@ class MainEngine:
             self.eos_ids,
             self.experts.context(request.request_id),
             self.make_plan(),
-            self._sink(ticket),
-            first_tick=prefill_tick + prefill_ticks,
+            _sink(ticket, self.observer),
+            first_tick=starts + prefill_ticks,
             prefill_quota=quota,
         )
         if run.already_over():
@@ -302,84 +287,56 @@ class MainEngine:
             self.observer.finished(ticket, stats)
             requests.done(ticket)
             return None
-        run.leader = self._prefill_leader(run, ids)
+        run.leader = _prefill_leader([r for _, r in self.running], self.tasks, run, ids)
         if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
             run.first_tick = run.leader.first_tick
         else:
-            run.prefill_tick, self.prefill_free_tick = prefill_tick, run.first_tick
+            run.prefill_tick, self.prefill_free_tick = starts, run.first_tick
         # A prompt only scored has nothing to predict; while the workers' caches hold every expert
         # they serve, predictions would load nothing (and the shadow's compute would slow main's)
-        if self.shadow is not None and request.max_new_tokens > 0 and not self.experts.caches_complete():
-            run.shadow = self.shadow
-            self.shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
+        shadow = self.experts.shadow
+        if shadow is not None and request.max_new_tokens > 0 and not self.experts.caches_complete():
+            run.shadow = shadow
+            shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
         self.running.append((ticket, run))
         return run
 
-    def _prefill_leader(self, run: RequestRun, ids: list[int]) -> RequestRun | None:
-        """A running request of the same `prefill_group` and prompt whose prefill has not started."""
-        group = run.request.prefill_group
-        if not group:
-            return None
-        for _, other in self.running:
-            if (
-                other.request.prefill_group == group
-                and other.leader is None
-                and other.iteration == 0
-                and other.request_id not in self.tasks
-                and other.step_input[0].tolist() == ids
-            ):
-                return other
-        return None
-
-    def _sink(self, ticket: Ticket):
-        """Where a run's events go: its ticket, each streamed token counted by the metrics."""
-
-        def put(event) -> None:
-            if isinstance(event, TokenEvent):
-                self.observer.token(ticket)
-            ticket.put(event)
-
-        return put
-
-    def _prefill_quota(self, prompt_tokens: int) -> int:
-        """MoE layers a prefill exchanges per tick: all of them, unless requests are decoding and
-        `chunk_tokens` cuts the prompt (a prompt of T tokens takes ~T / chunk_tokens ticks)."""
-        chunk, layers = self.batching.chunk_tokens, max(self.moe_layers, 1)
-        if chunk <= 0 or prompt_tokens <= chunk or not self.running:
-            return layers
-        return max(1, math.floor(layers * chunk / prompt_tokens))
-
     # 2) run -----------------------------------------------------------------------------------
     def _tick(self) -> None:
-        """Every running request one iteration (a prefill: up to its quota of layers)."""
+        """Every running request one iteration (a prefill: up to its quota of layers), as the tick's
+        plan says (odmoe.main.tick_plan)."""
         decoding = sum(r.decoding for _, r in self.running)
         self.observer.tick(len(self.running), decoding)
         for _, run in self.running:
             if run.decoding:
                 run.batch_sizes.append(decoding)  # the requests it decoded beside (itself included)
         self.experts.stream, self.experts.tick = self.stream, self.tick
-        if len(self.running) == 1 and not self.tasks:  # one request: its forward pass needs no lockstep
-            self._alone(*self.running[0])
-            self.tick += 1
-            return
+        views = [_view(run, run.request_id in self.tasks) for _, run in self.running]
+        plan = plan_tick(views, self.tick, self.batched is not None, bool(self.tasks))
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
-        together = self._decoding_together()
-        in_pass = {run.request_id for _, run in together}
+        if plan.alone:  # one request: its forward pass needs no lockstep
+            self._alone(*runs[plan.alone])
+        else:
+            self._run_tasks(plan, runs)
+            # The batched decode pass after the prefills: a new request's first token then leaves as
+            # soon as its prefill is done (the decoding requests' tokens leave at the tick's end anyway)
+            if plan.together:
+                self._decode_together([runs[key] for key in plan.together])
+        self.tick += 1
+
+    def _run_tasks(self, plan: TickPlan, runs: dict[str, tuple[Ticket, RequestRun]]) -> None:
+        """The plan's lockstep tasks, exchanging layer by layer: every decoding task's rows of a
+        layer in one exchange, prefills one at a time to the end of their quota."""
         decode: dict[str, DecodeRows] = {}  # parked with their rows at the current decode layer
         prefill: list[str] = []  # parked before a prefill layer
-        for key, (_, run) in runs.items():
-            if key in in_pass:  # the batched decode pass computes it, after the prefills
-                continue
-            if key in self.tasks:  # a prefill parked across ticks
+        for key in plan.tasks:
+            run = runs[key][1]
+            if key in plan.resume:  # a prefill parked across ticks: a new quota of layers
                 prefill.append(key)
                 run.prefill_layers = 0
                 continue
-            if run.leader is not None and run.iteration == 0:
-                continue  # its prefill is its leader's: it takes the result when the leader has it
-            if run.iteration == 0 and run.prefill_tick > self.tick:
-                continue  # staggered: its prefill starts in a later tick
             run.ctx.begin(run.iteration)
-            self._route(self._start_task(run), runs, decode, prefill)
+            self._route(self._step(run, start=True), runs, decode, prefill)
         while decode or prefill:
             if decode:
                 layer = min(rows.layer for rows in decode.values())  # MoE layers in order
@@ -393,7 +350,7 @@ class MainEngine:
                         self._fail(runs[key], exc)
                     continue
                 for key, out in zip(group, outputs, strict=True):
-                    self._route(self._resume(runs[key][1], out), runs, decode, prefill)
+                    self._route(self._step(runs[key][1], out), runs, decode, prefill)
                 continue
             # One prefill at a time, to the end of its quota: of k prompts arriving together the
             # first streams its token after one prefill, not all after k
@@ -402,21 +359,9 @@ class MainEngine:
             if run.prefill_layers >= run.prefill_quota:
                 continue  # its quota for this tick is spent: it goes on next tick
             run.prefill_layers += 1
-            self._route(self._resume(run, None), runs, decode, prefill)
+            self._route(self._step(run, None), runs, decode, prefill)
             if prefill and prefill[-1] == key:  # parked before its next layer: it goes on first
                 prefill.insert(0, prefill.pop())
-        # The batched decode pass after the prefills: a new request's first token then leaves as soon
-        # as its prefill is done (the decoding requests' tokens leave at the tick's end either way)
-        if together:
-            self._decode_together(together)
-        self.tick += 1
-
-    def _decoding_together(self) -> list[tuple[Ticket, RequestRun]]:
-        """The decoding requests one batched pass computes this tick (two or more), else none."""
-        if self.batched is None:
-            return []
-        decoding = [(t, r) for t, r in self.running if r.decoding and r.request_id not in self.tasks]
-        return decoding if len(decoding) >= 2 else []
 
     def _decode_together(self, entries: list[tuple[Ticket, RequestRun]]) -> None:
         """Their decode iterations in one pass (odmoe.main.batched_decode): each request's logits
@@ -475,12 +420,11 @@ class MainEngine:
             return
         self._accept(ticket, run, logits)
 
-    def _start_task(self, run: RequestRun):
+    def _step(self, run: RequestRun, value=None, start: bool = False):
+        """Start the run's forward pass as a task, or resume it with `value`: where it parks next."""
         self.experts.current = run.ctx
-        return self.tasks.start(run.request_id, run.forward)
-
-    def _resume(self, run: RequestRun, value):
-        self.experts.current = run.ctx
+        if start:
+            return self.tasks.start(run.request_id, run.forward)
         return self.tasks.resume(run.request_id, value)
 
     def _route(self, outcome, runs, decode: dict, prefill: list) -> None:
@@ -508,29 +452,8 @@ class MainEngine:
                 self._accept(follower_ticket, follower, logits)
         finished = run.accept(logits)
         if not finished:
-            self._align_shadow(run)
+            run.align_shadow(self.pace_shadow)
         run.next_iteration()
-
-    def _align_shadow(self, run: RequestRun) -> None:
-        """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1,
-        where the plan says; with the next iteration it will align, so a waiting shadow knows."""
-        if run.shadow is None:
-            return
-        iteration = run.iteration + 1
-        if run.shadow.resumable(run.request_id):  # reachable again after it was lost: from here on
-            run.shadow.resume(run.request_id, iteration, run.new_ids[: iteration - 1])
-        wrong, predicted = run.ctx.traffic.wrong_predictions(iteration - 1)
-        run.plan.observe(iteration - 1, wrong, predicted)
-        send_token, send_kv = run.plan.aligns(iteration)
-        if not (send_token or send_kv or self.pace_shadow):
-            return
-        keys = values = None
-        if send_kv:
-            keys, values = newest_rows(run.cache, run.rows_last_iteration)  # [L, heads, rows, D]
-        run.plan.sent(iteration, send_token, send_kv)
-        token = run.new_ids[-1]
-        next_align = run.plan.next_after(iteration)
-        run.shadow.align(run.request_id, iteration, token if send_token else -1, keys, values, next_align)
 
     def _retire(self, requests: RequestQueue) -> None:
         """Requests over, cancelled or past their deadline leave now (at the tick boundary)."""
@@ -624,6 +547,50 @@ class _NoObserver:
     def finished(self, ticket, stats: dict) -> None: ...
     def ended(self, ticket, how: str) -> None: ...
     def tick(self, running: int, decoding: int) -> None: ...
+
+
+def _validated_ids(ticket: Ticket, check: Callable[[GenerateRequest], list[int]]) -> list[int]:
+    """The ticket's prompt ids, validated once: at submit (main's front doors) or here, the first
+    time the engine looks at a ticket made without them."""
+    if ticket.prompt_ids is None:
+        ticket.prompt_ids = check(ticket.request)
+    return ticket.prompt_ids
+
+
+def _prefill_leader(
+    running: list[RequestRun], tasks: Lockstep, run: RequestRun, ids: list[int]
+) -> RequestRun | None:
+    """A running request of the same `prefill_group` and prompt whose prefill has not started."""
+    group = run.request.prefill_group
+    if not group:
+        return None
+    for other in running:
+        if (
+            other.request.prefill_group == group
+            and other.leader is None
+            and other.iteration == 0
+            and other.request_id not in tasks
+            and other.step_input[0].tolist() == ids
+        ):
+            return other
+    return None
+
+
+def _view(run: RequestRun, parked: bool) -> RunView:
+    """What the tick's planner sees of a run."""
+    follows = run.leader is not None
+    return RunView(run.request_id, run.decoding, run.iteration, run.prefill_tick, follows, parked)
+
+
+def _sink(ticket: Ticket, observer):
+    """Where a run's events go: its ticket, each streamed token counted by the metrics."""
+
+    def put(event) -> None:
+        if isinstance(event, TokenEvent):
+            observer.token(ticket)
+        ticket.put(event)
+
+    return put
 
 
 def _cache_bytes(cache) -> int:

@@ -31,6 +31,7 @@ from odmoe.main.remote_experts import RunContext
 from odmoe.main.sampling import SamplingParams, TokenChooser
 from odmoe.main.stop_strings import StopStrings
 from odmoe.models.cache_argument import with_cache
+from odmoe.models.kv_rows import newest_rows
 from odmoe.models.main_model import MainModel
 from odmoe.tools.trace import now_us
 
@@ -239,6 +240,28 @@ class RequestRun:
     def next_iteration(self) -> None:
         self.iteration += 1
         self.prefill_layers = 0
+
+    def align_shadow(self, pace: bool) -> None:
+        """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1,
+        where the plan says (`pace`: an Align every iteration, aligned or not); with the next
+        iteration it will align, so a waiting shadow knows."""
+        if self.shadow is None:
+            return
+        iteration = self.iteration + 1
+        if self.shadow.resumable(self.request_id):  # reachable again after it was lost: from here on
+            self.shadow.resume(self.request_id, iteration, self.new_ids[: iteration - 1])
+        wrong, predicted = self.ctx.traffic.wrong_predictions(iteration - 1)
+        self.plan.observe(iteration - 1, wrong, predicted)
+        send_token, send_kv = self.plan.aligns(iteration)
+        if not (send_token or send_kv or pace):
+            return
+        keys = values = None
+        if send_kv:
+            keys, values = newest_rows(self.cache, self.rows_last_iteration)  # [L, heads, rows, D]
+        self.plan.sent(iteration, send_token, send_kv)
+        token = self.new_ids[-1]
+        next_align = self.plan.next_after(iteration)
+        self.shadow.align(self.request_id, iteration, token if send_token else -1, keys, values, next_align)
 
     @property
     def streamed(self) -> list[int]:
