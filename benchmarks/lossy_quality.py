@@ -6,7 +6,8 @@ text window of T tokens:
 1. the shadow's predictions: the shadow model at the suite's precision runs over the window once,
    teacher forced, and its routers' top-k per position are what it would publish (its own K/V, main's
    tokens: the cluster's `alignment.token_period=1, kv_period=0`); then each predicted expert is made
-   wrong with probability `inject_wrong`, by the shadow node's own rule (`nodes/shadow.py`).
+   wrong with probability `inject_wrong`, by the shadow node's own rule (`odmoe/shadow/made_wrong.py`,
+   applied by `nodes/shadow.py`'s ShadowLab).
 2. main's forward over the window at full precision: a pre-hook on each experts module rewrites the
    top-k ids of every position past the prompt (decode positions) where the policy substitutes — a
    missing expert's slot then names the resident stand-in, computed with the missing one's gate
