@@ -20,8 +20,10 @@ from odmoe_bench.config import BenchConfig
 
 def cluster_words(cfg: BenchConfig, *extra: str) -> list[str]:
     """The odmoe-launch words every cluster of a suite shares, then the suite's own (after the
-    preset, so they win over it)."""
+    preset, so they win over it). A suite's cluster is a lab one (`lab=on`: the emulated link, and
+    what a suite adds: faults, wrong predictions, resident experts)."""
     return [
+        "lab=on",
         *([f"preset={cfg.cluster.preset}"] if cfg.cluster.preset else []),
         f"cluster.workers={cfg.cluster.workers}",
         f"cluster.group_size={cfg.cluster.group_size}",
@@ -34,8 +36,12 @@ def cluster_words(cfg: BenchConfig, *extra: str) -> list[str]:
 
 
 def link_words(bandwidth_gbps: float, latency_ms: float) -> list[str]:
-    """The odmoe-launch words of an emulated load link."""
-    return [f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}", f"emulation.link.latency_ms={latency_ms:g}"]
+    """The odmoe-launch words of an emulated load link (the lab overlay's)."""
+    return [
+        "lab=on",
+        f"emulation.link.bandwidth_gbps={bandwidth_gbps:g}",
+        f"emulation.link.latency_ms={latency_ms:g}",
+    ]
 
 
 @dataclass

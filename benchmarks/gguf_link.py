@@ -54,6 +54,7 @@ def reference(path: str, tokens: int, device: str = "cpu") -> list[int]:
 
 def run(path: str, tokens: int, gbps: float, device: str = "cpu") -> dict:
     words = [
+        "lab=on",  # the emulated link
         "preset=paper",
         f"emulation.link.bandwidth_gbps={gbps}",
         "emulation.link.latency_ms=0.1",

@@ -1,7 +1,8 @@
 """Write configuration.md at build time from the config schema, so the reference cannot drift.
 
-Walks `odmoe.config.OdmoeConfig` and its nested dataclasses with `dataclasses.fields`: one table per
-section (model, cluster, worker, ...), one row per key: its dotted name, type, the schema's default,
+Walks `odmoe.config.OdmoeConfig` and its nested dataclasses with `dataclasses.fields`, then the
+lab overlay's own sections (`LabConfig`'s fault, emulation): one table per section (model,
+cluster, worker, ...), one row per key: its dotted name, type, the schema's default,
 the default `odmoe-launch` starts with when conf/ sets another (conf/config.yaml's default group
 options), and its meaning. The meaning is the comment on the field's line, else the comment lines
 just above it in the class's source; a field with neither gets the class docstring's mention of it,
@@ -19,7 +20,7 @@ from pathlib import Path
 import mkdocs_gen_files
 import yaml
 
-from odmoe.config import OdmoeConfig
+from odmoe.config import LabConfig, OdmoeConfig
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
 
@@ -202,9 +203,18 @@ exactly what the code accepts. *default* is the schema's, the one place defaults
 itself (`model.path=demo`) and the group options it starts from (`role=local`, `cluster=local`).
 Other group options (`cluster=lan_example`, `preset=paper`, `ablation=caseN`,
 `role=main|worker|shadow|ray`) set keys of their own; a key given on the command line wins over all
-of them, and a misspelt key fails at once. The `emulation` and `fault` sections are for tests and
-benchmarks, not for production. The meaning is the comment beside the field in the schema's source
-(else in the YAML file that sets it).
+of them, and a misspelt key fails at once. The meaning is the comment beside the field in the schema's source
+(else in the YAML file that sets it). Tests' and benchmarks' knobs (`fault.*`, `emulation.*`) are
+not the product's: they exist with the word `lab=on` only ([below](#the-lab-overlay-labon)).
+"""
+
+LAB_INTRO = """## The lab overlay (`lab=on`)
+
+Tests and benchmarks, not production: the word `lab=on` composes `odmoe.config.LabConfig`, the
+schema above plus the two sections below (every other key and default unchanged), e.g.
+`LocalCluster(overrides=["lab=on", "fault.node=worker1", "fault.iteration=6"])` or
+`odmoe-launch lab=on emulation.link.latency_ms=2`. Without it a `fault.*` or `emulation.*` word is
+refused, saying so. odmoe-bench's clusters are lab clusters.
 """
 
 
@@ -217,6 +227,11 @@ def page() -> str:
     out.extend(table_lines(top))
     for key, cls in nested:
         section(key, cls, launch, yaml_notes, out)
+    out.append(LAB_INTRO)
+    product = {f.name for f in dataclasses.fields(OdmoeConfig)}
+    for f in dataclasses.fields(LabConfig):
+        if f.name not in product:
+            section(f.name, type(default_of(f)), launch, yaml_notes, out)
     return "\n".join(out) + "\n"
 
 

@@ -33,7 +33,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
-from odmoe.launch.settings import to_config
+from odmoe.launch.settings import lab_refusal, to_config
 from odmoe.validation import exposed_hosts
 
 log = logging.getLogger("odmoe.launch")
@@ -110,6 +110,9 @@ def main() -> None:
     if bad is not None:
         hint = PROMPT_HINT.format(quoted=shlex.quote(bad.partition("=")[2]))
         print(f"odmoe-launch: Hydra cannot parse {bad!r} as an override;\n{hint}", file=sys.stderr)
+        sys.exit(BAD_INPUT)
+    if (refusal := lab_refusal(sys.argv[1:])) is not None:
+        print(f"odmoe-launch: {refusal}", file=sys.stderr)
         sys.exit(BAD_INPUT)
     _launch()
 

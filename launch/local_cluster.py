@@ -14,7 +14,10 @@ Failures on purpose (tests, odmoe-bench suite=faults, the soak): `kill(name)`, `
 the first standby, "shadow", "worker<i>"). A restarted worker or shadow binds a new port and
 announces itself to every main (`cluster.main_addresses`); a restarted main is given the workers'
 and the shadow's current addresses. `standby_mains=n` starts n more mains with the same config; the
-cluster's client knows them all and fails over along them.
+cluster's client knows them all and fails over along them. A fault at an exact point, and the
+emulation knobs (a slow load link, wrong predictions), are the lab overlay's: `overrides=["lab=on",
+"fault.node=worker1", "fault.iteration=6"]`; a standby main, or a node started again, is given
+`fault.node=` so that the fault fires once, where it was meant.
 
 Security (on unless `security.enabled=false`): `start()` makes ephemeral keys in the scratch
 directory (`odmoe-keys init` in a folder only this user can read; a restarted node reuses them) and
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from odmoe.config import ModelConfig, OdmoeConfig
-from odmoe.launch.settings import compose
+from odmoe.launch.settings import compose, fault_disarmed
 from odmoe.launch.spawn import SPAWNER, ClusterStartError, die_with_parent, popen_node  # noqa: F401 - re-exported
 from odmoe.models.checkpoint import CheckpointError
 from odmoe.models.open_model import open_checkpoint
@@ -232,7 +235,7 @@ class LocalCluster:
                 f"cluster.shadow_pub_address={self.through('shadow', self.shadow_info['pub_address'])}",
             ]
         if name != "main":
-            args.append("fault.node=")  # a fault meant for main must not also hit the standby
+            args += fault_disarmed(self.overrides)  # a fault meant for main must not also hit the standby
         return args
 
     # -- failures on purpose ------------------------------------------------------------------
@@ -270,7 +273,7 @@ class LocalCluster:
         old.process.wait()
         self.nodes.remove(old)
         old.ready_file.unlink(missing_ok=True)
-        again = ["fault.node="]
+        again = fault_disarmed(self.overrides)
         if announce or not (name == "shadow" or name.startswith("worker")):
             again.append(f"cluster.main_addresses=[{','.join(self.main_addresses)}]")
         if name.startswith("worker"):

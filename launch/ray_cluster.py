@@ -53,6 +53,7 @@ from pathlib import Path
 from odmoe.config import OdmoeConfig, RayRoleConfig
 from odmoe.launch.local_cluster import resolve_model_path
 from odmoe.launch.ray_node import STOP_GRACE_S, NodeActor, NodeSpec, SecretFiles, model_fingerprint
+from odmoe.launch.settings import fault_disarmed
 from odmoe.launch.spawn import ClusterStartError
 from odmoe.models.open_model import open_checkpoint
 from odmoe.serving.client import Client
@@ -204,7 +205,15 @@ class RayCluster:
 
         def spec(name: str, role: str, role_words=(), mains=()) -> NodeSpec:
             return NodeSpec(
-                name, role, self.words, self.model_path, fingerprint, timeout, list(role_words), list(mains)
+                name,
+                role,
+                self.words,
+                self.model_path,
+                fingerprint,
+                timeout,
+                list(role_words),
+                list(mains),
+                disarm_fault=fault_disarmed(self.words),
             )
 
         # 1. mains: placed (distinct nodes when several), not started yet
@@ -262,7 +271,8 @@ class RayCluster:
         # 4. the mains
         refs = []
         for name in names:
-            words = main_words + ([] if name == "main" else ["fault.node="])  # a fault meant for main
+            # a fault meant for main must not also hit a standby
+            words = main_words if name == "main" else [*main_words, *fault_disarmed(self.words)]
             refs.append(self.actors[name].launch.remote(words, self._secrets(keys, name)))
         mains = self._get(refs, names, timeout, "started")
         self.http_urls = [m.get("http_address", "") for m in mains]

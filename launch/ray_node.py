@@ -91,6 +91,8 @@ class NodeSpec:
     ready_timeout_s: float
     role_words: list[str] = field(default_factory=list)
     main_addresses: list[str] = field(default_factory=list)  # announced to after a restart
+    # after a restart: the word that keeps a fault meant for the first run from firing again (lab=on)
+    disarm_fault: list[str] = field(default_factory=list)
 
 
 class NodeActor:
@@ -122,7 +124,7 @@ class NodeActor:
         else:
             again = []
             if self.restarted:  # a fault meant for the first run must not fire again; tell main
-                again = ["fault.node=", f"cluster.main_addresses=[{','.join(spec.main_addresses)}]"]
+                again = [*spec.disarm_fault, f"cluster.main_addresses=[{','.join(spec.main_addresses)}]"]
             # started here, waited for in ready(): lines printed after __init__ carry this node's
             # name in Ray's log prefix (those printed during __init__ carry the class name)
             self._spawn([*spec.role_words, *again], keys)

@@ -44,7 +44,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from odmoe.config import OdmoeConfig
+from odmoe.config import OdmoeConfig, fault_of
 from odmoe.lossy.substitution import Substituter
 from odmoe.main.alignment import make_plan
 from odmoe.main.engine import (
@@ -481,7 +481,7 @@ def remote_experts(cfg: OdmoeConfig, model_path: str, checkpoint, main, heartbea
         move_horizon=cfg.failover.straggler_move_horizon,
         no_worker_grace_s=cfg.failover.no_worker_grace_s,
     )
-    experts.observe.add(FaultInjection(FaultTrigger(cfg.fault, "main")))
+    experts.observe.add(FaultInjection(FaultTrigger(fault_of(cfg), "main")))
     return experts
 
 

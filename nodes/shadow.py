@@ -13,8 +13,8 @@ socket of its own. The node reads main's messages, hands them over, steps the pr
 request may run, and publishes: a prediction on its layer's group topic (as main and the workers
 place it), the ShadowIteration / ShadowEnded reports on main's. `shadow.mode=random` publishes
 uniformly random experts instead (ablation case 5) and loads no model. The test and benchmark knobs
-(`emulation.inject_wrong*`, fault injection at a router) alter the predictor's output in one place,
-`ShadowLab`.
+(the lab overlay's `emulation.inject_wrong*` and fault injection at a router, with `lab=on`) alter
+the predictor's output in one place, `ShadowLab`.
 
 Every control frame is untrusted: one that does not decode, a Begin whose prompt the model cannot
 take, an Align whose K/V rows do not fit the cache - each is dropped (the request it belongs to is
@@ -39,7 +39,7 @@ import zmq
 from accelerate import init_empty_weights
 from transformers import AutoModelForCausalLM
 
-from odmoe.config import OdmoeConfig
+from odmoe.config import OdmoeConfig, emulation_of, fault_of
 from odmoe.main.alignment import make_plan
 from odmoe.models.families import family_of
 from odmoe.models.main_model import experts_modules
@@ -139,7 +139,8 @@ class ShadowNode:
         )
         rng = random.Random(cfg.shadow.seed)  # random mode's experts, emulation.inject_wrong*
         lab = ShadowLab(
-            MadeWrong(cfg.emulation, num_experts, setup.vocab_size, rng), FaultTrigger(cfg.fault, "shadow")
+            MadeWrong(emulation_of(cfg), num_experts, setup.vocab_size, rng),
+            FaultTrigger(fault_of(cfg), "shadow"),
         )
         self.tracer = Tracer("shadow", cfg.trace_dir)
         self.dropped = DropLog(log, "shadow")

@@ -48,7 +48,7 @@ import time
 import torch
 import zmq
 
-from odmoe.config import OdmoeConfig, WorkerConfig
+from odmoe.config import OdmoeConfig, WorkerConfig, emulation_of, fault_of
 from odmoe.lossy.substitution import profile_path, use_rates
 from odmoe.memory_plan import CheckpointSizes, MemoryPlanError, WorkerSetup, worker_memories
 from odmoe.models.checkpoint import Checkpoint
@@ -141,7 +141,7 @@ def _share(
     )
     memories = worker_memories(c.workers, (memory.bytes, memory.source), c.node_memory, parse_bytes)
     room = cache_capacity(w.cache, sizes.expert_bytes, len(stored), lambda: _free_device_bytes(device))
-    resident = cfg.emulation.resident
+    resident = emulation_of(cfg).resident
     quantized = bool(checkpoint.quantized_experts)
     return plan_share(
         w.index, setup, sizes, topology, stored, memories, w.cache, device.type, quantized, resident, room
@@ -194,10 +194,11 @@ def _store(
 def _slots(cfg: OdmoeConfig, store: ExpertStore, device: torch.device, capacity: int, ready: int):
     """Where experts are computed: `worker.slots` device slots plus the cache's buffers (`ready` of
     them allocated now), or every expert resident (the baseline)."""
-    if cfg.emulation.resident:
+    emulation = emulation_of(cfg)  # the lab overlay's (lab=on); all off in the product's schema
+    if emulation.resident:
         log.info("worker %d: every expert resident on %s (a baseline, not OD-MoE)", cfg.worker.index, device)
         return ResidentExperts(store, device)
-    link = Link(cfg.emulation.link.bandwidth_gbps, cfg.emulation.link.latency_ms)
+    link = Link(emulation.link.bandwidth_gbps, emulation.link.latency_ms)
     if link.enabled:
         log.info(
             "worker %d: emulated link %.2f Gbit/s + %.3f ms per load",
@@ -220,7 +221,7 @@ def build_executor(
     # The experts' dtype as from_pretrained would load them (not always model.dtype: load_dtypes).
     dtype = expert_dtype(checkpoint.config, resolve_dtype(cfg.model.dtype, checkpoint))
     layers = _stored_layers(index, topology, checkpoint.moe_layers)
-    device, resident = compute_device(w.device), cfg.emulation.resident
+    device, resident = compute_device(w.device), emulation_of(cfg).resident
     layout = _share(cfg, topology, memory, checkpoint, dtype, layers, device)
     log.info("worker %d: memory %s; %s", index, memory.describe(), layout.need.holds)
     if layout.strict and not layout.need.fits:
@@ -266,7 +267,7 @@ class WorkerNode:
         self.shadow_pub = ""
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        self.fault = FaultTrigger(cfg.fault, f"worker{index}")
+        self.fault = FaultTrigger(fault_of(cfg), f"worker{index}")
         self.dropped = DropLog(log, f"worker {index}")
 
     def _subscribe(self, address: str) -> None:

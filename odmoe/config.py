@@ -117,29 +117,6 @@ class ClusterConfig:
 
 
 @dataclass
-class LinkConfig:
-    """An emulated host->device link for expert loads: each load takes at least latency_ms +
-    bytes / bandwidth_gbps (odmoe.worker.expert_store.Link); off at 0/0, and a request's stats say when on."""
-
-    bandwidth_gbps: float = 0.0  # Gbit/s (0 with latency_ms 0: off)
-    latency_ms: float = 0.0  # added to every load
-
-
-@dataclass
-class EmulationConfig:
-    """For tests and benchmarks, not for production: knobs that make a cluster slower or its
-    predictions wrong on purpose, to measure what that costs or to test what odmoe does then. The
-    `fault` section (a node killing or freezing itself at a chosen point) is the other such group."""
-
-    inject_wrong: float = 0.0  # this fraction of the shadow's predicted experts is made wrong (misses)
-    inject_wrong_token: float = 0.0  # this fraction of the shadow's own next tokens is made wrong (rollbacks)
-    # Benchmark baseline, not OD-MoE: keep every expert on the device (no loads): the cost of being
-    # cacheless, isolated. Predictions are then ignored.
-    resident: bool = False
-    link: LinkConfig = field(default_factory=LinkConfig)
-
-
-@dataclass
 class WorkerConfig:
     index: int = 0  # role=worker: which worker this is (decides its group)
     # "auto": cuda when present, else cpu; or cpu | cuda | cuda:<i>. On CUDA the experts rest in pinned
@@ -214,7 +191,7 @@ class ShadowConfig:
     # hedged prefetch (odmoe.shadow.hedging): also preload the (k+1)-th expert when its router score is within
     # this of the k-th's (0: off); it needs a spare slot (worker.slots above what lookahead fills)
     hedge_margin: float = 0.0
-    seed: int = 0  # of the random choices: mode=random's experts, emulation.inject_wrong*
+    seed: int = 0  # of the random choices: mode=random's experts, (lab=on) emulation.inject_wrong*
     # Scheduling priority of the shadow process (an os.nice increment, 0..19). On cores it shares
     # with main and the workers, a niced shadow runs on the time they leave idle (main waiting on
     # workers, workers waiting on main) instead of taking it from them; on a box of its own it is moot.
@@ -366,26 +343,6 @@ class SecurityConfig:
         return f"worker{worker_index}" if role == "worker" else role
 
 
-FAULT_ACTIONS = ("kill", "stop", "raise")
-
-
-@dataclass
-class FaultConfig:
-    """Fault injection, for tests and benchmarks (odmoe-bench suite=faults), not for production: the
-    node named here kills or freezes itself when it reaches the given point, so a failure lands exactly
-    there, e.g. fault.node=worker1 fault.action=kill fault.iteration=10 fault.layer=2. The
-    `emulation` section holds the other test and benchmark knobs."""
-
-    node: str = ""  # "main" | "shadow" | "worker<i>"; "" = no fault
-    action: str = "kill"  # kill (SIGKILL) | stop (SIGSTOP) | raise (an unexpected error there)
-    request: int = 1  # the node's n-th request (1-based)
-    iteration: int = 1  # 0 = prefill, n = the n-th decode iteration
-    layer: int = -1  # MoE layer; -1 = the first one the node reaches in that iteration
-    part: int = 0  # worker, prefill mini-batches: fire on this part (earlier parts are in)
-    resume_after_s: float = 0.0  # stop: SIGCONT after this long (0: stays frozen)
-    record: str = ""  # append one JSON line {node, action, at_us, ...} here as it fires
-
-
 @dataclass
 class OdmoeConfig:
     role: RoleConfig = field(default_factory=RoleConfig)
@@ -397,8 +354,6 @@ class OdmoeConfig:
     alignment: AlignmentConfig = field(default_factory=AlignmentConfig)
     prefill: PrefillConfig = field(default_factory=PrefillConfig)
     failover: FailoverConfig = field(default_factory=FailoverConfig)
-    fault: FaultConfig = field(default_factory=FaultConfig)  # tests and benchmarks only
-    emulation: EmulationConfig = field(default_factory=EmulationConfig)  # tests and benchmarks only
     server: ServerConfig = field(default_factory=ServerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
     miss: MissConfig = field(default_factory=MissConfig)  # what a missed prediction costs: time or exactness
@@ -424,3 +379,69 @@ class OdmoeConfig:
         replicas = self.worker.replicas if self.worker.only_own_layers else 0
         homes = str(self.worker.cache).strip().lower() not in ("", "0", "none", "off")
         return Topology(self.cluster.workers, self.cluster.group_size, replicas, homes)
+
+
+# -- The lab overlay ------------------------------------------------------------------------------
+# Tests and benchmarks, not the product: `lab=on` (a Hydra word, launch/settings.py) composes
+# LabConfig, the product's schema plus fault injection and emulation; without it these keys do not
+# exist and a word that sets one is refused. Nodes read them through fault_of / emulation_of, which
+# answer "off" (the defaults below) for the product's OdmoeConfig.
+
+
+@dataclass
+class LinkConfig:
+    """An emulated host->device link for expert loads: each load takes at least latency_ms +
+    bytes / bandwidth_gbps (odmoe.worker.expert_store.Link); off at 0/0, and a request's stats say when on."""
+
+    bandwidth_gbps: float = 0.0  # Gbit/s (0 with latency_ms 0: off)
+    latency_ms: float = 0.0  # added to every load
+
+
+@dataclass
+class EmulationConfig:
+    """Knobs that make a cluster slower or its predictions wrong on purpose, to measure what that
+    costs or to test what odmoe does then."""
+
+    inject_wrong: float = 0.0  # this fraction of the shadow's predicted experts is made wrong (misses)
+    inject_wrong_token: float = 0.0  # this fraction of the shadow's own next tokens is made wrong (rollbacks)
+    # Benchmark baseline, not OD-MoE: keep every expert on the device (no loads): the cost of being
+    # cacheless, isolated. Predictions are then ignored.
+    resident: bool = False
+    link: LinkConfig = field(default_factory=LinkConfig)
+
+
+FAULT_ACTIONS = ("kill", "stop", "raise")
+
+
+@dataclass
+class FaultConfig:
+    """Fault injection (odmoe-bench suite=faults): the node named here kills or freezes itself when
+    it reaches the given point, so a failure lands exactly there, e.g. lab=on fault.node=worker1
+    fault.action=kill fault.iteration=10 fault.layer=2."""
+
+    node: str = ""  # "main" | "shadow" | "worker<i>"; "" = no fault
+    action: str = "kill"  # kill (SIGKILL) | stop (SIGSTOP) | raise (an unexpected error there)
+    request: int = 1  # the node's n-th request (1-based)
+    iteration: int = 1  # 0 = prefill, n = the n-th decode iteration
+    layer: int = -1  # MoE layer; -1 = the first one the node reaches in that iteration
+    part: int = 0  # worker, prefill mini-batches: fire on this part (earlier parts are in)
+    resume_after_s: float = 0.0  # stop: SIGCONT after this long (0: stays frozen)
+    record: str = ""  # append one JSON line {node, action, at_us, ...} here as it fires
+
+
+@dataclass
+class LabConfig(OdmoeConfig):
+    """`lab=on`: the product's schema, every default unchanged, plus what tests and benchmarks set."""
+
+    fault: FaultConfig = field(default_factory=FaultConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
+
+
+def fault_of(cfg: OdmoeConfig) -> FaultConfig:
+    """The fault to inject: cfg's under the lab overlay, else none."""
+    return cfg.fault if isinstance(cfg, LabConfig) else FaultConfig()
+
+
+def emulation_of(cfg: OdmoeConfig) -> EmulationConfig:
+    """The emulation knobs: cfg's under the lab overlay, else all off."""
+    return cfg.emulation if isinstance(cfg, LabConfig) else EmulationConfig()

@@ -8,7 +8,15 @@ what it accepts (stores, cache policies, precisions, alignment plans), so the sc
 
 from __future__ import annotations
 
-from odmoe.config import FAULT_ACTIONS, PREFILL_PLACEMENTS, ROLES, SHADOW_MODES, OdmoeConfig
+from odmoe.config import (
+    FAULT_ACTIONS,
+    PREFILL_PLACEMENTS,
+    ROLES,
+    SHADOW_MODES,
+    OdmoeConfig,
+    emulation_of,
+    fault_of,
+)
 from odmoe.main.alignment import make_plan
 from odmoe.main.late_calls import LateCalls
 from odmoe.main.stragglers import StragglerWatch
@@ -57,8 +65,9 @@ def validate(cfg: OdmoeConfig) -> None:
     if cfg.cluster.homes not in ("room", "even"):
         raise ValueError(f"cluster.homes={cfg.cluster.homes!r} is not one of room, even")
     cfg.topology  # noqa: B018 - raises on a workers/group_size mismatch or too many replicas
-    if cfg.fault.node and cfg.fault.action not in FAULT_ACTIONS:
-        raise ValueError(f"fault.action={cfg.fault.action!r} is not one of {FAULT_ACTIONS}")
+    fault = fault_of(cfg)  # the lab overlay's (lab=on); none in the product's schema
+    if fault.node and fault.action not in FAULT_ACTIONS:
+        raise ValueError(f"fault.action={fault.action!r} is not one of {FAULT_ACTIONS}")
     if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
         raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
     if cfg.failover.no_worker_grace_s < 0:
@@ -161,8 +170,8 @@ def validate(cfg: OdmoeConfig) -> None:
     if cfg.shadow.mode not in SHADOW_MODES:
         raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
     for name in ("inject_wrong", "inject_wrong_token"):
-        if not 0.0 <= getattr(cfg.emulation, name) <= 1.0:
-            raise ValueError(f"emulation.{name} must lie in [0, 1], got {getattr(cfg.emulation, name)}")
+        if not 0.0 <= (rate := getattr(emulation_of(cfg), name)) <= 1.0:
+            raise ValueError(f"emulation.{name} must lie in [0, 1], got {rate}")
     if cfg.shadow.precision not in PRECISIONS:
         raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
     cfg.miss.validate()

@@ -272,6 +272,7 @@ def test_a_lossy_policy_decides_per_request_in_a_batch(model_dirs, reap_children
     own router scores, count their own substitutions and say they are not exact."""
     path = model_dirs["qwen2_moe"]
     words = [
+        "lab=on",
         "server.max_running=4",
         "miss.policy=importance",
         "miss.importance_alpha=50",

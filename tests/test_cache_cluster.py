@@ -129,7 +129,7 @@ def test_every_family_with_room_for_every_expert(family, model_dirs, reap_childr
 def test_a_lost_worker_s_experts_become_misses_elsewhere(model_dirs, reap_children):
     path = model_dirs["olmoe"]
     want, _ = reference(path, PROMPTS[0], new_tokens=NEW_TOKENS)
-    words = ["worker.cache=all", "fault.node=worker1", "fault.iteration=6"]
+    words = ["lab=on", "worker.cache=all", "fault.node=worker1", "fault.iteration=6"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=NEW_TOKENS)
         assert got.token_ids == want

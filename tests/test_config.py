@@ -2,6 +2,7 @@ from pathlib import Path
 
 import pytest
 
+from odmoe.config import EmulationConfig, FaultConfig, LabConfig, OdmoeConfig, emulation_of, fault_of
 from odmoe.launch.settings import compose
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
@@ -117,19 +118,51 @@ def test_miss_policy_defaults_to_lossless_reload_and_takes_its_knobs():
             compose(words)
 
 
-def test_the_test_knobs_live_in_the_emulation_section_and_their_old_keys_are_gone():
-    """shadow.inject_wrong*, worker.resident and worker.link.* moved to emulation.* (0.x: the
-    deprecated spellings are gone, refused by the schema)."""
+def test_the_test_knobs_live_in_the_lab_overlay_and_their_old_keys_are_gone():
+    """fault.* and emulation.* are the lab overlay's (lab=on: tests and benchmarks), not the product
+    schema's; shadow.inject_wrong*, worker.resident and worker.link.* are gone (0.x)."""
     for old in ("shadow.inject_wrong=0.1", "shadow.inject_wrong_token=0.2", "worker.resident=true",
                 "worker.link.latency_ms=2"):  # fmt: skip
         with pytest.raises(Exception, match="Could not override"):
-            compose([old])
+            compose(["lab=on", old])
     new = compose(
-        ["emulation.inject_wrong=0.1", "emulation.resident=true", "emulation.link.bandwidth_gbps=1"]
+        ["lab=on", "emulation.inject_wrong=0.1", "emulation.resident=true", "emulation.link.bandwidth_gbps=1"]
     )
+    assert isinstance(new, LabConfig)
     assert (new.emulation.inject_wrong, new.emulation.resident, new.emulation.link.bandwidth_gbps) == (
         0.1,
         True,
         1.0,
     )
-    assert compose([]).emulation == type(new.emulation)()  # off unless asked for
+    lab = compose(["lab=on"])
+    assert (lab.emulation, lab.fault) == (EmulationConfig(), FaultConfig())  # off unless asked for
+    assert lab == LabConfig(**vars(compose([])), fault=FaultConfig(), emulation=EmulationConfig())
+
+
+def test_the_product_schema_has_no_lab_keys_and_refuses_their_words_saying_how_to_opt_in():
+    product = compose(["preset=paper"])
+    assert (
+        type(product) is OdmoeConfig and not hasattr(product, "fault") and not hasattr(product, "emulation")
+    )
+    assert (fault_of(product), emulation_of(product)) == (FaultConfig(), EmulationConfig())  # read as off
+    for word in ("fault.node=worker1", "+emulation.resident=true", "emulation.link.latency_ms=3"):
+        with pytest.raises(ValueError, match="add the word lab=on"):
+            compose([word])
+    lab = compose(["lab=on", "preset=paper", "fault.node=worker1", "fault.iteration=6"])
+    assert (fault_of(lab).node, fault_of(lab).iteration) == ("worker1", 6)
+    assert lab.worker.cache == product.worker.cache == "0"  # the preset still applies over the overlay
+
+
+@pytest.mark.integration  # starts a process
+def test_odmoe_launch_refuses_a_lab_word_without_lab_on():
+    """Before Hydra starts (a plain odmoe-launch is the product): exit 2 and the way to opt in."""
+    import subprocess
+    import sys
+
+    run = subprocess.run(
+        [sys.executable, "-m", "odmoe.launch.cli", "role=plan", "fault.node=worker1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 2 and "add the word lab=on" in run.stderr, run.stderr

@@ -362,6 +362,7 @@ def test_downloaded_v3_is_served_exactly_with_a_quantized_shadow(downloaded_v3, 
     """The sharded checkpoint with its MTP layer, as is: int8 shadow aligned every iteration, a
     third of its predictions made wrong, prefill in mini-batches."""
     overrides = [
+        "lab=on",
         "shadow.precision=int8_dynamic",
         "alignment.token_period=1",
         "alignment.kv_period=1",
@@ -377,6 +378,7 @@ def test_downloaded_v3_is_served_exactly_with_a_quantized_shadow(downloaded_v3, 
 @pytest.mark.integration
 def test_v2_is_served_exactly_with_a_free_running_bf16_shadow(model_dirs, reap_children):
     overrides = [
+        "lab=on",
         "shadow.precision=bf16",
         "alignment.token_period=2",
         "alignment.kv_period=0",
@@ -394,7 +396,7 @@ def test_a_lost_worker_changes_no_deepseek_token(model_dirs, reap_children):
     """Worker 1 killed at decode iteration 6: its layers' experts go to worker 0 from then on."""
     path = model_dirs["deepseek_v3"]
     want, _ = reference(path, PROMPTS[0], new_tokens=16)
-    words = ["preset=paper", "fault.node=worker1", "fault.iteration=6"]
+    words = ["lab=on", "preset=paper", "fault.node=worker1", "fault.iteration=6"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=16)
     assert got.token_ids == want and got.stats["failover"]["live_workers"] == [0]

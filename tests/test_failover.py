@@ -49,6 +49,7 @@ def test_worker_killed_during_prefill_with_mini_batches_in_flight_then_rejoins(
 ):
     path, record = model_dirs["mixtral"], tmp_path / "fault.jsonl"
     overrides = [
+        "lab=on",
         "prefill.mini_batch=2",
         "fault.node=worker1",
         "fault.iteration=0",
@@ -74,6 +75,7 @@ def test_worker_frozen_mid_decode_is_detected_by_its_beats_and_comes_back(
     path, record = model_dirs["qwen2_moe"], tmp_path / "fault.jsonl"
     iteration, layer = RNG.randrange(2, 20), RNG.randrange(4)
     overrides = [
+        "lab=on",
         "fault.node=worker0",
         "fault.action=stop",
         f"fault.iteration={iteration}",
@@ -99,6 +101,7 @@ def test_shadow_killed_mid_decode_then_restarted_is_used_again(model_dirs, reap_
     iteration = RNG.randrange(2, 20)
     # worker.cache=0: with every expert cached a request would run without the shadow, used or not
     overrides = [
+        "lab=on",
         "fault.node=shadow",
         f"fault.iteration={iteration}",
         "worker.cache=0",
@@ -125,7 +128,7 @@ def test_a_slow_load_is_not_a_lost_worker(model_dirs, reap_children):
     path = model_dirs["mixtral"]
     want, _ = reference(path, [5], new_tokens=2)
     # worker.cache=0: the default cache keeps every expert of this tiny model, so nothing would load
-    words = ["emulation.link.latency_ms=1500", "shadow.enabled=false", "worker.cache=0"]
+    words = ["lab=on", "emulation.link.latency_ms=1500", "shadow.enabled=false", "worker.cache=0"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate([5], max_new_tokens=2)
     assert got.token_ids == want
@@ -137,7 +140,7 @@ def test_main_killed_then_the_standby_frozen_the_client_resumes_each_time(model_
     path = model_dirs["olmoe"]
     iteration = RNG.randrange(2, 12)
     want, _ = reference(path, PROMPTS[0], new_tokens=40)
-    overrides = ["fault.node=main", f"fault.iteration={iteration}"]
+    overrides = ["lab=on", "fault.node=main", f"fault.iteration={iteration}"]
     with LocalCluster(path, workers=2, group_size=2, overrides=overrides, standby_mains=1) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=40)
         assert got.token_ids == want, f"main killed at iteration {iteration}"

@@ -78,7 +78,10 @@ def test_requests_batched_in_process_equal_alone(model_dirs, family):
 @pytest.mark.integration
 @pytest.mark.parametrize(
     "words",
-    [["preset=paper", "shadow.precision=bf16", "emulation.inject_wrong=0.3"], ["worker.store=compressed"]],
+    [
+        ["lab=on", "preset=paper", "shadow.precision=bf16", "emulation.inject_wrong=0.3"],
+        ["worker.store=compressed"],
+    ],
     ids=["paper-bf16-shadow", "defaults-compressed"],
 )
 def test_a_cluster_serves_it_exactly(words, model_dirs, family, reap_children):
@@ -100,7 +103,7 @@ def test_a_lost_worker_changes_no_token(model_dirs, family, reap_children):
     want, _ = reference(path, PROMPTS[0], new_tokens=24)
     # worker 0: the paper's placement deals a layer's experts from the group's first worker on, so a
     # top-1 model (Llama 4) asks only it in decode
-    words = ["preset=paper", "fault.node=worker0", "fault.iteration=6"]
+    words = ["lab=on", "preset=paper", "fault.node=worker0", "fault.iteration=6"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=24)
     assert got.token_ids == want and got.stats["failover"]["live_workers"] == [1]

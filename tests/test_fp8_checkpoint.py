@@ -146,7 +146,7 @@ def test_the_shadow_loads_an_fp8_checkpoint_at_every_precision(fp8_dirs, precisi
 def test_a_lost_worker_changes_no_fp8_token(fp8_dirs, family, reap_children):
     path = fp8_dirs[family]
     want, _ = reference(path, PROMPTS[0], new_tokens=24)
-    words = ["preset=paper", "fault.node=worker1", "fault.iteration=6"]
+    words = ["lab=on", "preset=paper", "fault.node=worker1", "fault.iteration=6"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=24)
     assert got.token_ids == want and got.stats["failover"]["live_workers"] == [0]

@@ -89,7 +89,7 @@ def test_qwen2_moe_with_the_cache_and_a_shadow_in_int8(gguf_file, qtype, shards,
 def test_a_lost_worker_changes_no_gguf_token(gguf_file, reap_children):
     path = gguf_file("qwen3_moe", "Q4_K_M")
     want, _, _ = generate_reference(path, 24)
-    words = ["preset=paper", "fault.node=worker1", "fault.iteration=6"]
+    words = ["lab=on", "preset=paper", "fault.node=worker1", "fault.iteration=6"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate(PROMPT, max_new_tokens=24)
     assert got.token_ids == want and got.stats["failover"]["live_workers"] == [0]

@@ -59,7 +59,7 @@ def test_a_speculative_shadow_that_rolls_back_changes_no_token(model_dirs, reap_
     # cacheless: every prediction is used; each load takes 3 ms more (an emulated link), so main is
     # the slower and the shadow runs ahead of it even on a loaded box (it rolled back nothing when
     # the box was so busy that the shadow never got ahead: a flaky test, not a wrong token)
-    words = ["emulation.inject_wrong_token=0.3", "worker.cache=0", "emulation.link.latency_ms=3"]
+    words = ["lab=on", "emulation.inject_wrong_token=0.3", "worker.cache=0", "emulation.link.latency_ms=3"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         for prompt in PROMPTS[:2]:
             want_ids, want_logits = reference(path, prompt, new_tokens=16)

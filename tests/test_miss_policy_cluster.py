@@ -24,7 +24,7 @@ PROMPT, NEW = "def fibonacci(n):", 12
 # Every prediction wrong, and no worker cache: with one (the default) a miss on an expert cached a
 # moment earlier is a hit, so how many misses a 12-token request meets hangs on the shadow's timing
 # (which of its seeded wrong draws land where); a new user's full run once saw none substituted.
-WRONG = ["emulation.inject_wrong=1.0", "worker.cache=0"]
+WRONG = ["lab=on", "emulation.inject_wrong=1.0", "worker.cache=0"]
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,7 @@ def test_a_cluster_serves_mxfp4_exactly(mxfp4_dir, reap_children):
 @pytest.mark.integration
 def test_a_lost_worker_changes_no_mxfp4_token(mxfp4_dir, reap_children):
     want, _ = reference(mxfp4_dir, PROMPTS[0], new_tokens=24)
-    words = ["preset=paper", "fault.node=worker1", "fault.iteration=6"]
+    words = ["lab=on", "preset=paper", "fault.node=worker1", "fault.iteration=6"]
     with LocalCluster(mxfp4_dir, workers=2, group_size=2, overrides=words) as cluster:
         got = cluster.client.generate(PROMPTS[0], max_new_tokens=24)
     assert got.token_ids == want and got.stats["failover"]["live_workers"] == [0]

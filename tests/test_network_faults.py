@@ -172,7 +172,7 @@ def test_main_cut_off_from_the_shadow_decodes_on_and_uses_predictions_again_once
     # an fp32 shadow predicts exactly: recall 1.0 wherever its predictions arrive
     # every load 10 ms more (emulated link): decode got fast enough that 200 tokens ended before the
     # link healed, and nothing was left to show the predictions coming back
-    words = ["worker.cache=0", "shadow.precision=fp32", "emulation.link.latency_ms=10"]
+    words = ["lab=on", "worker.cache=0", "shadow.precision=fp32", "emulation.link.latency_ms=10"]
     with LocalCluster(path, workers=2, group_size=2, place=lan.placement, overrides=words) as cluster:
         cluster.client.generate(prompts[0], max_new_tokens=2)  # warm
         watched = Streams(cluster, prompts[:1], new_tokens)  # its arrival times say when things happened

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.integration
 
 # One cluster per family, each exercising a different precision and alignment, with faults injected.
 CASES = [
-    ("mixtral", ["shadow.precision=int8_dynamic", "emulation.inject_wrong=0.5"]),
+    ("mixtral", ["lab=on", "shadow.precision=int8_dynamic", "emulation.inject_wrong=0.5"]),
     pytest.param(
         "qwen2_moe",
         ["shadow.precision=nf4", "alignment.token_period=2", "alignment.kv_period=4"],
@@ -31,6 +31,7 @@ CASES = [
     pytest.param(
         "olmoe",
         [
+            "lab=on",
             "shadow.precision=bf16",
             "alignment.token_period=1",
             "alignment.kv_period=0",
@@ -43,6 +44,7 @@ CASES = [
     pytest.param(
         "deepseek_v2",
         [
+            "lab=on",
             "shadow.precision=nf4",
             "alignment.token_period=2",
             "alignment.kv_period=4",
@@ -53,6 +55,7 @@ CASES = [
     pytest.param(
         "deepseek_v3",
         [
+            "lab=on",
             "shadow.precision=int8",
             "alignment.token_period=0",
             "alignment.kv_period=0",
@@ -139,7 +142,7 @@ def test_injected_wrong_predictions_lower_recall_by_that_fraction(model_dirs, re
         model_dirs["mixtral"],
         workers=2,
         group_size=2,
-        overrides=["shadow.precision=fp32", "emulation.inject_wrong=0.5", "worker.cache=0"],
+        overrides=["lab=on", "shadow.precision=fp32", "emulation.inject_wrong=0.5", "worker.cache=0"],
     ) as c:
         runs = [c.client.generate(p, max_new_tokens=32).stats["recall"] for p in PROMPTS]
     hits = sum(r["overall"] * r["activated"] for r in runs)
@@ -229,6 +232,7 @@ def test_fidelity_matrix(family, precision, model_dirs, reap_children):
     p, q = ALIGNMENTS[MATRIX_PRECISIONS.index(precision) % len(ALIGNMENTS)]
     path = model_dirs[family]
     overrides = [
+        "lab=on",
         f"shadow.precision={precision}",
         f"alignment.token_period={p}",
         f"alignment.kv_period={q}",

@@ -12,14 +12,21 @@ from tests.test_cluster_fidelity import PROMPTS, reference
 
 pytestmark = pytest.mark.integration
 
-SPECULATIVE = ["alignment.mode=speculative", "emulation.inject_wrong_token=0.3", "emulation.inject_wrong=0.2"]
+SPECULATIVE = [
+    "lab=on",
+    "alignment.mode=speculative",
+    "emulation.inject_wrong_token=0.3",
+    "emulation.inject_wrong=0.2",
+]
 HEDGED = [
+    "lab=on",
     "shadow.hedge_margin=0.2",
     "worker.slots=3",
     "shadow.precision=int8_dynamic",
     "emulation.inject_wrong=0.3",
 ]
 TUNED = [
+    "lab=on",
     "alignment.tune=true",
     "alignment.max_period=4",
     "emulation.inject_wrong_token=0.2",

@@ -16,7 +16,7 @@ NEW_TOKENS = 40
 
 
 def _link(latency_ms: float) -> list[str]:
-    return [f"emulation.link.latency_ms={latency_ms:g}"]
+    return ["lab=on", f"emulation.link.latency_ms={latency_ms:g}"]
 
 
 def _experts(done: dict, worker: str) -> int:

@@ -28,7 +28,7 @@ pytestmark = pytest.mark.pure
 @pytest.mark.extended  # beyond the default run's ~15 min: what a default test covers in its core
 def test_an_error_in_one_request_fails_it_and_main_serves_the_next(model_dirs, reap_children):
     path = model_dirs["mixtral"]
-    words = ["fault.node=main", "fault.action=raise", "fault.iteration=3"]
+    words = ["lab=on", "fault.node=main", "fault.action=raise", "fault.iteration=3"]
     with LocalCluster(path, workers=2, group_size=2, overrides=words) as cluster:
         with pytest.raises(grpc.RpcError) as failed:
             cluster.client.generate(PROMPTS[0], max_new_tokens=8)

@@ -124,8 +124,7 @@ def gpu_words(g: GpuSuite, cache: bool | str = False, policy: str = "prediction"
         f"cluster.group_size={g.group_size}",
         f"worker.slots={g.slots}",
         "worker.only_own_layers=true",  # each worker pins only its group's layers in host memory
-        "emulation.link.bandwidth_gbps=0",  # the real bus, not an emulated link
-        "emulation.link.latency_ms=0",
+        # no lab=on, so no emulated link: expert loads cross the real bus
         "worker.ready_timeout_s=900",  # a worker reads and pins GBs of experts before it serves
         "worker.reply_timeout_s=300",
         "cluster.torch_threads=2",

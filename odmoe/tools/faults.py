@@ -1,6 +1,7 @@
-"""Fault injection: a node kills or freezes itself at an exact point of a request.
+"""Fault injection: a node kills or freezes itself at an exact point of a request (the lab overlay's
+`fault.*`, with `lab=on`: tests and benchmarks only).
 
-Contract: each node builds `FaultTrigger(cfg.fault, its_name)` ("main", "shadow", "worker<i>") and
+Contract: each node builds `FaultTrigger(fault_of(cfg), its_name)` ("main", "shadow", "worker<i>") and
 calls `at(request, iteration, layer, part)` at every point it passes (main per MoE layer before it
 sends the rows, a worker per compute message before it computes, the shadow per router). The first
 point at or past the configured one - in the node's n-th request - fires, once: it appends a JSON
