@@ -11,7 +11,13 @@ import pytest
 
 from odmoe.extras import MissingExtra, require
 
-SCRIPTS = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]["scripts"]
+ROOT = Path(__file__).parents[1]
+# odmoe's commands and odmoe-bench's (benchmarks/: a distribution of its own, installed beside odmoe)
+SCRIPTS = {
+    name: entry
+    for pyproject in (ROOT / "pyproject.toml", ROOT / "benchmarks" / "pyproject.toml")
+    for name, entry in tomllib.loads(pyproject.read_text())["project"]["scripts"].items()
+}
 
 
 def _run_entry(entry: str, args: list[str], block: str | None = None) -> subprocess.CompletedProcess:
