@@ -29,7 +29,8 @@ def _serve(name: str, node_class, cfg: OdmoeConfig) -> int:
     from odmoe.models.share_pull import ShareError
 
     try:
-        node = node_class(cfg, model_path_for(cfg, cfg.role.name))
+        node = node_class(cfg, model_path_for(cfg, cfg.role.name))  # builds: reads, checks, loads
+        node.start()  # binds its sockets
     except (CheckpointError, UnsupportedModelError, SecurityError, MemoryPlanError, ShareError) as exc:
         log.error("%s: %s", name, exc)
         return BAD_INPUT

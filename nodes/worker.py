@@ -251,24 +251,36 @@ class WorkerNode:
         index = cfg.worker.index
         sec = cfg.security
         self.security = NodeSecurity.load(sec.enabled, sec.key_dir, sec.node_name("worker", index))
+        self.sock: zmq.Socket | None = None  # main's requests: bound by start()
+        self.address = ""
+        self.predictions: zmq.Socket | None = None
+        self.shadow_pub = ""
+        self.poller = zmq.Poller()
+        self.fault = FaultTrigger(fault_of(cfg), f"worker{index}")
+        self.dropped = DropLog(log, f"worker {index}")
+
+    def start(self) -> None:
+        """Bind main's socket (main's key only, where security is on) and answer main's UDP beats on
+        its port: what the constructor, which only builds, leaves to the node's start."""
+        c = self.cluster
         ctx = zmq.Context.instance()
         self.zap = self.security.curve.authenticator(ctx) if self.security.curve else None
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        secure_server(self.sock, self.security.curve, "worker")  # main's key only
-        port = cfg.cluster.worker_port
+        secure_server(self.sock, self.security.curve, "worker")
+        port = c.worker_port
         if port:
-            self.sock.bind(f"tcp://{cfg.cluster.host}:{port}")
+            self.sock.bind(f"tcp://{c.host}:{port}")
         else:
-            port = self.sock.bind_to_random_port(f"tcp://{cfg.cluster.host}")
-        self.address = f"tcp://{cfg.cluster.host}:{port}"
+            port = self.sock.bind_to_random_port(f"tcp://{c.host}")
+        self.address = f"tcp://{c.host}:{port}"
         self.beat_echo = echo_for(self.address)  # main's beats: UDP, this port number (a thread)
-        self.predictions: zmq.Socket | None = None
-        self.shadow_pub = ""
-        self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
-        self.fault = FaultTrigger(fault_of(cfg), f"worker{index}")
-        self.dropped = DropLog(log, f"worker {index}")
+
+    def close(self) -> None:
+        """Close main's socket (tests that started a node in their own process)."""
+        if self.sock is not None:
+            self.sock.close(0)
 
     def _subscribe(self, address: str) -> None:
         """Follow the shadow's predictions at `address` (again, when the shadow moved)."""
@@ -287,6 +299,8 @@ class WorkerNode:
         self.poller.register(self.predictions, zmq.POLLIN)
 
     def serve(self, ready_file: str | None = None) -> None:
+        if self.sock is None:
+            self.start()
         index, executor = self.executor.index, self.executor
         announce_ready(
             ready_file,

@@ -143,7 +143,7 @@ def test_a_worker_starts_its_cache_from_the_models_profile_unless_told_off(model
             prior = node.executor.cache.prior
             assert {k: prior[k] for k in want} == want and bool(prior) == bool(want)
         finally:
-            node.sock.close(0)
+            node.close()
 
 
 def test_homes_send_every_expert_of_a_layer_to_one_worker_each():
@@ -165,7 +165,7 @@ def worker(model_dirs):
     words = ["role=worker", "worker.index=0", f"model.path={path}", "security.enabled=false"]
     node = WorkerNode(compose([*words, "worker.cache=all"]), path)  # 2 workers: 16 experts are its
     yield node.executor
-    node.sock.close(0)
+    node.close()
 
 
 def _answer(frames):
@@ -205,7 +205,7 @@ def test_a_full_cache_drops_the_expert_predicted_farthest_and_never_one_a_messag
     path = model_dirs["mixtral"]
     words = ["role=worker", "worker.index=0", f"model.path={path}", "security.enabled=false"]
     node = WorkerNode(compose(words), path)  # cacheless: only to learn an expert's size
-    node.sock.close(0)
+    node.close()
     store = node.executor.store
     size = (store.gate_up_shape.numel() + store.down_shape.numel()) * store.dtype.itemsize
     node = WorkerNode(compose([*words, f"worker.cache={2 * size}"]), path)
@@ -224,7 +224,7 @@ def test_a_full_cache_drops_the_expert_predicted_farthest_and_never_one_a_messag
         result, _ = _answer(worker.compute(many, [rows, rows]))
         assert result.cached[0] > 0 and result.cached[1] == 0
     finally:
-        node.sock.close(0)
+        node.close()
 
 
 def test_cache_buffers_are_allocated_as_kept_experts_need_them(model_dirs):

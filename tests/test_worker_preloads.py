@@ -21,7 +21,7 @@ def node(model_dirs):
     cfg = compose(words)
     node = WorkerNode(cfg, model_dirs["mixtral"])
     yield node
-    node.sock.close(0)
+    node.close()
 
 
 @pytest.fixture
@@ -125,6 +125,8 @@ def test_main_s_releasing_call_drops_the_layer_s_unused_preloads_once_answered(n
     worker.queue_preloads(Prediction(Step("r", 1, 0), [3, 5], [3, 5, 1], [0.5, 0.3, 0.2]))
     worker.preload_next()  # expert 3 of layer 0 loading for iteration 1
     assert [slot.holds for slot in worker.slots.held()] == [(0, 3)]
+    assert node.sock is None and node.address == ""  # built: no socket until it starts
+    node.start()
     main = zmq.Context.instance().socket(zmq.DEALER)
     main.setsockopt(zmq.LINGER, 0)
     main.connect(node.address)
