@@ -21,7 +21,7 @@ lint:  ## ruff lint + format check, and the pure modules' types (mypy)
 typecheck:  ## mypy on the pure modules (pyproject's tool.mypy)
 	$(PY) -m mypy
 
-test-fast:  ## the fast tier: the pure files' default tests (pure modules, the engine with in-process workers vs transformers; 5-8 min on 2 cores)
+test-fast:  ## the fast tier: the pure files' default tests (pure modules, the engine with in-process workers vs transformers; < 2 min on 2 quiet cores)
 	$(PY) -m pytest -m fast
 
 test:  ## the default test suite (what CI runs)

@@ -23,9 +23,10 @@ FOCUSED_FAMILIES = [f for f in FAMILIES if f not in FAMILY_NAMES]
 # The fast tier (`-m fast`, `make test-fast`): the default run's tests of the files that say they
 # start no process and train nothing (`pytestmark = pytest.mark.pure`: by inclusion, so a new file
 # is not fast until it says so), the pure modules and the decode loop with in-process workers
-# checked against transformers. A test there that starts nodes anyway is marked integration (or
-# extended, slow, demo, gpu) and stays out; one that asks for `reap_children` without such a mark
-# fails at collection (it would start processes in the fast tier).
+# checked against transformers. A test there that starts nodes anyway, or waits seconds on a real
+# network or the clock (mDNS, beats), is marked integration (or extended, slow, demo, gpu) and stays
+# out; one that asks for `reap_children` without such a mark fails at collection (it would start
+# processes in the fast tier).
 HEAVY_MARKS = {"integration", "extended", "slow", "demo", "gpu"}
 
 

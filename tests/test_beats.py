@@ -32,6 +32,7 @@ def test_host_port_reads_zmq_addresses():
     assert host_port("tcp://[::1]:7") == ("::1", 7)
 
 
+@pytest.mark.integration  # beats over UDP on 127.0.0.1, waited out on the clock: ~1.5 s
 def test_a_silenced_echo_is_lost_within_1_5_s_and_back_when_it_answers_again():
     echo = BeatEcho("127.0.0.1", 0)
     port = echo.port
@@ -52,6 +53,7 @@ def test_a_silenced_echo_is_lost_within_1_5_s_and_back_when_it_answers_again():
         watch.close()
 
 
+@pytest.mark.integration  # beats over UDP on 127.0.0.1, waited out on the clock: ~2 s
 def test_a_peer_that_never_answers_is_never_suspected_and_forgotten_peers_are_not_reported():
     silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
     silent.bind(("127.0.0.1", 0))  # takes beats, answers none (a firewall that drops UDP)

@@ -181,6 +181,7 @@ def test_a_replayed_admission_is_refused(door):
         assert no_token.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+@pytest.mark.integration  # real mDNS announcements on this host, each lookup waits out its 1.5 s: ~11 s
 def test_main_found_by_mdns_must_prove_the_secret(door, monkeypatch):
     """join=auto:SECRET: main advertised by mDNS (a real zeroconf announcement on this host) is
     found, and joined only because it proves the secret; another advertiser with another
@@ -221,6 +222,7 @@ def test_main_found_by_mdns_must_prove_the_secret(door, monkeypatch):
         find_link(f"auto:{link.secret}@nobody", timeout_s=1.5)
 
 
+@pytest.mark.integration  # runs the odmoe-keys command
 def test_a_revoked_box_is_refused_and_a_new_box_may_take_its_name(door):
     link, admissions, keys, tmp = door
     reply, home, _ = admit(str(link), "worker", "10.0.0.1", home=tmp / "box")
@@ -402,6 +404,7 @@ def test_boxes_in_their_own_network_namespaces_join_by_the_link(tmp_path, reap_c
                     p.kill()
 
 
+@pytest.mark.integration  # runs the odmoe-keys command
 def test_rotating_the_secret_refuses_old_links_and_rewrites_the_line(door):
     link, admissions, keys, tmp = door
     (keys.root / "join-link").write_text(f"odmoe-launch join={link}\n")

@@ -88,6 +88,7 @@ def test_a_black_hole_holds_bytes_until_it_heals():
         server.close()
 
 
+@pytest.mark.integration  # a relay on 127.0.0.1 and beats through it, waited out on the clock: ~1.5 s
 def test_beats_pass_through_and_stop_in_a_black_hole():
     echo = BeatEcho("127.0.0.1", 0)
     relay = Relay(f"tcp://127.0.0.1:{echo.port}")
@@ -113,6 +114,7 @@ def test_beats_pass_through_and_stop_in_a_black_hole():
         echo.close()
 
 
+@pytest.mark.integration  # a relay on 127.0.0.1 whose lost chunks wait a timeout: ~1.6 s
 def test_a_lossy_link_delays_tcp_bytes_whole_and_drops_datagrams():
     server = _EchoServer()
     relay = Relay(server.address, seed=5)

@@ -56,6 +56,7 @@ PROMPT = "def fibonacci(n):"
 
 
 # -- key files ------------------------------------------------------------------------------------
+@pytest.mark.integration  # runs the odmoe-keys command
 def test_keys_init_writes_secrets_0600(tmp_path):
     out = subprocess.run(
         [sys.executable, "-m", "odmoe.launch.keys", "init", str(tmp_path / "k"), "--workers", "2"],
@@ -265,6 +266,7 @@ def _keys_cli(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.integration  # runs the odmoe-keys command
 def test_a_revoked_key_is_refused_without_a_restart_and_add_makes_a_new_one(node_sockets, caplog):
     keys, ctx, addresses = node_sockets
     caplog.set_level("WARNING", logger="odmoe.transport.security")
@@ -318,6 +320,7 @@ def _connects(ctx: zmq.Context, curve: Curve, node: str, address: str) -> bool:
         sock.close(0)
 
 
+@pytest.mark.integration  # ZeroMQ connections on 127.0.0.1 probed as main does, every second: ~2 s
 def test_main_stops_connecting_to_a_revoked_worker_and_reaches_its_new_key(node_sockets, caplog):
     """Main re-reads a worker's key at each connection (its probes of a lost worker): once revoked it
     never connects to that key again, and never fails for it either; the name's new key is used."""

@@ -213,6 +213,7 @@ print(json.dumps({"base": base, "peak": after["VmHWM"], "steady": after["VmRSS"]
 """
 
 
+@pytest.mark.integration  # loads in a process of its own, to read its peak memory: ~5 s
 @pytest.mark.parametrize("precision", ["int8_dynamic", pytest.param("int4", marks=pytest.mark.extended)])
 def test_loading_peaks_at_the_steady_size_plus_about_one_layer(precision, tmp_path_factory):
     """VmHWM of a process that loads the shadow (a model of 8 layers of 12 MiB each, bf16): what

@@ -115,6 +115,7 @@ def test_a_changed_checkpoint_keeps_the_tensors_that_did_not_change(source, tmp_
     assert again.tensors_pulled == 0 and again.pulled_bytes == len(json.dumps({"max_length": 77}))
 
 
+@pytest.mark.integration  # a child process pulls and is killed mid-pull
 def test_an_interrupted_pull_resumes_where_it_stopped(source, tmp_path):
     """A real pull in its own process, rate-capped, killed part way; the next pull moves the rest."""
     model, serve = source
