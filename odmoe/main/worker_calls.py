@@ -88,9 +88,8 @@ class WorkerCalls:
         """Send each call of `plan` (a worker, its experts) and gather the answered calls (see the
         module's failure policy)."""
         step, clock = x.step, x.clock
-        # Every call is encoded before the first one leaves: a send wakes a worker (and ZeroMQ's I/O
-        # threads), which on a machine with few cores can take main's core at once; the next call
-        # would then leave only after that worker's whole computation.
+        # Every call is encoded before the first leaves: a send wakes a worker, which on a machine of
+        # few cores can take main's core at once (the next call would wait for its whole compute)
         messages = [self._encode(x, experts, grouped, releasing) for _, experts in plan]
         clock.sending = time.perf_counter()
         calls = [
