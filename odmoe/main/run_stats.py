@@ -23,38 +23,17 @@ def request_stats(
     run: RequestRun, experts: RemoteExperts, main: MainModel, recall: RecallCounter, end: float
 ) -> dict:
     traffic = run.ctx.traffic
-    new_ids = run.streamed
     first = run.first_token_at or end
-    decode_tokens = max(len(new_ids) - 1, 0)
-    decode_s = end - first
-    stats = {
-        "request_id": run.request_id,
-        "prompt_tokens": run.prompt_len,
-        "new_tokens": len(new_ids),
-        "ttft_s": first - run.start,
-        "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
-        "total_s": end - run.start,
+    decode_tokens = max(len(run.streamed) - 1, 0)
+    return {
+        **timing_stats(run, first, end),
         "experts_loaded": traffic.experts_loaded,
         "bytes_loaded": traffic.bytes_loaded,
         "worker_load_s": traffic.load_s,
         "worker_compute_s": traffic.compute_s,
         "main_wait_on_workers_s": traffic.wait_s,
-        "peak_rss_bytes": {
-            "main": peak_rss_bytes(),
-            **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
-        },
-        # the paper's GPU memory: main's weights (KV cache aside), each worker's expert slots
-        "device_bytes": {
-            "main": main.device_bytes,
-            **{f"worker{w}": p.device_bytes for w, p in sorted(experts.members.pongs.items())},
-        },
-        # CUDA's own counter (max_memory_allocated) per node process; 0 for a node on a CPU
-        "device_peak_bytes": {
-            "main": device_peak_bytes(main.device),
-            "shadow": _shadow_peak(experts, run.request_id),
-            **{f"worker{w}": b for w, b in sorted(traffic.worker_device_peak.items())},
-        },
-        "decode": {**asdict(traffic.decode), "seconds": decode_s, "tokens": decode_tokens},
+        **memory_stats(run, experts, main),
+        "decode": {**asdict(traffic.decode), "seconds": end - first, "tokens": decode_tokens},
         # continuous batching: how many requests decoded together with this one, per iteration
         "batch_size_mean": sum(run.batch_sizes) / len(run.batch_sizes) if run.batch_sizes else 0.0,
         "batch_size_max": max(run.batch_sizes, default=0),
@@ -73,11 +52,7 @@ def request_stats(
         "reloads": traffic.reloads,
         "stall_s": sum(traffic.stall_s_per_layer.values()),
         "stall_s_per_layer": dict(sorted(traffic.stall_s_per_layer.items())),
-        # a lossy miss policy computed a resident expert in place of a missed one: not the model's output
-        "exact": not traffic.substitutions_per_layer,
-        "substitutions": sum(traffic.substitutions_per_layer.values()),
-        "substitutions_per_layer": dict(sorted(traffic.substitutions_per_layer.items())),
-        "substituted": [list(s) for s in traffic.substituted],  # [iteration, layer, missing, computed]
+        **exactness_stats(traffic),
         "hedging": hedging_stats(traffic),
         "cache": cache_stats(traffic),
         **shadow_stats(experts, run.request_id),
@@ -91,7 +66,53 @@ def request_stats(
         # failover.resend_late_*: decode calls sent again for being late, since main started
         "late_calls": experts.late.report() if getattr(experts, "late", None) is not None else None,
     }
-    return stats
+
+
+def timing_stats(run: RequestRun, first: float, end: float) -> dict:
+    """Its tokens, time to the first, decode speed after it, the whole request's time."""
+    new_ids = run.streamed
+    decode_tokens = max(len(new_ids) - 1, 0)
+    decode_s = end - first
+    return {
+        "request_id": run.request_id,
+        "prompt_tokens": run.prompt_len,
+        "new_tokens": len(new_ids),
+        "ttft_s": first - run.start,
+        "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
+        "total_s": end - run.start,
+    }
+
+
+def memory_stats(run: RequestRun, experts: RemoteExperts, main: MainModel) -> dict:
+    """Peak RSS per node; the paper's GPU memory (main's weights, KV cache aside, and each worker's
+    expert slots); CUDA's own counter (max_memory_allocated) per node process, 0 on a CPU."""
+    traffic = run.ctx.traffic
+    return {
+        "peak_rss_bytes": {
+            "main": peak_rss_bytes(),
+            **{f"worker{w}": b for w, b in sorted(traffic.worker_peak_rss.items())},
+        },
+        "device_bytes": {
+            "main": main.device_bytes,
+            **{f"worker{w}": p.device_bytes for w, p in sorted(experts.members.pongs.items())},
+        },
+        "device_peak_bytes": {
+            "main": device_peak_bytes(main.device),
+            "shadow": _shadow_peak(experts, run.request_id),
+            **{f"worker{w}": b for w, b in sorted(traffic.worker_device_peak.items())},
+        },
+    }
+
+
+def exactness_stats(t: ExpertTraffic) -> dict:
+    """Whether the request is the model's output: a lossy miss policy that computed a resident
+    expert in place of a missed one makes it not (`exact` false), each substitution listed."""
+    return {
+        "exact": not t.substitutions_per_layer,
+        "substitutions": sum(t.substitutions_per_layer.values()),
+        "substitutions_per_layer": dict(sorted(t.substitutions_per_layer.items())),
+        "substituted": [list(s) for s in t.substituted],  # [iteration, layer, missing, computed]
+    }
 
 
 def cache_stats(t: ExpertTraffic) -> dict:

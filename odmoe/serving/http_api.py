@@ -137,12 +137,21 @@ class _BearerToken:
 
 
 def make_app(backend, secrets: ServerSecrets | None = None, ping_s: float = 15.0) -> FastAPI:
-    """`ping_s`: an SSE comment this often on every stream (sse-starlette's default is 15 s)."""
+    """The door: its errors as OpenAI's, the cluster's token checked (where `secrets`), its routes.
+    `ping_s`: an SSE comment this often on every stream (sse-starlette's default is 15 s)."""
     app = FastAPI(title="odmoe", summary="OpenAI-compatible API of an odmoe cluster", docs_url=None)
     app.router.route_class = TextCheckedRoute  # before any route is added
-
     if secrets is not None:
         app.add_middleware(_BearerToken, secrets=secrets)
+    _error_answers(app)
+    _info_routes(app, backend)
+    _tokenizer_routes(app, backend)
+    _generation_routes(app, backend, ping_s)
+    return app
+
+
+def _error_answers(app: FastAPI) -> None:
+    """Every refusal in OpenAI's error shape: ours, the bodies' validation, Starlette's own."""
 
     @app.exception_handler(ApiError)
     async def _api_error(_, exc: ApiError):
@@ -162,6 +171,10 @@ def make_app(backend, secrets: ServerSecrets | None = None, ping_s: float = 15.0
     async def _http_error(_, exc: StarletteHTTPException):
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return JSONResponse(ApiError(exc.status_code, str(exc.detail), kind=kind).body(), exc.status_code)
+
+
+def _info_routes(app: FastAPI, backend) -> None:
+    """/health (503 with the reason when main cannot serve), /metrics, the model list."""
 
     @app.get("/health")
     async def health():
@@ -183,21 +196,9 @@ def make_app(backend, secrets: ServerSecrets | None = None, ping_s: float = 15.0
         _check_model(backend, name)
         return _model_card(backend)
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionBody, request: Request):
-        body.refuse_unsupported()
-        if body.best_of not in (None, 1) or body.suffix:
-            raise ApiError(400, "best_of and suffix are not supported", "best_of")
-        _check_model(backend, body.model)
-        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
-        if max_tokens == 0 and not body.echo:
-            raise ApiError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
-        if max_tokens == 0 and body.stream:
-            raise ApiError(400, "max_tokens=0 (scoring a prompt) cannot be streamed", "stream")
-        reqs = []
-        for prompt, token_ids in _completion_prompts(body.prompt):
-            reqs += _requests(body, max_tokens, prompt=prompt, token_ids=token_ids)
-        return await _answer(backend, request, body, reqs, chat=False, ping_s=ping_s)
+
+def _tokenizer_routes(app: FastAPI, backend) -> None:
+    """vLLM's tokenizer endpoints (evaluation harnesses tokenize through the server with them)."""
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
@@ -224,6 +225,27 @@ def make_app(backend, secrets: ServerSecrets | None = None, ping_s: float = 15.0
             raise ApiError(400, f"token ids must lie in [0, {vocab})", "tokens")
         return {"prompt": backend.tokenizer.decode(body.tokens)}
 
+
+def _generation_routes(app: FastAPI, backend, ping_s: float) -> None:
+    """/v1/completions and /v1/chat/completions: the body's parameters checked, its requests made
+    (n choices, each prompt), answered whole or streamed."""
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionBody, request: Request):
+        body.refuse_unsupported()
+        if body.best_of not in (None, 1) or body.suffix:
+            raise ApiError(400, "best_of and suffix are not supported", "best_of")
+        _check_model(backend, body.model)
+        max_tokens = 16 if body.max_tokens is None else body.max_tokens  # OpenAI's default
+        if max_tokens == 0 and not body.echo:
+            raise ApiError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
+        if max_tokens == 0 and body.stream:
+            raise ApiError(400, "max_tokens=0 (scoring a prompt) cannot be streamed", "stream")
+        reqs = []
+        for prompt, token_ids in _completion_prompts(body.prompt):
+            reqs += _requests(body, max_tokens, prompt=prompt, token_ids=token_ids)
+        return await _answer(backend, request, body, reqs, chat=False, ping_s=ping_s)
+
     @app.post("/v1/chat/completions")
     async def chat(body: ChatBody, request: Request):
         body.refuse_unsupported()
@@ -238,8 +260,6 @@ def make_app(backend, secrets: ServerSecrets | None = None, ping_s: float = 15.0
             limit = max(backend.context_length - len(ids), 1) if backend.context_length else 256
         reqs = _requests(body, limit, token_ids=tuple(ids))
         return await _answer(backend, request, body, reqs, chat=True, ping_s=ping_s)
-
-    return app
 
 
 def _model_card(backend) -> dict:
@@ -438,51 +458,69 @@ async def _stream(tickets, shape: _Shape, usage: bool, prompt_tokens: int | None
             await events.put((index, END))
 
     pumps = [asyncio.create_task(pump(i, t)) for i, t in enumerate(tickets)]
-    done, all_stats, failed, generated = 0, [], False, 0
-    tokens: list[list[int]] = [[] for _ in tickets]  # each choice's so far (logprobs' text_offset)
-    echo_pending = [bool(e) for e in echoed]
+    sent = _Sent(shape, echoed, prompt_tokens, [[] for _ in tickets], [bool(e) for e in echoed])
+    done, failed = 0, False
     try:
         while done < len(tickets):
             index, event = await events.get()
             if event is END:
                 done += 1
-                continue
-            if echo_pending[index] and not isinstance(event, PromptEvent | Exception):
-                echo_pending[index] = False  # echo without logprobs: the prompt text alone first
-                yield json.dumps(shape.chunk(echoed[index], None, index))
-            if isinstance(event, PromptEvent):
-                echo_pending[index] = False
-                scored = _prompt_scored(event)
-                yield json.dumps(shape.chunk(echoed[index], None, index, scored, tokens[index]))
-                tokens[index] += [s.token_id for s in scored]
-            elif isinstance(event, TokenEvent):
-                generated += 1
-                scored = (
-                    [Scored(event.token_id, event.logprob, event.top)] if event.logprob is not None else []
-                )
-                if event.text or scored:
-                    chunk = shape.chunk(event.text, None, index, scored, tokens[index])
-                    if prompt_tokens is not None:
-                        chunk["usage"] = _usage({"prompt_tokens": prompt_tokens, "new_tokens": generated})
-                    yield json.dumps(chunk)
-                tokens[index].append(event.token_id)
-            elif isinstance(event, DoneEvent):
-                all_stats.append(event.stats)
-                yield json.dumps(
-                    shape.chunk("" if not shape.chat else {}, event.stats["finish_reason"], index)
-                )
             elif isinstance(event, Exception):
                 yield json.dumps(_error_of(event).body())
                 failed = True
                 break
+            else:
+                for chunk in sent.chunks(index, event):
+                    yield json.dumps(chunk)
         if usage and not failed:
-            yield json.dumps({**shape.head(), "choices": [], "usage": _usage(*all_stats, n=shape.n)})
+            yield json.dumps({**shape.head(), "choices": [], "usage": _usage(*sent.stats, n=shape.n)})
         yield "[DONE]"
     finally:
         for task in pumps:
             task.cancel()
         for ticket in tickets:
             ticket.cancel()
+
+
+@dataclass
+class _Sent:
+    """What a stream has sent so far: each choice's tokens (logprobs' text_offset), whether its echo
+    is still to come, the tokens generated in all, the finished choices' stats."""
+
+    shape: _Shape
+    echoed: list[str]
+    prompt_tokens: int | None  # continuous usage: every chunk carries the usage so far
+    tokens: list[list[int]]
+    echo_pending: list[bool]
+    generated: int = 0
+    stats: list[dict] = field(default_factory=list)
+
+    def chunks(self, index: int, event) -> list[dict]:
+        """The chunks one event of choice `index` makes (a token without text or logprobs: none)."""
+        shape, tokens, out = self.shape, self.tokens[index], []
+        if self.echo_pending[index] and not isinstance(event, PromptEvent):
+            self.echo_pending[index] = False  # echo without logprobs: the prompt text alone first
+            out.append(shape.chunk(self.echoed[index], None, index))
+        if isinstance(event, PromptEvent):
+            self.echo_pending[index] = False
+            scored = _prompt_scored(event)
+            out.append(shape.chunk(self.echoed[index], None, index, scored, tokens))
+            tokens.extend(s.token_id for s in scored)
+        elif isinstance(event, TokenEvent):
+            self.generated += 1
+            scored = [Scored(event.token_id, event.logprob, event.top)] if event.logprob is not None else []
+            if event.text or scored:
+                chunk = shape.chunk(event.text, None, index, scored, tokens)
+                if self.prompt_tokens is not None:
+                    chunk["usage"] = _usage(
+                        {"prompt_tokens": self.prompt_tokens, "new_tokens": self.generated}
+                    )
+                out.append(chunk)
+            tokens.append(event.token_id)
+        elif isinstance(event, DoneEvent):
+            self.stats.append(event.stats)
+            out.append(shape.chunk("" if not shape.chat else {}, event.stats["finish_reason"], index))
+        return out
 
 
 def _usage(*stats: dict, n: int = 0) -> dict:
