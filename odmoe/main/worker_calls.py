@@ -85,8 +85,7 @@ class WorkerCalls:
     def exchange(
         self, x: Exchange, plan: list[tuple[int, list[int]]], grouped: list[int], releasing: bool = False
     ) -> list[BatchCall]:
-        """Send each call of `plan` (a worker, its experts) and gather the answered calls (see the
-        module's failure policy)."""
+        """Send each call of `plan` (a worker, its experts); the answered calls (failure policy: above)."""
         step, clock = x.step, x.clock
         # Every call is encoded before the first leaves: a send wakes a worker, which on a machine of
         # few cores can take main's core at once (the next call would wait for its whole compute)
@@ -99,9 +98,10 @@ class WorkerCalls:
         deadline = time.monotonic() + self.timeout_s
         done_s: list[float] = []  # seconds from the sends to each call's last answer
         late_sent = self.late is None  # once per layer: a second loss in a row waits for TCP
+        decode_late_at = self._late_at(x, done_s, 0) if not late_sent and step.iteration >= 1 else None
         while owing := _owing(calls):
             wait_s = deadline - time.monotonic()
-            late_at = None if late_sent else self._late_at(x, done_s, len(calls))
+            late_at = None if late_sent else decode_late_at or self._late_at(x, done_s, len(calls))
             if late_at is not None:
                 wait_s = min(wait_s, late_at - time.perf_counter())
             received, lost = self.members.wait(math.ceil(max(wait_s, 0.0) * 1000))
@@ -135,8 +135,8 @@ class WorkerCalls:
 
     def _late_at(self, x: Exchange, done_s: list[float], calls: int) -> float | None:
         """When the layer's unanswered calls count as late (perf_counter; None: not yet, or never):
-        a decode call a few usual round trips after the sends, a prefill's once half its calls are
-        done (odmoe.main.late_calls)."""
+        a decode call a few usual round trips after the sends (known then: taken once a layer), a
+        prefill's once half its calls are done (odmoe.main.late_calls)."""
         assert self.late is not None
         if x.step.iteration >= 1:
             after = self.late.after_s()
