@@ -10,6 +10,7 @@ import pytest
 import torch
 import zmq
 
+from odmoe.main.exchange_records import ForwardPass, forward_pass
 from odmoe.main.membership import Membership
 from odmoe.main.remote_experts import RemoteExperts
 from odmoe.models.checkpoint import Checkpoint
@@ -174,10 +175,12 @@ class _Shadow:
 def _decode_layer(shadow, experts=(1, 3), topology=None, lose=None):
     members = _Workers(topology or Topology(workers=2, group_size=2), lose)
     remote = RemoteExperts(members, num_experts=4, kernel="eager", shadow=shadow)
-    remote.begin("r", 1)
+    ctx = remote.context("r")
+    ctx.begin(1)
     hidden = torch.randn(1, 8)
     weights = torch.tensor([[0.75, 0.25][: len(experts)]])
-    out = remote(0, hidden, torch.tensor([list(experts)]), weights)
+    with forward_pass(ForwardPass((ctx,), "r", 1)):  # a decode call outside any lockstep: at once
+        out = remote(0, hidden, torch.tensor([list(experts)]), weights)
     want = sum(hidden * 2 * w for w in weights[0].tolist())
     assert torch.equal(out, want)
     return members

@@ -8,11 +8,12 @@ from odmoe.main.tick_plan import RunView, TickPlan, kv_fits, plan_tick, prefill_
 pytestmark = pytest.mark.pure
 
 
-def test_one_request_with_nothing_parked_runs_alone():
-    assert plan_tick([RunView("a", decoding=True, iteration=3)], 3, True, False) == TickPlan(alone="a")
+def test_one_request_alone_is_a_task_of_one():
+    """One route for every request: alone, its forward pass is a lockstep task like any other."""
+    assert plan_tick([RunView("a", decoding=True, iteration=3)], 3, True) == TickPlan(tasks=["a"])
     # a parked prefill of its own: it goes on as the task it is
-    plan = plan_tick([RunView("a", decoding=False, parked=True)], 0, True, True)
-    assert plan.alone == "" and plan.tasks == ["a"] and plan.resume == {"a"}
+    plan = plan_tick([RunView("a", decoding=False, parked=True)], 0, True)
+    assert plan.tasks == ["a"] and plan.resume == {"a"}
 
 
 def test_decoding_requests_go_in_one_batched_pass_after_the_prefills():
@@ -21,12 +22,12 @@ def test_decoding_requests_go_in_one_batched_pass_after_the_prefills():
         RunView("p", decoding=False, iteration=0, prefill_tick=7),
         RunView("d2", decoding=True, iteration=2),
     ]
-    plan = plan_tick(runs, 7, batched=True, tasks_parked=False)
+    plan = plan_tick(runs, 7, batched=True)
     assert plan.together == ["d1", "d2"] and plan.tasks == ["p"] and not plan.resume
     # without batched decode every one is a task, in running order
-    assert plan_tick(runs, 7, batched=False, tasks_parked=False).tasks == ["d1", "p", "d2"]
+    assert plan_tick(runs, 7, batched=False).tasks == ["d1", "p", "d2"]
     # one decoding request is no batch: it is a task beside the prefill
-    alone_decoding = plan_tick(runs[:2], 7, batched=True, tasks_parked=False)
+    alone_decoding = plan_tick(runs[:2], 7, batched=True)
     assert alone_decoding.together == [] and alone_decoding.tasks == ["d1", "p"]
 
 
@@ -38,11 +39,11 @@ def test_followers_and_staggered_prefills_wait_and_parked_prefills_keep_their_tu
         RunView("now", decoding=False, prefill_tick=8),
         RunView("parked2", decoding=False, parked=True),
     ]
-    plan = plan_tick(runs, 8, batched=True, tasks_parked=True)
+    plan = plan_tick(runs, 8, batched=True)
     assert plan.tasks == ["parked", "now", "parked2"] and plan.resume == {"parked", "parked2"}
     assert set(plan.runs) == {"parked", "now", "parked2"}
     # a decoding request whose forward pass is parked (never both, but the rule says so) is a task
-    assert plan_tick([RunView("x", decoding=True, parked=True), *runs[3:4]], 8, True, True).together == []
+    assert plan_tick([RunView("x", decoding=True, parked=True), *runs[3:4]], 8, True).together == []
 
 
 def test_a_prefill_is_cut_into_ticks_only_beside_running_requests():

@@ -3,7 +3,7 @@ bit for bit what its own batch-of-one forward pass computes.
 
 Contract: `BatchedDecode.supports(main)` says whether main's family has the decoder layer this
 module replays (norm, attention, residual add, norm, MoE or MLP block, residual add: Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE); `BatchedDecode(main).step(inputs, experts_batch)` runs one
+Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE); `BatchedDecode(main).step(inputs, running)` runs one
 decode iteration for every `DecodeInput` (a request's input token and its own K/V cache) and returns
 each request's last-position logits [1, V] (float32, on the host), each cache updated as that
 request's own `model(input_ids, attention_mask, cache, logits_to_keep=1)` call would update it. The
@@ -29,7 +29,8 @@ that request alone would:
   that is all tail alone (16 values) is all body among 4 rows (GLM-4-MoE's router sigmoid differed);
 - the rest is exact whatever the batch: arithmetic (+ - * /, sqrt) is correctly rounded on both
   paths, views, gathers and concatenations move bits;
-- the routed experts' rows go to the workers split per request (`RemoteExperts.decode_batch`),
+- the routed experts' rows go to the workers split per request (the pass's `ForwardPass` has one
+  request per row: `RemoteExperts` exchanges them as one decode layer),
   exactly the rows, choices and combine each request's own call makes.
 `tests/test_batched_decode.py` compares every request's final logits with its alone run, bit for
 bit, per family, dtype and shapes that put rows in loop tails. What it saves is main's per-request
@@ -52,6 +53,7 @@ from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from odmoe.main.exchange_records import ForwardPass, forward_pass
 from odmoe.models.main_model import MainModel
 
 log = logging.getLogger("odmoe.main")
@@ -291,13 +293,13 @@ class BatchedDecode:
     def step(
         self,
         inputs: list[DecodeInput],
-        experts_batch: Callable[[bool], None],
+        running: ForwardPass,
         between: Callable[[], None] | None = None,
     ) -> list[torch.Tensor]:
-        """Each request's logits [1, V] for its next token. `experts_batch(True)` before the layers
-        and `(False)` after tell the experts call that its rows are one per request, in order.
-        `between()` runs between two decoder layers, outside the pass (no function mode, the experts
-        call not batched): other work of main's (a prompt's prefill), which the pass never sees."""
+        """Each request's logits [1, V] for its next token; `running` (`rows`: one request per row,
+        in order) is whose experts calls the pass makes. `between()` runs between two decoder
+        layers, outside the pass (no function mode, no forward pass of the experts' own): other work
+        of main's (a prompt's prefill, in a pass of its own), which the pass never sees."""
         body, device, rows = self.body, self.main.device, len(inputs)
         ids = torch.cat([run.token for run in inputs]).to(device)  # [B, 1]
         hidden = body.embed_tokens(ids)  # [B, 1, H]
@@ -305,10 +307,9 @@ class BatchedDecode:
         position_ids = torch.tensor([[p] for p in seen], device=device)  # [B, 1]
         masks = [self._masks(hidden[b : b + 1], run, position_ids[b : b + 1]) for b, run in enumerate(inputs)]
         cache = _BatchCache([run.cache for run in inputs])
-        experts_batch(True)
         self.row_exact.rows = rows
         try:
-            with self._attention_per_request(), self.row_exact:
+            with forward_pass(running), self._attention_per_request(), self.row_exact:
                 if self.rope_rowwise:  # cos / sin of each request's position alone (the mode)
                     rotary = body.rotary_emb(hidden, position_ids)
                 else:
@@ -326,23 +327,19 @@ class BatchedDecode:
                         position_embeddings=rotary,
                     )
                     if between is not None and i + 1 < len(layers):
-                        self._outside(between, experts_batch)
+                        self._outside(between)
                 hidden = body.norm(hidden)
                 logits = self.model.lm_head(hidden[:, -1:, :])
         finally:
-            experts_batch(False)
             self.row_exact.rows = 0
         return [logits[b : b + 1, -1, :].float().cpu() for b in range(rows)]
 
-    def _outside(self, work: Callable[[], None], experts_batch: Callable[[bool], None]) -> None:
-        """`work` as if no pass were running: no torch function mode (RowExact), the experts call
-        one request's again; the attention patch lets calls on plain tensors through unchanged."""
-        experts_batch(False)
-        try:
-            with torch._C.DisableTorchFunction():
-                work()
-        finally:
-            experts_batch(True)
+    def _outside(self, work: Callable[[], None]) -> None:
+        """`work` as if no pass were running: no torch function mode (RowExact), no forward pass
+        the experts call would take for its own; the attention patch lets calls on plain tensors
+        through unchanged."""
+        with forward_pass(None), torch._C.DisableTorchFunction():
+            work()
 
     @contextlib.contextmanager
     def _attention_per_request(self):

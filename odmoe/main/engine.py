@@ -10,13 +10,16 @@ to the model sends them. Each request's inputs and choice of each token are thos
 Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* at a time:
   1) admit: waiting requests join at the tick boundary while `max_running` and the K/V budget
      allow; each begins with its prefill, and the shadow is told (which tick its decode starts at);
-  2) run, as the tick's plan says (`odmoe.main.tick_plan.plan_tick`, pure: one request alone is a
-     direct call, decoding requests go in the batched pass, staggered prefills and followers wait):
-     every running request's forward pass runs as a lockstep task (`odmoe.lockstep`), on this
-     thread, in its own shapes and cache, exactly as it would alone. At each MoE layer a decoding
-     request parks with its token's rows; once all have, their rows of that layer go out in one
-     exchange (`RemoteExperts.exchange_decode`: each expert loaded once for all of them, one message
-     per worker, every request's rows computed as its own) and each gets back its own output. A request's
+  2) run, as the tick's plan says (`odmoe.main.tick_plan.plan_tick`, pure: decoding requests go in
+     the batched pass, staggered prefills and followers wait): every other running request's
+     forward pass runs as a lockstep task (`odmoe.lockstep`), on this thread, in its own shapes and
+     cache, exactly as it would alone (one request alone too: a task of one). Each pass is handed
+     its `ForwardPass` (`exchange_records.forward_pass`: whose experts calls it makes, which tick
+     names them); nothing is set on the experts. At each MoE layer a decoding request parks with
+     its token's rows; once all have, their rows of that layer go out in one exchange
+     (`RemoteExperts.exchange_decode`, named `(stream, tick, layer)`: each expert loaded once for
+     all of them, one message per worker, every request's rows computed as its own) and each gets
+     back its own output. A request's
      prefill exchanges its own layers, `prefill_quota` MoE layers per tick (`prefill.chunk_tokens`),
      so running streams wait for at most that much of a long prompt: the prompt is still one forward
      pass, cut between layers rather than between tokens, so its bits are one-shot prefill's.
@@ -52,6 +55,7 @@ from transformers import PreTrainedTokenizerBase
 from odmoe.lockstep import Failed, Finished, Lockstep, Parked
 from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule
 from odmoe.main.batched_decode import BatchedDecode
+from odmoe.main.exchange_records import ForwardPass, forward_pass
 from odmoe.main.remote_experts import DecodeRows, RemoteExperts, WorkerUnavailable
 from odmoe.main.request_limits import MAX_LOGPROBS, MAX_STOPS
 from odmoe.main.request_queue import END, DeadlineExceeded, RequestQueue, Ticket
@@ -67,6 +71,7 @@ from odmoe.main.run_stats import request_stats
 from odmoe.main.sampling import InvalidSampling
 from odmoe.main.tick_plan import RunView, TickPlan, kv_fits, plan_tick, prefill_quota, prefill_tick
 from odmoe.models.main_model import MainModel
+from odmoe.transport.messages import Step
 
 log = logging.getLogger("odmoe.main")
 __all__ = [
@@ -310,18 +315,14 @@ class MainEngine:
         for _, run in self.running:
             if run.decoding:
                 run.batch_sizes.append(decoding)  # the requests it decoded beside (itself included)
-        self.experts.stream, self.experts.tick = self.stream, self.tick
         views = [_view(run, run.request_id in self.tasks) for _, run in self.running]
-        plan = plan_tick(views, self.tick, self.batched is not None, bool(self.tasks))
+        plan = plan_tick(views, self.tick, self.batched is not None)
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
-        if plan.alone:  # one request: its forward pass needs no lockstep
-            self._alone(*runs[plan.alone])
-        else:
-            self._run_tasks(plan, runs)
-            # The batched decode pass after the prefills: a new request's first token then leaves as
-            # soon as its prefill is done (the decoding requests' tokens leave at the tick's end anyway)
-            if plan.together:
-                self._decode_together([runs[key] for key in plan.together])
+        self._run_tasks(plan, runs)
+        # The batched decode pass after the prefills: a new request's first token then leaves as
+        # soon as its prefill is done (the decoding requests' tokens leave at the tick's end anyway)
+        if plan.together:
+            self._decode_together([runs[key] for key in plan.together])
         self.tick += 1
 
     def _run_tasks(self, plan: TickPlan, runs: dict[str, tuple[Ticket, RequestRun]]) -> None:
@@ -336,7 +337,7 @@ class MainEngine:
                 run.prefill_layers = 0
                 continue
             run.ctx.begin(run.iteration)
-            self._route(self._step(run, start=True), runs, decode, prefill)
+            self._route(self.tasks.start(key, self._forward, run), runs, decode, prefill)
         while decode or prefill:
             if decode:
                 layer = min(rows.layer for rows in decode.values())  # MoE layers in order
@@ -344,13 +345,15 @@ class MainEngine:
                 for key in group:
                     del decode[key]
                 try:
-                    outputs = self.experts.exchange_decode(layer, list(group.values()))
+                    outputs = self.experts.exchange_decode(
+                        Step(self.stream, self.tick, layer), list(group.values())
+                    )
                 except Exception as exc:  # every request of the exchange needed that layer
                     for key in group:
                         self._fail(runs[key], exc)
                     continue
                 for key, out in zip(group, outputs, strict=True):
-                    self._route(self._step(runs[key][1], out), runs, decode, prefill)
+                    self._route(self.tasks.resume(key, out), runs, decode, prefill)
                 continue
             # One prefill at a time, to the end of its quota: of k prompts arriving together the
             # first streams its token after one prefill, not all after k
@@ -359,7 +362,7 @@ class MainEngine:
             if run.prefill_layers >= run.prefill_quota:
                 continue  # its quota for this tick is spent: it goes on next tick
             run.prefill_layers += 1
-            self._route(self._step(run, None), runs, decode, prefill)
+            self._route(self.tasks.resume(key), runs, decode, prefill)
             if prefill and prefill[-1] == key:  # parked before its next layer: it goes on first
                 prefill.insert(0, prefill.pop())
 
@@ -367,16 +370,13 @@ class MainEngine:
         """Their decode iterations in one pass (odmoe.main.batched_decode): each request's logits
         are those of its own forward pass; each layer's experts go out in one exchange."""
         assert self.batched is not None
-        contexts = []
         for _, run in entries:
             run.ctx.begin(run.iteration)
-            contexts.append(run.ctx)
+        running = ForwardPass(tuple(run.ctx for _, run in entries), self.stream, self.tick, rows=True)
         inputs = [run.decode_input() for _, run in entries]
         between = self._prefill_in_pass if self.batching.stagger else None
         try:
-            logits = self.batched.step(
-                inputs, lambda on: self.experts.decode_batch(contexts if on else None), between
-            )
+            logits = self.batched.step(inputs, running, between)
         except Exception as exc:  # every request of the pass needed each layer's exchange
             for entry in entries:
                 self._fail(entry, exc)
@@ -406,26 +406,12 @@ class MainEngine:
         queue.capacity = self.batching.max_running - len(self.running)
         if run is not None and run.leader is None and run.prefill_tick == self.tick:
             self.prefilled_in_pass += 1
-            self._alone(ticket, run)
+            self._run_tasks(TickPlan(tasks=[run.request_id]), {run.request_id: (ticket, run)})
 
-    def _alone(self, ticket: Ticket, run: RequestRun) -> None:
-        """The only running request's iteration, called directly (the same calls, no task switches):
-        its experts calls exchange at once, as a batch of one."""
-        run.ctx.begin(run.iteration)
-        self.experts.current = run.ctx
-        try:
-            logits = run.forward()
-        except Exception as exc:
-            self._fail((ticket, run), exc)
-            return
-        self._accept(ticket, run, logits)
-
-    def _step(self, run: RequestRun, value=None, start: bool = False):
-        """Start the run's forward pass as a task, or resume it with `value`: where it parks next."""
-        self.experts.current = run.ctx
-        if start:
-            return self.tasks.start(run.request_id, run.forward)
-        return self.tasks.resume(run.request_id, value)
+    def _forward(self, run: RequestRun) -> torch.Tensor | None:
+        """A lockstep task's body: the run's forward pass, its experts calls its own."""
+        with forward_pass(ForwardPass((run.ctx,), self.stream, self.tick)):
+            return run.forward()
 
     def _route(self, outcome, runs, decode: dict, prefill: list) -> None:
         """Where a task stands after it ran: parked at a decode layer, before a prefill layer, or done."""

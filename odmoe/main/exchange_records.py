@@ -1,10 +1,15 @@
 """What one exchange between main and its workers is made of, as the data path and its observers
 (odmoe.main.exchange_observers) both name it: a running request's context, one request's rows of a
-decode layer, one batched call to a worker. Plain records: this module imports neither side.
+decode layer, one batched call to a worker, and the forward pass a layer's call belongs to
+(`ForwardPass`, passed down to the experts call by `forward_pass`). Plain records: this module
+imports neither side.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +34,43 @@ class RunContext:
         self.iteration = iteration
         if self.budget is not None:
             self.budget.reset()
+
+
+@dataclass(frozen=True)
+class ForwardPass:
+    """Whose forward pass calls the experts: its request (`runs[0]`), or in the batched decode pass
+    one request per row (`rows`: row b of every call is `runs[b]`'s), and the decode tick the pass
+    belongs to, which names its exchanges `(stream, tick, layer)`."""
+
+    runs: tuple[RunContext, ...]
+    stream: str = ""
+    tick: int = 0
+    rows: bool = False
+
+
+# The pass running on this thread, or in this lockstep task: greenlets keep a context each, so every
+# request's forward pass sees its own even while several are parked at the same layer.
+_PASS: ContextVar[ForwardPass | None] = ContextVar("odmoe_forward_pass", default=None)
+
+
+@contextlib.contextmanager
+def forward_pass(running: ForwardPass | None) -> Iterator[None]:
+    """The experts calls made inside this block belong to `running` (the engine wraps each forward
+    pass it runs; transformers' model classes between it and the experts call pass nothing down).
+    None: to none (work done between the layers of another pass)."""
+    token = _PASS.set(running)
+    try:
+        yield
+    finally:
+        _PASS.reset(token)
+
+
+def current_pass() -> ForwardPass:
+    """The forward pass an experts call belongs to (RuntimeError outside `forward_pass`)."""
+    running = _PASS.get()
+    if running is None:
+        raise RuntimeError("the experts were called outside a forward pass (exchange_records.forward_pass)")
+    return running
 
 
 @dataclass

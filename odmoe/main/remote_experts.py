@@ -3,8 +3,8 @@
 Contract: `RemoteExperts.__call__(layer, hidden[T, H], top_k_index[T, k], top_k_weights[T, k])`
 returns exactly what transformers' experts module would have returned, computed by the workers.
 It is attached to the main model (main_model.MainModel.attach) and called once per MoE layer of
-every forward pass, for the request whose `RunContext` is `current` (the engine sets it before it
-runs that request's forward pass).
+every forward pass, for the `ForwardPass` the engine runs it in (`exchange_records.forward_pass`:
+the request, or the batched pass's requests, and the decode tick that names its exchanges).
 
 Two exchanges, one message (`ComputeExperts`) and one send / wait / resend path
 (`odmoe.main.worker_calls`):
@@ -13,12 +13,12 @@ Two exchanges, one message (`ComputeExperts`) and one send / wait / resend path
   prompt mini-batches as several messages), named `(request, 0, layer)`.
 - decode: inside the engine's lockstep (`odmoe.lockstep`) the call parks with the request's
   `DecodeRows` and the engine hands every running request's rows of that layer to
-  `exchange_decode` at once, named `(stream, tick, layer)`: each expert any of them needs is placed
-  once (where the shadow's prediction, the union over the requests, preloaded it), every worker gets
-  one ComputeExperts with all its experts' rows, request by request in segments it computes as
-  each request's own call would (odmoe.worker.stacked_segments),
-  and each request's output is combined from its own rows exactly as when it runs alone. A call
-  outside a lockstep task (one request alone) makes the same exchange with one request.
+  `exchange_decode` at once, named `(stream, tick, layer)` by the engine: each expert any of them
+  needs is placed once (where the shadow's prediction, the union over the requests, preloaded
+  it), every worker gets one ComputeExperts with all its experts' rows, request by request in
+  segments it computes as each request's own call would (odmoe.worker.stacked_segments), and each
+  request's output is combined from its own rows exactly as when it runs alone. A call
+  outside a lockstep task (the batched pass; a test's lone call) makes the same exchange at once.
 
 Failures (`odmoe.main.worker_calls`): what a lost, silent or late call owed is sent again to a live
 worker that stores the layer; when none does (after `no_worker_grace_s`) the exchange fails with
@@ -66,7 +66,7 @@ from odmoe.main.exchange_observers import (
     Timeline,
     TrafficAccounting,
 )
-from odmoe.main.exchange_records import DecodeRows, RunContext
+from odmoe.main.exchange_records import DecodeRows, ForwardPass, RunContext, current_pass
 from odmoe.main.expert_traffic import ExpertTraffic
 from odmoe.main.late_calls import LateCalls
 from odmoe.main.membership import Membership, WorkerUnavailable
@@ -123,9 +123,6 @@ class RemoteExperts:
         )
         self.num_experts, self.kernel = num_experts, kernel
         self.shadow = shadow
-        self.current = RunContext("")  # the request whose forward pass is running (the engine sets it)
-        self.stream, self.tick = "", 0  # the decode batch's name and iteration (the engine sets them)
-        self.batch: list[RunContext] | None = None  # batched decode: the requests, one row each
         self.substituter = substituter  # None: every miss is reloaded (lossless)
         # accounting and the timeline watch every exchange; fault injection is added by main's node
         self._timeline = Timeline(tracer or Tracer("main"))
@@ -148,18 +145,6 @@ class RemoteExperts:
     def tracer(self, tracer: Tracer) -> None:
         self._timeline.tracer = tracer
 
-    @property
-    def traffic(self) -> ExpertTraffic:
-        """The current request's (a lone request's, in tests and benchmarks)."""
-        return self.current.traffic
-
-    def begin(self, request: str, iteration: int) -> None:
-        """One request alone (no engine batch): its `iteration` runs next, in its own stream."""
-        if request != self.current.request:
-            self.current = self.context(request)
-        self.current.begin(iteration)
-        self.stream, self.tick = request, iteration
-
     def caches_complete(self) -> bool:
         """Whether every live worker's cache holds every expert it serves
         (odmoe.worker.expert_cache.complete): a shadow's predictions would then load nothing."""
@@ -176,45 +161,43 @@ class RemoteExperts:
         for worker in self.members.live:
             self.members.send(worker, message)
 
-    def end_request(self) -> None:
-        """A lone request is over (finished, failed or cancelled)."""
-        self.end_stream(self.stream)
-
     # -- a layer's call ------------------------------------------------------------------------
     def __call__(
         self, layer: int, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        if self.batch is not None:  # one row per decoding request (odmoe.main.batched_decode)
-            return self._decode_batch(layer, hidden, top_k_index, top_k_weights)
-        ctx = self.current
+        running = current_pass()
+        if running.rows:  # one row per decoding request (odmoe.main.batched_decode)
+            return self._decode_batch(running, layer, hidden, top_k_index, top_k_weights)
+        ctx = running.runs[0]
         self.observe.layer_called(ctx, layer)
         if ctx.iteration <= 0:  # a prefill (0), or a prompt's scoring pass (-1)
             if in_task():
                 park(PrefillLayer(layer))  # the engine resumes it when its prefill may go on this tick
-                self.current = ctx
             return self._prefill_layer(ctx, layer, hidden, top_k_index, top_k_weights)
-        rows = self._decode_rows(ctx, layer, hidden, top_k_index, top_k_weights)
+        rows = self._decode_rows(running, ctx, layer, hidden, top_k_index, top_k_weights)
         if in_task():
             return park(rows)  # the engine exchanges every running request's rows of this layer at once
-        return self.exchange_decode(layer, [rows])[0]
+        return self.exchange_decode(Step(running.stream, running.tick, layer), [rows])[0]
 
-    def decode_batch(self, contexts: list[RunContext] | None) -> None:
-        """From now on (until None) a call's rows are one per request of `contexts`, in order."""
-        self.batch = contexts
-
-    def _decode_batch(self, layer: int, hidden, top_k_index, top_k_weights) -> torch.Tensor:
+    def _decode_batch(
+        self, running: ForwardPass, layer: int, hidden, top_k_index, top_k_weights
+    ) -> torch.Tensor:
         """Every decoding request's row of this layer in one exchange, each row split off as the
         request's own call would send it (outside any torch function mode: nothing of the data path
         is batched)."""
         with torch._C.DisableTorchFunction():
             rows = []
-            for b, ctx in enumerate(self.batch or ()):
+            for b, ctx in enumerate(running.runs):
                 self.observe.layer_called(ctx, layer)
                 one = slice(b, b + 1)
-                rows.append(self._decode_rows(ctx, layer, hidden[one], top_k_index[one], top_k_weights[one]))
-            return torch.cat(self.exchange_decode(layer, rows))
+                rows.append(
+                    self._decode_rows(running, ctx, layer, hidden[one], top_k_index[one], top_k_weights[one])
+                )
+            return torch.cat(self.exchange_decode(Step(running.stream, running.tick, layer), rows))
 
-    def _decode_rows(self, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights) -> DecodeRows:
+    def _decode_rows(
+        self, running: ForwardPass, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights
+    ) -> DecodeRows:
         rows = DecodeRows(
             ctx,
             layer,
@@ -227,13 +210,16 @@ class RemoteExperts:
         )
         if self.substituter is not None:  # its router's scores are this request's now (the tap's latest)
             self.substituter.budget = ctx.budget
-            rows.stand_in = self._stand_ins(ctx, layer, top_k_index, top_k_weights)
+            rows.stand_in = self._stand_ins(
+                ctx, Step(running.stream, running.tick, layer), top_k_index, top_k_weights
+            )
         return rows
 
-    def _stand_ins(self, ctx: RunContext, layer: int, top_k_index, top_k_weights) -> dict[int, int]:
+    def _stand_ins(self, ctx: RunContext, step: Step, top_k_index, top_k_weights) -> dict[int, int]:
         """Lossy policy only: missing expert -> the resident one computed in its place, decided on
         the prediction as it stands now (what the workers preloaded)."""
-        prediction = self.shadow.prediction(Step(self.stream, self.tick, layer)) if self.shadow else None
+        layer = step.layer
+        prediction = self.shadow.prediction(step) if self.shadow else None
         predicted = prediction.experts if prediction is not None else None
         chosen = self.substituter.decide(layer, top_k_index, top_k_weights, predicted)
         if chosen:
@@ -268,10 +254,10 @@ class RemoteExperts:
         return combine(hidden, parts, top_k_weights, self.kernel, self.num_experts)
 
     # -- decode: every running request's rows of a layer at once --------------------------------
-    def exchange_decode(self, layer: int, batch: list[DecodeRows]) -> list[torch.Tensor]:
-        """Each request's experts output for this layer (in `batch` order), from one exchange: the
-        union of their experts placed once, one ComputeExperts per worker."""
-        x = DecodeExchange(step=Step(self.stream, self.tick, layer), batch=batch, entered=time.perf_counter())
+    def exchange_decode(self, step: Step, batch: list[DecodeRows]) -> list[torch.Tensor]:
+        """Each request's experts output for the layer `step` names (in `batch` order), from one
+        exchange: the union of their experts placed once, one ComputeExperts per worker."""
+        x = DecodeExchange(step=step, batch=batch, entered=time.perf_counter())
         self.observe.entered(x.step)
         x.prediction = self.shadow.prediction(x.step) if self.shadow is not None else None
         x.users = _rows_by_expert(batch, self.kernel)
@@ -300,10 +286,9 @@ class RemoteExperts:
         return out
 
     # -- stats ---------------------------------------------------------------------------------
-    def recall(self, ctx: RunContext | None = None, wait_s: float = 1.0) -> RecallCounter:
+    def recall(self, ctx: RunContext, wait_s: float = 1.0) -> RecallCounter:
         """Recall as the paper defines it (accuracy of every prediction, whenever it arrived), for
         one request: waits up to wait_s for its predictions still in flight."""
-        ctx = ctx or self.current
         counter = RecallCounter()
         predictions = (
             self.shadow.collect(ctx.request, list(ctx.traffic.activated), wait_s)

@@ -1,10 +1,10 @@
 """What the engine does in one tick, decided apart from doing it: a pure planner.
 
-Contract: `plan_tick(runs, tick, batched, tasks_parked) -> TickPlan` takes what the engine's loop
-needs to know of each running request (`RunView`: a snapshot, no model, no cache) and says who runs
-how this tick: the one request alone (a direct call), the decoding requests one batched pass
-computes, the prefills parked across ticks that go on, and the forward passes started as lockstep
-tasks; the rest wait (a follower's prefill is its leader's; a staggered prefill's tick is later).
+Contract: `plan_tick(runs, tick, batched) -> TickPlan` takes what the engine's loop needs to know
+of each running request (`RunView`: a snapshot, no model, no cache) and says who runs how this
+tick: the decoding requests one batched pass computes, the prefills parked across ticks that go
+on, and the forward passes started as lockstep tasks (one request alone too); the rest wait (a
+follower's prefill is its leader's; a staggered prefill's tick is later).
 `prefill_quota`, `prefill_tick` and `kv_fits` are the admission's decisions: how many MoE layers a
 prompt's prefill exchanges a tick, in which tick it starts, whether the K/V budget holds one more
 request. The engine (`odmoe.main.engine`) asks and then runs the plan; nothing here touches a
@@ -36,7 +36,6 @@ class RunView:
 class TickPlan:
     """Who runs how this tick; every running request is in at most one of these."""
 
-    alone: str = ""  # the only request, run by a direct call (no lockstep)
     # lockstep tasks in running order (a prefill's place in it is its turn among the prefills):
     # each started, or resumed where it is a prefill parked across ticks (`resume`)
     tasks: list[str] = field(default_factory=list)
@@ -46,16 +45,13 @@ class TickPlan:
     @property
     def runs(self) -> list[str]:
         """Every request that runs this tick."""
-        return [*([self.alone] if self.alone else []), *self.tasks, *self.together]
+        return [*self.tasks, *self.together]
 
 
-def plan_tick(runs: list[RunView], tick: int, batched: bool, tasks_parked: bool) -> TickPlan:
-    """This tick's plan. One request with nothing parked runs alone. Otherwise, with batched decode
-    (`batched`), two or more decoding requests go in one pass after the prefills; parked prefills go
-    on; every other request starts its forward pass as a task, but a follower (its leader's prefill
-    is its own) and a prefill staggered to a later tick."""
-    if len(runs) == 1 and not tasks_parked:
-        return TickPlan(alone=runs[0].key)
+def plan_tick(runs: list[RunView], tick: int, batched: bool) -> TickPlan:
+    """This tick's plan. With batched decode (`batched`), two or more decoding requests go in one
+    pass after the prefills; parked prefills go on; every other request starts its forward pass as
+    a task, but a follower (its leader's prefill is its own) and a prefill staggered to a later tick."""
     decoding = [r.key for r in runs if r.decoding and not r.parked]
     together = decoding if batched and len(decoding) >= 2 else []
     tasks = [
