@@ -58,7 +58,7 @@ from odmoe.models.main_model import resolve_dtype
 from odmoe.models.open_model import open_checkpoint
 from odmoe.node_memory import NodeMemory, node_memory
 from odmoe.nodes.ready import announce_ready
-from odmoe.placement import Topology
+from odmoe.placement import Topology, prediction_topics
 from odmoe.tools.faults import FaultTrigger
 from odmoe.tools.memory import parse_bytes, peak_rss_bytes
 from odmoe.tools.trace import Tracer
@@ -293,7 +293,7 @@ class WorkerNode:
         self.predictions = zmq.Context.instance().socket(zmq.SUB)
         self.predictions.setsockopt(zmq.LINGER, 0)
         secure_client(self.predictions, self.security.curve, "shadow")
-        for group in self.executor.keeper.topology.prediction_topics(self.executor.index):
+        for group in prediction_topics(self.executor.keeper.topology, self.executor.index):
             self.predictions.setsockopt(zmq.SUBSCRIBE, f"g{group}".encode())
         self.predictions.connect(address)
         self.poller.register(self.predictions, zmq.POLLIN)

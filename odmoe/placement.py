@@ -119,24 +119,12 @@ class Topology:
             raise ValueError(f"{len(rooms)} straggler rooms for stragglers {list(ordered)}")
         return replace(self, slow=ordered, probe_every=probe_every, slow_rooms=rooms)
 
-    def unsteered(self) -> Topology:
-        """This topology with no stragglers (a probe's placement, or the homes before a move)."""
-        return replace(self, slow=(), slow_rooms=()) if self.slow else self
-
     def steered(self, members: list[WorkerId], iteration: int, layer: int = 0) -> list[WorkerId]:
         """A serving group's members less its stragglers (all of them on a probe, or when every
         member is one)."""
         if not self.slow or self.homes or self.probe(iteration, layer):
             return members
         return [w for w in members if w not in self.slow] or members
-
-    def _steers_homes(self, members: list[WorkerId]) -> bool:
-        """Whether this group's homes are dealt around stragglers: some but not all members are
-        stragglers, and the model's shape is given (homes are dealt over every layer the group serves)."""
-        if not (self.homes and self.slow and self.experts and self.moe_layers):
-            return False
-        slow = [w for w in members if w in self.slow]
-        return 0 < len(slow) < len(members)
 
     def probe(self, iteration: int, layer: int) -> bool:
         """Whether stragglers get their share of this decode layer again (iteration 0: prefill,
@@ -145,15 +133,10 @@ class Topology:
         probe_every."""
         if self.probe_every <= 0 or iteration <= 0:
             return False
-        return (iteration + self.rank(layer) // self.groups) % self.probe_every == 0
-
-    def rank(self, layer: int) -> int:
-        """The layer's place among the model's MoE layers (its index where none are given)."""
-        i = bisect_left(self.moe_layers, layer)  # on every decode layer's placement: no scan
-        return i if i < len(self.moe_layers) and self.moe_layers[i] == layer else layer
+        return (iteration + _rank(self, layer) // self.groups) % self.probe_every == 0
 
     def group_of_layer(self, layer: int) -> int:
-        return self.rank(layer) % self.groups
+        return _rank(self, layer) % self.groups
 
     def group_of_worker(self, worker: WorkerId) -> int:
         return worker // self.group_size
@@ -161,29 +144,16 @@ class Topology:
     def workers_of_group(self, group: int) -> list[WorkerId]:
         return list(range(group * self.group_size, (group + 1) * self.group_size))
 
-    def layers_of_worker(self, worker: WorkerId, layers: list[int]) -> list[int]:
-        """The layers of this worker's own group (round-robin)."""
-        group = self.group_of_worker(worker)
-        return [layer for layer in layers if self.group_of_layer(layer) == group]
-
     # -- who stores and who serves a layer ---------------------------------------------------
-    def holding_groups(self, layer: int) -> list[int]:
-        """The groups that store `layer`, in the order they serve it: its own group first."""
-        first = self.group_of_layer(layer)
-        count = self.replicas or self.groups
-        return [(first + j) % self.groups for j in range(count)]
-
-    def stores(self, worker: WorkerId, layer: int) -> bool:
-        return self.group_of_worker(worker) in self.holding_groups(layer)
-
     def stored_layers(self, worker: WorkerId, layers: list[int]) -> list[int]:
-        return [layer for layer in layers if self.stores(worker, layer)]
+        group = self.group_of_worker(worker)
+        return [layer for layer in layers if group in holding_groups(self, layer)]
 
     def holders(self, layer: int, live: Collection[WorkerId] | None = None) -> list[WorkerId]:
         """Every live worker that stores the layer, ascending."""
         return sorted(
             w
-            for g in self.holding_groups(layer)
+            for g in holding_groups(self, layer)
             for w in self.workers_of_group(g)
             if live is None or w in live
         )
@@ -197,7 +167,7 @@ class Topology:
 
     def serving_group(self, layer: int, live: Collection[WorkerId] | None = None) -> list[WorkerId]:
         """The live members of the first group holding the layer that has any (decode's workers)."""
-        for group in self.holding_groups(layer):
+        for group in holding_groups(self, layer):
             members = [w for w in self.workers_of_group(group) if live is None or w in live]
             if members:
                 return members
@@ -205,14 +175,6 @@ class Topology:
             f"no live worker holds layer {layer} (stored by workers "
             f"{self.holders(layer)}; live: {sorted(live or [])})"
         )
-
-    def prediction_topics(self, worker: WorkerId) -> list[int]:
-        """The groups whose layers this worker may serve: the prediction topics it subscribes to."""
-        return sorted({g for g in range(self.groups) if self.group_of_worker(worker) in self._backed_by(g)})
-
-    def _backed_by(self, group: int) -> list[int]:
-        count = self.replicas or self.groups
-        return [(group + j) % self.groups for j in range(count)]
 
     # -- placements ---------------------------------------------------------------------------
     def decode_placement(
@@ -227,8 +189,8 @@ class Topology:
         `homes`, each to its home."""
         members = self.serving_group(layer, live)
         if self.homes:
-            placed = self.unsteered() if self.probe(iteration, layer) else self
-            if placed._weighted(members):
+            placed = replace(self, slow=(), slow_rooms=()) if self.probe(iteration, layer) else self
+            if _weighted(placed, members):
                 homes = _weighted_homes(placed, tuple(members), _live_key(live))
                 return {e: homes[layer, e] for e in experts}
             return {e: members[e % len(members)] for e in experts}
@@ -245,18 +207,9 @@ class Topology:
             members = self.serving_group(layer, live)
         except LayerUnavailable:
             return None
-        if self._weighted(members):
+        if _weighted(self, members):
             return _weighted_homes(self, tuple(members), _live_key(live))[layer, expert]
         return members[expert % len(members)]
-
-    def _weighted(self, members: list[WorkerId]) -> bool:
-        """Whether homes follow the members' rooms (known, unequal, and the model's shape given), or
-        are dealt around a straggler."""
-        if self._steers_homes(members):
-            return True
-        if not (self.rooms and self.experts and self.moe_layers and len(members) > 1):
-            return False
-        return len({self.rooms[w] for w in members}) > 1
 
     def prefill_placement(
         self,
@@ -346,6 +299,25 @@ class Topology:
         return self.decode_placement(layer, list(lost), live, iteration)
 
 
+def holding_groups(topology: Topology, layer: int) -> list[int]:
+    """The groups that store `layer`, in the order they serve it: its own group first."""
+    first = topology.group_of_layer(layer)
+    return [(first + j) % topology.groups for j in range(topology.replicas or topology.groups)]
+
+
+def prediction_topics(topology: Topology, worker: WorkerId) -> list[int]:
+    """The groups whose layers this worker may serve (its group or one of the replicas - 1 before
+    it): the prediction topics it subscribes to."""
+    own, groups = topology.group_of_worker(worker), topology.groups
+    return sorted({(own - j) % groups for j in range(topology.replicas or groups)})
+
+
+def _rank(topology: Topology, layer: int) -> int:
+    """The layer's place among the model's MoE layers (its index where none are given)."""
+    i = bisect_left(topology.moe_layers, layer)  # on every decode layer's placement: no scan
+    return i if i < len(topology.moe_layers) and topology.moe_layers[i] == layer else layer
+
+
 def moved_homes(before: Topology, after: Topology, live: Collection[WorkerId] | None = None) -> int:
     """How many (layer, expert) of the model change home from `before` to `after`: each is uncached
     at its new home, so one reload (what moving a straggler's homes costs)."""
@@ -366,6 +338,24 @@ def _live_key(live: Collection[WorkerId] | None) -> tuple[WorkerId, ...] | None:
     return None if live is None else tuple(sorted(live))
 
 
+def _steers_homes(topology: Topology, members: list[WorkerId]) -> bool:
+    """Whether this group's homes are dealt around stragglers: some but not all members are
+    stragglers, and the model's shape is given (homes are dealt over every layer the group serves)."""
+    if not (topology.homes and topology.slow and topology.experts and topology.moe_layers):
+        return False
+    return 0 < len([w for w in members if w in topology.slow]) < len(members)
+
+
+def _weighted(topology: Topology, members: list[WorkerId]) -> bool:
+    """Whether homes follow the members' rooms (known, unequal, and the model's shape given), or
+    are dealt around a straggler."""
+    if _steers_homes(topology, members):
+        return True
+    if not (topology.rooms and topology.experts and topology.moe_layers and len(members) > 1):
+        return False
+    return len({topology.rooms[w] for w in members}) > 1
+
+
 @lru_cache(maxsize=64)
 def _weighted_homes(
     topology: Topology, members: tuple[WorkerId, ...], live: tuple[WorkerId, ...] | None
@@ -384,7 +374,7 @@ def _weighted_homes(
     known = topology.rooms or (total,) * topology.workers  # no rooms told: equal
     rooms = [min(known[w], total) for w in members]
     shares = _water_fill(rooms, total)
-    if topology._steers_homes(list(members)):  # stragglers: at most their rooms' share, the rest to others
+    if _steers_homes(topology, list(members)):  # stragglers: at most their rooms' share, the rest to others
         cap = dict(zip(topology.slow, topology.slow_rooms, strict=True))
         fixed = [min(shares[m], cap[w]) if w in cap else None for m, w in enumerate(members)]
         rest = [r for r, f in zip(rooms, fixed, strict=True) if f is None]

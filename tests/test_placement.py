@@ -1,6 +1,6 @@
 import pytest
 
-from odmoe.placement import Topology
+from odmoe.placement import Topology, holding_groups, prediction_topics
 
 
 def test_groups_and_layers_round_robin():
@@ -8,7 +8,6 @@ def test_groups_and_layers_round_robin():
     assert topo.groups == 2
     assert [topo.group_of_layer(layer) for layer in range(5)] == [0, 1, 0, 1, 0]
     assert topo.workers_of_group(1) == [2, 3]
-    assert topo.layers_of_worker(3, [0, 1, 2, 3]) == [1, 3]
 
 
 def test_decode_placement_one_expert_per_group_member():
@@ -69,10 +68,10 @@ def test_only_own_layers_with_one_replica_cannot_survive_a_lost_group():
 
 def test_two_replicas_survive_a_lost_group():
     topo = Topology(workers=6, group_size=2, replicas=2)  # groups 0, 1, 2
-    assert topo.holding_groups(1) == [1, 2]
+    assert holding_groups(topo, 1) == [1, 2]
     assert topo.stored_layers(4, [0, 1, 2, 3]) == [1, 2]  # worker 4 is group 2: layers 1 (backup) and 2
     assert topo.decode_placement(layer=1, experts=[3, 5], live={0, 1, 4, 5}) == {3: 4, 5: 5}
-    assert topo.prediction_topics(4) == [1, 2]
+    assert prediction_topics(topo, 4) == [1, 2]
     with pytest.raises(LayerUnavailable):
         topo.decode_placement(layer=1, experts=[3], live={0, 1})
     with pytest.raises(ValueError, match="replicas"):
