@@ -102,10 +102,10 @@ class Checkpoint:
             raise UnsupportedModelError(f"MXFP4 experts are served for gpt-oss, not {self.family.model_type}")
         self.disk_key: dict[str, str] = {}  # a wrapped checkpoint: the text model's name -> its name on disk
         self._handles: dict[str, SafetensorsFile] = {}  # shard file name -> its reader
-        weight_map = self._read_weight_map()
+        weight_map = _read_weight_map(self.path, self._handles)
         if self.wrapper is not None:
-            weight_map = self._text_model_only(weight_map, saved.model_type)
-        self.weight_map = self._without_extra_layers(weight_map)
+            weight_map = _text_model_only(self, weight_map, saved.model_type)
+        self.weight_map = _without_extra_layers(self.path, weight_map, int(self.config.num_hidden_layers))
         self.pulled = _pulled_tensors(self.path)  # a pulled share: only these hold bytes (None: all do)
         self.moe_layers = sorted({layer_of_key(k) for k in self.weight_map if is_expert_key(k)} - {None})
         if not self.moe_layers:
@@ -118,52 +118,6 @@ class Checkpoint:
     @property
     def top_k(self) -> int:
         return int(getattr(self.config, self.family.top_k_field))
-
-    def _read_weight_map(self) -> dict[str, str]:
-        index = self.path / INDEX_FILE
-        if index.is_file():
-            return dict(json.loads(index.read_text())["weight_map"])
-        single = self.path / SINGLE_FILE
-        if not single.is_file():
-            raise CheckpointError(f"{self.path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
-        self._handles[SINGLE_FILE] = SafetensorsFile(single)
-        return dict.fromkeys(self._handles[SINGLE_FILE].keys(), SINGLE_FILE)
-
-    def _text_model_only(self, weight_map: dict[str, str], model_type: str) -> dict[str, str]:
-        """A multimodal checkpoint's language-model tensors under the text model's names."""
-        assert self.wrapper is not None
-        kept: dict[str, str] = {}
-        skipped: set[str] = set()
-        for disk_key, shard in weight_map.items():
-            name = self.wrapper.text_key(disk_key)
-            if name is None:
-                skipped.add(".".join(disk_key.split(".")[:2]))
-                continue
-            kept[name] = shard
-            self.disk_key[name] = disk_key
-        log.info(
-            "%s: a %s (vision-language) checkpoint: serving its language model (%s); the vision "
-            "tower is skipped (%s)",
-            self.path,
-            model_type,
-            self.config.model_type,
-            ", ".join(sorted(skipped)) or "none saved",
-        )
-        return kept
-
-    def _without_extra_layers(self, weight_map: dict[str, str]) -> dict[str, str]:
-        """The weight map less layers the model does not have (DeepSeek-V3's MTP layers)."""
-        layers = int(self.config.num_hidden_layers)
-        extra = sorted({n for k in weight_map if (n := layer_of_key(k)) is not None and n >= layers})
-        if extra:
-            log.info(
-                "%s: skipping layers %s beyond num_hidden_layers=%d (multi-token-prediction layers; "
-                "generate() never runs them)",
-                self.path,
-                extra,
-                layers,
-            )
-        return {k: v for k, v in weight_map.items() if (layer_of_key(k) or 0) < layers}
 
     def _handle(self, key: str, reading: bool = True) -> SafetensorsFile:
         """`key`'s file; `reading` its bytes (not only its header entry): refused for a tensor a
@@ -214,9 +168,12 @@ class Checkpoint:
 
     def quantized_expert(self, layer: int, expert: int) -> QuantizedExpert | Mxfp4Expert:
         """A quantized checkpoint's expert as stored (what a worker keeps in host memory)."""
-        if self.mxfp4:
-            return self._mxfp4_expert(layer, expert)
         fam = self.family
+        if self.mxfp4:  # gpt-oss: gate_up's then down's blocks, scales and bias, each fused [E, ...]
+            parts = ("_blocks", "_scales", "_bias")
+            keys = [fam.fused_key(layer, m) + part for m in ("gate_up_proj", "down_proj") for part in parts]
+            rows = [self._slice(key, expert).contiguous() for key in keys]
+            return Mxfp4Expert(Mxfp4Matrix(*rows[:3]), Mxfp4Matrix(*rows[3:]))
         keys = [fam.expert_key(layer, expert, p) for p in (fam.gate_proj, fam.up_proj, fam.down_proj)]
         if self.fp8 is None or any(scale_key(k) not in self.weight_map for k in keys):
             raise CheckpointError(
@@ -224,14 +181,6 @@ class Checkpoint:
             )
         gate, up, down = (QuantizedMatrix(self.tensor(k), self.tensor(scale_key(k))) for k in keys)
         return QuantizedExpert(gate, up, down)
-
-    def _mxfp4_expert(self, layer: int, expert: int) -> Mxfp4Expert:
-        parts = []
-        for name in ("gate_up_proj", "down_proj"):
-            key = self.family.fused_key(layer, name)
-            blocks, scales, bias = (self._slice(f"{key}{s}", expert) for s in ("_blocks", "_scales", "_bias"))
-            parts.append(Mxfp4Matrix(blocks.contiguous(), scales.contiguous(), bias.contiguous()))
-        return Mxfp4Expert(*parts)
 
     @property
     def quantized_experts(self) -> str:
@@ -339,7 +288,7 @@ class Checkpoint:
         # Fused layout on disk ([E, 2I, H] and [E, H, I]): read only this expert's slice.
         gate_up_key, down_key = fam.fused_key(layer, "gate_up_proj"), fam.fused_key(layer, "down_proj")
         if self.mxfp4:  # dequantized as transformers loads the release, in gpt-oss's slot layout
-            q = self._mxfp4_expert(layer, expert)
+            q = self.quantized_expert(layer, expert)
             gate_up, down = (torch.empty(shape, dtype=torch.float32) for shape in q.shapes)
             q.load_into(gate_up, down)
             return ExpertWeights(gate_up=gate_up, down=down)
@@ -353,3 +302,54 @@ class Checkpoint:
                 gate_up=torch.cat([gate_up, gate_up_bias[None]]), down=torch.cat([down, down_bias[None]])
             )
         return ExpertWeights(gate_up=self._slice(gate_up_key, expert), down=self._slice(down_key, expert))
+
+
+def _read_weight_map(path: Path, handles: dict[str, SafetensorsFile]) -> dict[str, str]:
+    """Tensor name -> shard file, from the index or the single file's header (its reader then kept
+    in `handles`)."""
+    index = path / INDEX_FILE
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = path / SINGLE_FILE
+    if not single.is_file():
+        raise CheckpointError(f"{path} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+    handles[SINGLE_FILE] = SafetensorsFile(single)
+    return dict.fromkeys(handles[SINGLE_FILE].keys(), SINGLE_FILE)
+
+
+def _text_model_only(checkpoint: Checkpoint, weight_map: dict[str, str], model_type: str) -> dict[str, str]:
+    """A multimodal checkpoint's language-model tensors under the text model's names (each one's
+    name on disk recorded in `checkpoint.disk_key`)."""
+    assert checkpoint.wrapper is not None
+    kept: dict[str, str] = {}
+    skipped: set[str] = set()
+    for disk_key, shard in weight_map.items():
+        name = checkpoint.wrapper.text_key(disk_key)
+        if name is None:
+            skipped.add(".".join(disk_key.split(".")[:2]))
+            continue
+        kept[name] = shard
+        checkpoint.disk_key[name] = disk_key
+    log.info(
+        "%s: a %s (vision-language) checkpoint: serving its language model (%s); the vision "
+        "tower is skipped (%s)",
+        checkpoint.path,
+        model_type,
+        checkpoint.config.model_type,
+        ", ".join(sorted(skipped)) or "none saved",
+    )
+    return kept
+
+
+def _without_extra_layers(path: Path, weight_map: dict[str, str], layers: int) -> dict[str, str]:
+    """The weight map less layers beyond the model's `layers` (DeepSeek-V3's MTP layers)."""
+    extra = sorted({n for k in weight_map if (n := layer_of_key(k)) is not None and n >= layers})
+    if extra:
+        log.info(
+            "%s: skipping layers %s beyond num_hidden_layers=%d (multi-token-prediction layers; "
+            "generate() never runs them)",
+            path,
+            extra,
+            layers,
+        )
+    return {k: v for k, v in weight_map.items() if (layer_of_key(k) or 0) < layers}
