@@ -133,12 +133,8 @@ class LocalCluster:
         # conf/config.yaml sets (trained for minutes on first use): tests and benchmarks start clusters so.
         if model_path is None and not any(w.startswith("model.path=") for w in words):
             model_path = ModelConfig().path
-        if model_path is not None:
-            words.append(f"model.path={model_path}")
-        if workers is not None:
-            words.append(f"cluster.workers={workers}")
-        if group_size is not None:
-            words.append(f"cluster.group_size={group_size}")
+        given = {"model.path": model_path, "cluster.workers": workers, "cluster.group_size": group_size}
+        words += [f"{key}={value}" for key, value in given.items() if value is not None]
         self.cfg: OdmoeConfig = compose(["role=local", *words])  # validates before anything starts
         self.overrides = words
         self.model_path = resolve_model_path(self.cfg)
@@ -157,9 +153,7 @@ class LocalCluster:
         self.credentials: ClientCredentials | None = None  # set by start() when security is on
         self.key_dir: Path | None = None
         if self.cfg.security.enabled:
-            self.key_dir = (
-                Path(self.cfg.security.key_dir) if self.cfg.security.key_dir else self._dir / "keys"
-            )
+            self.key_dir = Path(self.cfg.security.key_dir or self._dir / "keys")
             if not self.cfg.security.key_dir:
                 self.overrides.append(f"security.key_dir={self.key_dir}")
         self.place = place or (lambda name: NodePlacement())  # by node name: main, shadow, worker0...
@@ -176,17 +170,20 @@ class LocalCluster:
         atexit.register(self.stop)
         self._dir.mkdir(parents=True, exist_ok=True)
         try:
-            self._ensure_keys()
+            if self.key_dir is not None:
+                if not self.cfg.security.key_dir:  # ephemeral: made now, gone with the scratch directory
+                    init_key_dir(self.key_dir, self.cfg.cluster.workers)
+                self.credentials = ClientCredentials.from_key_dir(self.key_dir)
             n = self.cfg.cluster.workers
             shadow = [self._spawn("shadow", ["role=shadow"])] if self.cfg.shadow.enabled else []
-            workers = [self._spawn(f"worker{i}", self._worker_args(i)) for i in range(n)]
-            ready = self._wait_ready(shadow + workers)
+            workers = [self._spawn(f"worker{i}", _worker_args(self.cfg, i)) for i in range(n)]
+            ready = _wait_ready(shadow + workers, self.ready_timeout_s)
             self.worker_addresses = [info["address"] for info in ready[len(shadow) :]]
             if shadow:
                 self.shadow_info = ready[0]
             names = ["main"] + [f"main{i}" for i in range(1, self.standby_mains + 1)]
             mains = [self._spawn(name, self._main_args(name)) for name in names]
-            ready = self._wait_ready(mains)
+            ready = _wait_ready(mains, self.ready_timeout_s)
             self.main_info = ready[0]  # its ready file: address, http_address, connect_s
             self.main_addresses = [info["address"] for info in ready]
             self.http_urls = [info.get("http_address", "") for info in ready]
@@ -196,13 +193,6 @@ class LocalCluster:
             raise
         log.info("local cluster up: main %s, %d workers", self.address, self.cfg.cluster.workers)
         return self
-
-    def _ensure_keys(self) -> None:
-        if self.key_dir is None:
-            return
-        if not self.cfg.security.key_dir:  # ephemeral: made now, gone with the scratch directory
-            init_key_dir(self.key_dir, self.cfg.cluster.workers)
-        self.credentials = ClientCredentials.from_key_dir(self.key_dir)
 
     @property
     def token(self) -> str:
@@ -218,13 +208,6 @@ class LocalCluster:
             "headers": {"Authorization": f"Bearer {self.credentials.token}"},
             "verify": self.credentials.ssl_context(),
         }
-
-    def _worker_args(self, index: int) -> list[str]:
-        args = ["role=worker", f"worker.index={index}"]
-        if self.cfg.cluster.spread_workers:
-            cpus = sorted(os.sched_getaffinity(0))
-            args.append(f"cluster.cpus=[{cpus[index % len(cpus)]}]")
-        return args
 
     def _main_args(self, name: str) -> list[str]:
         workers = [self.through(f"worker{i}", a) for i, a in enumerate(self.worker_addresses)]
@@ -277,50 +260,26 @@ class LocalCluster:
         if announce or not (name == "shadow" or name.startswith("worker")):
             again.append(f"cluster.main_addresses=[{','.join(self.main_addresses)}]")
         if name.startswith("worker"):
-            args = self._worker_args(int(name.removeprefix("worker")))
+            args = _worker_args(self.cfg, int(name.removeprefix("worker")))
         elif name == "shadow":
             args = ["role=shadow"]
         else:
             args = self._main_args(name)
-        (info,) = self._wait_ready([self._spawn(name, [*args, *again], log_suffix=".restarted")])
+        (info,) = _wait_ready([self._spawn(name, [*args, *again], ".restarted")], self.ready_timeout_s)
         if name.startswith("worker"):
             self.worker_addresses[int(name.removeprefix("worker"))] = info["address"]
         elif name == "shadow":
             self.shadow_info = info
         else:
-            old_address = self._main_address(name)
-            index = self.main_addresses.index(old_address)
-            self.main_addresses[index] = info["address"]
+            index = 0 if name == "main" else int(name.removeprefix("main"))
+            old_address, self.main_addresses[index] = self.main_addresses[index], info["address"]
             self.http_urls[index] = info.get("http_address", "")
             if self._client is not None:
                 self._client.replace_address(old_address, info["address"])
         if until_used and (name == "shadow" or name.startswith("worker")):
-            self._wait_taken_back(name, info["address"] if announce else None)
+            address = info["address"] if announce else None
+            _wait_taken_back(self.main_addresses, self.credentials, name, address, self.ready_timeout_s)
         return self.node(name)
-
-    def _wait_taken_back(self, name: str, address: str | None) -> None:
-        """Until main's Info shows the restarted node at its new address (None: wherever main
-        reaches it), linked (shadow) or live."""
-        deadline = time.monotonic() + self.ready_timeout_s
-        # its own client, not self.client: another thread may be using that one
-        with Client(self.main_addresses, credentials=self.credentials) as client:
-            while time.monotonic() < deadline:
-                info = client.info()
-                if name == "shadow":
-                    shadow = info.get("shadow") or {}
-                    if address in (None, shadow.get("address")) and shadow.get("up"):
-                        return
-                else:
-                    worker = info["workers"][int(name.removeprefix("worker"))]
-                    if address in (None, worker["address"]) and worker["live"]:
-                        return
-                time.sleep(0.05)
-        limit = f"{self.ready_timeout_s:.0f}s"
-        raise ClusterStartError(f"main did not take {name} at {address} back within {limit}")
-
-    def _main_address(self, name: str) -> str:
-        index = 0 if name == "main" else int(name.removeprefix("main"))
-        return self.main_addresses[index]
 
     def _spawn(self, name: str, role_args: list[str], log_suffix: str = "") -> NodeProcess:
         ready, log_file = self._dir / f"{name}.ready.json", self._dir / f"{name}{log_suffix}.log"
@@ -343,24 +302,6 @@ class LocalCluster:
         node = NodeProcess(name, process, ready, log_file)
         self.nodes.append(node)
         return node
-
-    def _wait_ready(self, nodes: list[NodeProcess]) -> list[dict]:
-        deadline = time.monotonic() + self.ready_timeout_s
-        pending = list(nodes)
-        while pending:
-            for node in list(pending):
-                if node.ready_file.exists():
-                    pending.remove(node)
-                elif node.process.poll() is not None:
-                    code = node.process.returncode
-                    raise ClusterStartError(
-                        f"{node.name} exited with code {code} while starting:\n{node.log_tail()}"
-                    )
-            if pending and time.monotonic() > deadline:
-                names = ", ".join(n.name for n in pending)
-                raise ClusterStartError(f"{names} did not come up within {self.ready_timeout_s:.0f}s")
-            time.sleep(0.05)
-        return [json.loads(node.ready_file.read_text()) for node in nodes]
 
     def stop(self) -> None:
         if self._client is not None:
@@ -404,29 +345,14 @@ class LocalCluster:
     def pids(self) -> list[int]:
         return [n.process.pid for n in self.nodes]
 
-    def _proc(self, entry: str) -> dict[str, str]:
-        """/proc/<pid>/<entry> of each running node, by node name (none for one exited, or off Linux)."""
-        texts = {}
-        for node in self.nodes:
-            try:
-                texts[node.name] = Path(f"/proc/{node.process.pid}/{entry}").read_text()
-            except OSError:
-                continue
-        return texts
-
     def peak_rss_bytes(self) -> dict[str, int]:
         """Each running node's peak resident memory so far (Linux VmHWM), by node name."""
         peaks = {}
-        for name, status in self._proc("status").items():
+        for name, status in _proc(self.nodes, "status").items():
             for line in status.splitlines():
                 if line.startswith("VmHWM:"):
                     peaks[name] = int(line.split()[1]) * 1024
         return peaks
-
-    def ready_seconds(self) -> dict[str, float]:
-        """Each node's time from its spawn to serving, by node name (a node's start at scale: its
-        imports, reading its share, binding)."""
-        return {n.name: t for n in self.nodes if (t := n.ready_s) is not None}
 
     def ready_info(self) -> dict[str, dict]:
         """What each node wrote in its ready file (address, and what it read at start: `read_bytes`,
@@ -444,7 +370,7 @@ class LocalCluster:
         In the kernel's clock ticks (10 ms on most Linux systems): read differences over seconds."""
         tick = os.sysconf("SC_CLK_TCK")
         used = {}
-        for name, stat in self._proc("stat").items():
+        for name, stat in _proc(self.nodes, "stat").items():
             fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": comm may hold spaces
             used[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime (fields 14, 15)
         return used
@@ -454,3 +380,64 @@ class LocalCluster:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _worker_args(cfg: OdmoeConfig, index: int) -> list[str]:
+    """Worker `index`'s role words; with `cluster.spread_workers`, pinned to a CPU of its own."""
+    args = ["role=worker", f"worker.index={index}"]
+    if cfg.cluster.spread_workers:
+        cpus = sorted(os.sched_getaffinity(0))
+        args.append(f"cluster.cpus=[{cpus[index % len(cpus)]}]")
+    return args
+
+
+def _wait_ready(nodes: list[NodeProcess], timeout_s: float) -> list[dict]:
+    """What each node wrote in its ready file, in order, once all have written it; ClusterStartError
+    (quoting its log) as soon as one exits instead, or when `timeout_s` runs out."""
+    deadline = time.monotonic() + timeout_s
+    pending = list(nodes)
+    while pending:
+        for node in list(pending):
+            if node.ready_file.exists():
+                pending.remove(node)
+            elif node.process.poll() is not None:
+                code, tail = node.process.returncode, node.log_tail()
+                raise ClusterStartError(f"{node.name} exited with code {code} while starting:\n{tail}")
+        if pending and time.monotonic() > deadline:
+            names = ", ".join(n.name for n in pending)
+            raise ClusterStartError(f"{names} did not come up within {timeout_s:.0f}s")
+        time.sleep(0.05)
+    return [json.loads(node.ready_file.read_text()) for node in nodes]
+
+
+def _wait_taken_back(
+    mains: list[str], credentials: ClientCredentials | None, name: str, address: str | None, timeout_s: float
+) -> None:
+    """Until main's Info shows the restarted node `name` at its new `address` (None: wherever main
+    reaches it), linked (shadow) or live; ClusterStartError after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    # its own client, not the cluster's: another thread may be using that one
+    with Client(mains, credentials=credentials) as client:
+        while time.monotonic() < deadline:
+            info = client.info()
+            if name == "shadow":
+                shadow = info.get("shadow") or {}
+                if address in (None, shadow.get("address")) and shadow.get("up"):
+                    return
+            else:
+                worker = info["workers"][int(name.removeprefix("worker"))]
+                if address in (None, worker["address"]) and worker["live"]:
+                    return
+            time.sleep(0.05)
+    raise ClusterStartError(f"main did not take {name} at {address} back within {timeout_s:.0f}s")
+
+
+def _proc(nodes: list[NodeProcess], entry: str) -> dict[str, str]:
+    """/proc/<pid>/<entry> of each running node, by node name (none for one exited, or off Linux)."""
+    texts = {}
+    for node in nodes:
+        try:
+            texts[node.name] = Path(f"/proc/{node.process.pid}/{entry}").read_text()
+        except OSError:
+            continue
+    return texts
