@@ -46,6 +46,7 @@ class PrefillCounters:
     compute_s: float = 0.0
     critical_s: float = 0.0
     experts_per_layer: dict[int, int] = field(default_factory=dict)
+    layer_busy: dict[int, float] = field(default_factory=dict)  # worker -> load+compute in this layer
 
 
 @dataclass
@@ -109,7 +110,6 @@ class ExpertTraffic:
     cache: dict[int, list[int]] = field(default_factory=dict)
     decode: DecodeCounters = field(default_factory=DecodeCounters)
     prefill: PrefillCounters = field(default_factory=PrefillCounters)
-    _layer_busy: dict[int, float] = field(default_factory=dict)  # worker -> load+compute in this layer
 
     @property
     def experts_loaded(self) -> float:
@@ -150,9 +150,9 @@ class ExpertTraffic:
         p = self.prefill
         self.wait_s += waited
         p.wait_s += waited
-        p.critical_s += max(self._layer_busy.values(), default=0.0)  # the busiest worker bounds the layer
+        p.critical_s += max(p.layer_busy.values(), default=0.0)  # the busiest worker bounds the layer
         p.experts_per_layer[layer] = experts
-        self._layer_busy = {}
+        p.layer_busy = {}
 
     def note_decode_layer(self, layer: int, waited: float, stall: float) -> None:
         self.wait_s += waited
@@ -168,7 +168,7 @@ class ExpertTraffic:
             if result.step.iteration <= 0:
                 self.prefill.load_s += load_s
                 self.prefill.compute_s += compute_s
-                busy = self._layer_busy
+                busy = self.prefill.layer_busy
                 busy[result.worker] = busy.get(result.worker, 0.0) + load_s + compute_s
             else:
                 self._add_decode(load_s, compute_s, nbytes)
