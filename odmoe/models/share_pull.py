@@ -139,47 +139,43 @@ def pull_share(
     # tensors kept from an earlier pull: the same bytes in the same place
     state.tensors = {n: r for n, r in state.tensors.items() if n in by_name and r == _record(by_name[n])}
     state.digest = index.digest
-    pulled = 0
     header_total = sum(f.head_bytes for f in index.files)
     progress = _Progress(header_total, progress_s, rate_bytes_s)
-    for f in index.files:
-        while True:
-            try:
-                pulled += _file(reader, dest, f, state, progress)
-                break
-            except grpc.RpcError as exc:
-                reader.lost(exc)
+    # 1) every file: whole, or sparse with its header
+    pulled = sum(_retrying(reader, _file, reader, dest, f, state, progress) for f in index.files)
     state.save()
+    # 2) the chosen tensors not held yet, in file order
     wanted = set(by_name) if choose is None else choose(index, dest)
-    unknown = wanted - set(by_name)
-    if unknown:
+    if unknown := wanted - set(by_name):
         raise ShareError(f"the source's index has no tensor(s) {sorted(unknown)[:3]}")
-    todo = [
-        by_name[n]
-        for n in sorted(wanted, key=lambda n: (by_name[n].file, by_name[n].start))
-        if n not in state.tensors
-    ]
+    todo = [by_name[n] for n in sorted(wanted, key=lambda n: (by_name[n].file, by_name[n].start))]
+    todo = [t for t in todo if t.name not in state.tensors]
     progress.total = progress.done + sum(t.nbytes for t in todo)
+    pulled += _tensors(reader, dest, todo, state, progress)
+    share = header_total + sum(by_name[n].nbytes for n in state.tensors)
+    report = PullReport(pulled, share, index.total_bytes, len(todo), time.perf_counter() - start)
+    log.info("%s: %s", dest, report.line())
+    return report
+
+
+def _retrying(reader: _Reader, pull: Callable, *args):
+    """`pull(*args)`, from its start again on the next source while a source is lost during it."""
+    while True:
+        try:
+            return pull(*args)
+        except grpc.RpcError as exc:
+            reader.lost(exc)
+
+
+def _tensors(reader: _Reader, dest: Path, todo: list[TensorEntry], state: _State, progress: _Progress) -> int:
+    """Each tensor of `todo` into its place in its sparse file, checked; returns the bytes pulled."""
     fds: dict[str, int] = {}
     try:
         last_save = time.perf_counter()
         for t in todo:
             fd = fds.get(t.file) or fds.setdefault(t.file, os.open(dest / t.file, os.O_WRONLY))
-            while True:  # from the start again where a source was lost in the middle of it
-                digest = hashlib.sha256()
-                at = t.start
-                try:
-                    for data in reader.read(t.file, t.start, t.nbytes):
-                        os.pwrite(fd, data, at)
-                        digest.update(data)
-                        at += len(data)
-                        progress.add(len(data))
-                    break
-                except grpc.RpcError as exc:
-                    reader.lost(exc)
-            if at != t.end or digest.hexdigest() != t.sha256:
+            if _retrying(reader, _tensor, reader, fd, t, progress) != (t.end, t.sha256):
                 raise ShareError(f"{t.file}: tensor {t.name} pulled does not match the index's sha256")
-            pulled += t.nbytes
             state.pulled_total += t.nbytes
             state.tensors[t.name] = _record(t)
             if time.perf_counter() - last_save >= 1.0:  # resumable by tensor, without a write per tensor
@@ -190,10 +186,19 @@ def pull_share(
             os.fsync(fd)
             os.close(fd)
         state.save()
-    share = header_total + sum(by_name[n].nbytes for n in state.tensors)
-    report = PullReport(pulled, share, index.total_bytes, len(todo), time.perf_counter() - start)
-    log.info("%s: %s", dest, report.line())
-    return report
+    return sum(t.nbytes for t in todo)
+
+
+def _tensor(reader: _Reader, fd: int, t: TensorEntry, progress: _Progress) -> tuple[int, str]:
+    """One tensor's bytes written at its place; returns (the offset it ended at, their sha256)."""
+    digest = hashlib.sha256()
+    at = t.start
+    for data in reader.read(t.file, t.start, t.nbytes):
+        os.pwrite(fd, data, at)
+        digest.update(data)
+        at += len(data)
+        progress.add(len(data))
+    return at, digest.hexdigest()
 
 
 class _Reader:
