@@ -222,42 +222,54 @@ class Client:
         while True:
             turn = self._ring.turn()
             request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
-            call = None
+            before = len(received)
             try:
-                try:
-                    call = turn.connection.inference.Generate(
-                        request, timeout=self.timeout_s, metadata=self.metadata
-                    )
-                except ValueError:  # its channel was closed since our turn: moved on, or close()
-                    raise StreamBroken(f"main {turn.address}'s channel was closed") from None
-                for reply in self._watched(call, turn):
-                    if reply.WhichOneof("kind") == "token":
-                        received.append(reply.token.token_id)
-                        failures = 0
-                    if reply.WhichOneof("kind") == "prompt":
-                        options["prompt_logprobs"] = False  # a main resuming need not score it again
-                    yield reply
-                    if reply.WhichOneof("kind") == "done":
-                        return
-                raise StreamBroken(f"main {turn.address} ended the stream without its final reply")
+                yield from self._attempt(turn, request, received, options)
+                return
             except (grpc.RpcError, StreamBroken) as exc:
                 error = exc
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code not in FAILOVER_CODES:
                     raise
-            finally:
-                if call is not None:
-                    call.cancel()  # no-op once done; when the caller stops reading, main stops too
-            if self._ring.closed:
-                raise ClientClosed("this odmoe.Client was closed while the stream ran") from error
-            failures += 1
-            self._ring.lost(turn, str(error))
-            if self._ring.gives_up(failures):
-                raise MainsLost(
-                    f"no main could go on with the stream ({', '.join(self._ring.addresses)}):"
-                    f" {failures} attempts in a row failed without a new token, the last with"
-                    f" {_describe(error)}"
-                ) from error
+            failures = 1 if len(received) > before else failures + 1
+            self._lost(turn, error, failures)
+
+    def _attempt(self, turn: Turn, request, received: list[int], options: dict):
+        """One try on `turn`'s main: its replies up to the final one (tokens also into `received`);
+        raises StreamBroken (or the call's error) where the stream ends before."""
+        call = None
+        try:
+            try:
+                call = turn.connection.inference.Generate(
+                    request, timeout=self.timeout_s, metadata=self.metadata
+                )
+            except ValueError:  # its channel was closed since our turn: moved on, or close()
+                raise StreamBroken(f"main {turn.address}'s channel was closed") from None
+            for reply in self._watched(call, turn):
+                kind = reply.WhichOneof("kind")
+                if kind == "token":
+                    received.append(reply.token.token_id)
+                if kind == "prompt":
+                    options["prompt_logprobs"] = False  # a main resuming need not score it again
+                yield reply
+                if kind == "done":
+                    return
+            raise StreamBroken(f"main {turn.address} ended the stream without its final reply")
+        finally:
+            if call is not None:
+                call.cancel()  # no-op once done; when the caller stops reading, main stops too
+
+    def _lost(self, turn: Turn, error: Exception, failures: int) -> None:
+        """`turn`'s main lost the stream: on to the next, unless closed or `failures` are too many."""
+        if self._ring.closed:
+            raise ClientClosed("this odmoe.Client was closed while the stream ran") from error
+        self._ring.lost(turn, str(error))
+        if self._ring.gives_up(failures):
+            raise MainsLost(
+                f"no main could go on with the stream ({', '.join(self._ring.addresses)}):"
+                f" {failures} attempts in a row failed without a new token, the last with"
+                f" {_describe(error)}"
+            ) from error
 
     def _watched(self, call, turn: Turn) -> Iterator:
         """`call`'s replies; while none comes for keepalive_s, main must pass a health check."""
