@@ -22,6 +22,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -162,43 +163,7 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
-    if spec.family == "mixtral":
-        return MixtralConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
-    if spec.family == "qwen2_moe":
-        return Qwen2MoeConfig(
-            intermediate_size=spec.intermediate,
-            moe_intermediate_size=spec.intermediate,
-            shared_expert_intermediate_size=spec.intermediate,
-            num_experts=spec.experts,
-            **common,
-        )
-    if spec.family == "qwen3_moe":
-        return Qwen3MoeConfig(
-            intermediate_size=spec.intermediate,
-            moe_intermediate_size=spec.intermediate,
-            num_experts=spec.experts,
-            head_dim=spec.hidden // spec.heads,
-            **common,
-        )
-    if spec.family in DEEPSEEK:
-        return deepseek_config(spec, common)
-    if spec.family == "glm4_moe":
-        return glm4_moe_config(spec, common)
-    if spec.family in ("qwen3_next", "qwen3_5_moe_text"):
-        return qwen3_next_config(spec, common)
-    if spec.family == "qwen3_5_moe":
-        return qwen3_5_moe_config(spec)
-    if spec.family == "gpt_oss":
-        return gpt_oss_config(spec, common)
-    if spec.family == "ernie4_5_moe":
-        return ernie4_5_moe_config(spec, common)
-    if spec.family == "llama4_text":
-        return llama4_text_config(spec, common)
-    if spec.family == "llama4":
-        return llama4_config(spec)
-    if spec.family == "phimoe":  # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
-        return PhimoeConfig(intermediate_size=spec.intermediate, num_local_experts=spec.experts, **common)
-    return OlmoeConfig(intermediate_size=spec.intermediate, num_experts=spec.experts, **common)
+    return _CONFIGS.get(spec.family, _CONFIGS["olmoe"])(spec, common)
 
 
 def qwen3_next_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
@@ -391,6 +356,36 @@ def glm4_moe_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
         num_nextn_predict_layers=0,  # no multi-token-prediction layer (main never runs one)
     )
 
+
+# each family's transformers config from the spec and the keys every family shares
+_CONFIGS: dict[str, Callable[[ModelSpec, dict], PretrainedConfig]] = {
+    "mixtral": lambda s, c: MixtralConfig(intermediate_size=s.intermediate, num_local_experts=s.experts, **c),
+    # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
+    "phimoe": lambda s, c: PhimoeConfig(intermediate_size=s.intermediate, num_local_experts=s.experts, **c),
+    "olmoe": lambda s, c: OlmoeConfig(intermediate_size=s.intermediate, num_experts=s.experts, **c),
+    "qwen2_moe": lambda s, c: Qwen2MoeConfig(
+        intermediate_size=s.intermediate,
+        moe_intermediate_size=s.intermediate,
+        shared_expert_intermediate_size=s.intermediate,
+        num_experts=s.experts,
+        **c,
+    ),
+    "qwen3_moe": lambda s, c: Qwen3MoeConfig(
+        intermediate_size=s.intermediate,
+        moe_intermediate_size=s.intermediate,
+        num_experts=s.experts,
+        head_dim=s.hidden // s.heads,
+        **c,
+    ),
+    **dict.fromkeys(DEEPSEEK, deepseek_config),
+    "glm4_moe": glm4_moe_config,
+    **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), qwen3_next_config),
+    "qwen3_5_moe": lambda s, c: qwen3_5_moe_config(s),
+    "gpt_oss": gpt_oss_config,
+    "ernie4_5_moe": ernie4_5_moe_config,
+    "llama4_text": llama4_text_config,
+    "llama4": lambda s, c: llama4_config(s),
+}
 
 CORPORA = ("stdlib", "demo")  # the interpreter's own sources | the shipped demo corpus
 
