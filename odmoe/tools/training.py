@@ -284,46 +284,8 @@ def _train(out_dir: Path, spec: ModelSpec, settings: TrainSettings) -> Path:
     config.router_aux_loss_coef = 0.0  # out.loss is then the LM loss alone; balance is added per layer
     model = AutoModelForCausalLM.from_config(config)
     loss_before = _held_out_loss(model.eval(), held_out, settings)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.1, betas=(0.9, 0.95))
-
-    def lr_at(step: int) -> float:
-        if step < settings.warmup:
-            return settings.lr * (step + 1) / settings.warmup
-        progress = (step - settings.warmup) / max(settings.steps - settings.warmup, 1)
-        return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
-
-    gen = torch.Generator().manual_seed(settings.seed)
-    choices = RouterTap(model, _num_experts(model))  # DeepSeek-V3's bias updates read its choices
-    start = last_log = time.perf_counter()
-    for step in range(settings.steps):
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(step)
-        x = _batches(train, settings.batch, settings.seq_len, gen)
-        out = model(input_ids=x, labels=x, output_router_logits=True)
-        balance = _per_layer_balance_loss(out.router_logits, spec.experts, spec.top_k)
-        loss = out.loss + settings.aux_loss_coef * balance
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        _update_correction_bias(choices, settings.bias_update_rate)
-        now = time.perf_counter()
-        if step % 25 == 0 or step == settings.steps - 1 or now - last_log >= PROGRESS_EVERY_S:
-            last_log = now
-            elapsed = now - start
-            rate = (step + 1) * settings.batch * settings.seq_len / elapsed
-            eta = elapsed / (step + 1) * (settings.steps - step - 1)
-            log.info(
-                "step %d/%d  loss %.3f  balance %.3f  %.0f tokens/s  ETA %.0fs",
-                step + 1,
-                settings.steps,
-                out.loss.item(),
-                float(balance.detach()),
-                rate,
-                eta,
-            )
-    choices.close()
+    start = time.perf_counter()
+    _fit(model.train(), train, spec, settings)
     model.eval()
     report = {
         "spec": asdict(spec),
@@ -344,6 +306,48 @@ def _train(out_dir: Path, spec: ModelSpec, settings: TrainSettings) -> Path:
         report["topk_gap_median"],
     )
     return out_dir
+
+
+def _lr_at(step: int, settings: TrainSettings) -> float:
+    if step < settings.warmup:
+        return settings.lr * (step + 1) / settings.warmup
+    progress = (step - settings.warmup) / max(settings.steps - settings.warmup, 1)
+    return settings.lr * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _fit(model, train: torch.Tensor, spec: ModelSpec, settings: TrainSettings) -> None:
+    """settings.steps of AdamW on random batches of `train`, each layer's balance loss added; the
+    learning rate warms up linearly, then follows a cosine to 0."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    gen = torch.Generator().manual_seed(settings.seed)
+    choices = RouterTap(model, _num_experts(model))  # DeepSeek-V3's bias updates read its choices
+    start = last_log = time.perf_counter()
+    for step in range(settings.steps):
+        for group in optimizer.param_groups:
+            group["lr"] = _lr_at(step, settings)
+        x = _batches(train, settings.batch, settings.seq_len, gen)
+        out = model(input_ids=x, labels=x, output_router_logits=True)
+        balance = _per_layer_balance_loss(out.router_logits, spec.experts, spec.top_k)
+        loss = out.loss + settings.aux_loss_coef * balance
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        _update_correction_bias(choices, settings.bias_update_rate)
+        now = time.perf_counter()
+        if step % 25 == 0 or step == settings.steps - 1 or now - last_log >= PROGRESS_EVERY_S:
+            last_log = now
+            elapsed = now - start
+            log.info(
+                "step %d/%d  loss %.3f  balance %.3f  %.0f tokens/s  ETA %.0fs",
+                step + 1,
+                settings.steps,
+                out.loss.item(),
+                float(balance.detach()),
+                (step + 1) * settings.batch * settings.seq_len / elapsed,
+                elapsed / (step + 1) * (settings.steps - step - 1),
+            )
+    choices.close()
 
 
 def _save(model, tokenizer, spec: ModelSpec, report: dict, out_dir: Path) -> None:
