@@ -93,36 +93,27 @@ class ExpertStore:
         others read from the checkpoint on each load (a worker's share: those it is home for; on a CPU
         worker with a cache, none: the cache holds them). `forget_read`: after each read from the
         checkpoint, the kernel is told to drop those pages from its cache (the reader keeps the bytes)."""
-        if kind not in STORES:
-            raise ValueError(f"worker.store={kind!r} is not one of {', '.join(STORES)}")
-        if kind == "compressed" and checkpoint.quantized_experts:
-            raise ValueError(
-                "worker.store=compressed codes bf16/fp16/fp32 experts; this checkpoint's experts are "
-                f"{checkpoint.quantized_experts.upper()} (kept as stored by worker.store=memory): use memory "
-                "or disk"
-            )
+        _check_store(kind, checkpoint)
         keys = [(layer, e) for layer in layers for e in range(checkpoint.num_experts)]
         path = pack_path(Path(pack_dir) if pack_dir else checkpoint.path / PACK_DIR, dtype)
         pack = ExpertPack(path, checkpoint) if kind != "memory" and path.is_file() else None
         if pack is not None and (missing := [k for k in keys if k not in pack]):
             raise PackError(f"{path} lacks experts {missing[:4]}...; re-run odmoe-pack")
-        budget = host_memory if host_memory > 0 else float("inf")
+        room = host_memory if host_memory > 0 else float("inf")  # host bytes left to keep experts in
         lock = threading.Lock()
         probe = checkpoint.expert(*keys[0])
         raw_bytes = (probe.gate_up.numel() + probe.down.numel()) * dtype.itemsize  # one expert at `dtype`
-        kept, experts = 0, {}
+        experts: dict[ExpertKey, ExpertSource] = {}
         for key in keys:
             source = None
             if held is None or key in held:
-                source = _held_source(
-                    checkpoint, key, dtype, kind, pack, budget - kept, raw_bytes, pin_memory
-                )
+                source = _held_source(checkpoint, key, dtype, kind, pack, room, raw_bytes, pin_memory)
             if source is None and pack is not None:  # beyond the budget: read on each load
                 packed = pack[key]
                 source = CompressedExpert(packed.gate_up, packed.down, pack.bytes, True, f"expert {key}")
             elif source is None:
                 source = CheckpointExpert(checkpoint, key, dtype, lock, raw_bytes, forget_read)
-            kept += source.host_bytes
+            room -= source.host_bytes
             experts[key] = source
         store = cls(experts, threads)
         store.pack_path = str(path) if pack is not None else None
@@ -196,6 +187,17 @@ def _shapes(source: ExpertSource) -> tuple[torch.Size, torch.Size, torch.dtype]:
         return (*source.expert.shapes, source.dtype)
     w = source.weights_now()
     return w.gate_up.shape, w.down.shape, w.gate_up.dtype
+
+
+def _check_store(kind: str, checkpoint: Checkpoint) -> None:
+    if kind not in STORES:
+        raise ValueError(f"worker.store={kind!r} is not one of {', '.join(STORES)}")
+    if kind == "compressed" and checkpoint.quantized_experts:
+        raise ValueError(
+            "worker.store=compressed codes bf16/fp16/fp32 experts; this checkpoint's experts are "
+            f"{checkpoint.quantized_experts.upper()} (kept as stored by worker.store=memory): use memory "
+            "or disk"
+        )
 
 
 def _held_source(
