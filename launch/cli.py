@@ -126,6 +126,30 @@ def _launch(raw: DictConfig) -> None:
     except ValueError as exc:
         print(f"odmoe-launch: {exc}", file=sys.stderr)
         sys.exit(BAD_INPUT)
+    _set_up_process(cfg)
+    from odmoe.launch.roles import run_local, run_main, run_plan, run_ray, run_seed, run_shadow, run_worker
+
+    roles = {
+        "local": run_local,
+        "main": run_main,
+        "worker": run_worker,
+        "shadow": run_shadow,
+        "ray": run_ray,
+        "plan": run_plan,
+        "seed": run_seed,
+    }
+    overrides = list(HydraConfig.get().overrides.task)
+    if cfg.join:  # a box joining by main's link: main names its role
+        from odmoe.launch.join import run_join
+
+        sys.exit(run_join(cfg, overrides))
+    code = roles[cfg.role.name](cfg, overrides)
+    if code:  # returning (not exiting) on success lets a -m multirun go on to its next job
+        sys.exit(code)
+
+
+def _set_up_process(cfg) -> None:
+    """This process as `cfg` asks: its logging, torch's threads, the CPUs it may run on."""
     logging.basicConfig(
         level=cfg.log_level, format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr
     )
@@ -150,25 +174,6 @@ def _launch(raw: DictConfig) -> None:
             "sends (security.enabled=false, security.insecure_lan=true)",
             ", ".join(exposed),
         )
-    from odmoe.launch.roles import run_local, run_main, run_plan, run_ray, run_seed, run_shadow, run_worker
-
-    roles = {
-        "local": run_local,
-        "main": run_main,
-        "worker": run_worker,
-        "shadow": run_shadow,
-        "ray": run_ray,
-        "plan": run_plan,
-        "seed": run_seed,
-    }
-    overrides = list(HydraConfig.get().overrides.task)
-    if cfg.join:  # a box joining by main's link: main names its role
-        from odmoe.launch.join import run_join
-
-        sys.exit(run_join(cfg, overrides))
-    code = roles[cfg.role.name](cfg, overrides)
-    if code:  # returning (not exiting) on success lets a -m multirun go on to its next job
-        sys.exit(code)
 
 
 if __name__ == "__main__":
