@@ -48,6 +48,7 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from odmoe.config import OdmoeConfig, RayRoleConfig
@@ -218,47 +219,13 @@ class RayCluster:
 
         # 1. mains: placed (distinct nodes when several), not started yet
         names = ["main"] + [f"main{i}" for i in range(1, cfg.ray.standby_mains + 1)]
-        main_options = _options(cfg.ray.main)
-        if len(names) > 1:
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-            group = ray.util.placement_group(
-                [_bundle(cfg.ray.main)] * len(names),
-                strategy="STRICT_SPREAD",
-                bundle_label_selector=[dict(cfg.ray.main.labels)] * len(names)
-                if cfg.ray.main.labels
-                else None,
-            )
-            self._groups.append(group)
-            main_options.pop("label_selector", None)
-            main_options.pop("resources", None)
-        for i, name in enumerate(names):
-            options = dict(main_options, name=f"odmoe-{name}", max_restarts=0)
-            if len(names) > 1:
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, i)
-            self.actors[name] = actor.options(**options).remote(spec(name, "main"), None)
+        self._place_mains(ray, actor, names, spec)
         mains = self._infos(names, timeout, "placed")
         self.main_addresses = [m["address"] for m in mains]
         # 2. keys, now that the mains' addresses are known (the certificate names them)
         keys = self._keys(tuple(m["ip"] for m in mains))
         # 3. the shadow and the workers start; a restarted one announces itself to every main
-        others = (["shadow"] if cfg.shadow.enabled else []) + [
-            f"worker{i}" for i in range(cfg.cluster.workers)
-        ]
-        for name in others:
-            role = "shadow" if name == "shadow" else "worker"
-            role_words = ["role=shadow"] if role == "shadow" else ["role=worker", f"worker.index={name[6:]}"]
-            options = dict(
-                _options(cfg.ray.shadow if role == "shadow" else cfg.ray.worker),
-                name=f"odmoe-{name}",
-                max_restarts=cfg.ray.max_restarts,
-            )
-            secrets = self._secrets(keys, name)
-            self.actors[name] = actor.options(**options).remote(
-                spec(name, role, role_words, self.main_addresses), secrets
-            )
-        refs = [self.actors[n].ready.remote() for n in others]
-        ready = dict(zip(others, self._get(refs, others, timeout, "started"), strict=True))
+        ready = self._start_others(actor, spec, keys)
         workers = [ready[f"worker{i}"]["address"] for i in range(cfg.cluster.workers)]
         main_words = ["role=main", f"cluster.worker_addresses=[{','.join(workers)}]"]
         if cfg.shadow.enabled:
@@ -279,6 +246,49 @@ class RayCluster:
         self.placement = {m["name"]: m for m in mains} | ready
         self.start_s = time.perf_counter() - started
         log.info("odmoe on Ray: %d nodes up in %.1f s", len(self.placement), self.start_s)
+
+    def _place_mains(self, ray, actor, names: list[str], spec: Callable[..., NodeSpec]) -> None:
+        """Main and its standbys (`names`) as actors, on distinct nodes when several; not started."""
+        main_options = _options(self.cfg.ray.main)
+        if len(names) > 1:
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+            group = ray.util.placement_group(
+                [_bundle(self.cfg.ray.main)] * len(names),
+                strategy="STRICT_SPREAD",
+                bundle_label_selector=[dict(self.cfg.ray.main.labels)] * len(names)
+                if self.cfg.ray.main.labels
+                else None,
+            )
+            self._groups.append(group)
+            main_options.pop("label_selector", None)
+            main_options.pop("resources", None)
+        for i, name in enumerate(names):
+            options = dict(main_options, name=f"odmoe-{name}", max_restarts=0)
+            if len(names) > 1:
+                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(group, i)
+            self.actors[name] = actor.options(**options).remote(spec(name, "main"), None)
+
+    def _start_others(self, actor, spec: Callable[..., NodeSpec], keys: KeyDir | None) -> dict[str, dict]:
+        """The shadow and the workers started, told the mains' addresses: each one's info by name."""
+        cfg = self.cfg
+        others = (["shadow"] if cfg.shadow.enabled else []) + [
+            f"worker{i}" for i in range(cfg.cluster.workers)
+        ]
+        for name in others:
+            role = "shadow" if name == "shadow" else "worker"
+            role_words = ["role=shadow"] if role == "shadow" else ["role=worker", f"worker.index={name[6:]}"]
+            options = dict(
+                _options(cfg.ray.shadow if role == "shadow" else cfg.ray.worker),
+                name=f"odmoe-{name}",
+                max_restarts=cfg.ray.max_restarts,
+            )
+            secrets = self._secrets(keys, name)
+            self.actors[name] = actor.options(**options).remote(
+                spec(name, role, role_words, self.main_addresses), secrets
+            )
+        refs = [self.actors[n].ready.remote() for n in others]
+        return dict(zip(others, self._get(refs, others, cfg.ray.ready_timeout_s, "started"), strict=True))
 
     def _keys(self, hosts: tuple[str, ...]) -> KeyDir | None:
         sec = self.cfg.security
