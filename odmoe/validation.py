@@ -8,6 +8,8 @@ what it accepts (stores, cache policies, precisions, alignment plans), so the sc
 
 from __future__ import annotations
 
+from functools import reduce
+
 from odmoe.config import (
     FAULT_ACTIONS,
     PREFILL_PLACEMENTS,
@@ -47,46 +49,81 @@ def late_calls(cfg: OdmoeConfig) -> LateCalls | None:
 
 def validate(cfg: OdmoeConfig) -> None:
     """Refuse a bad combination with one readable error, before any process starts. Every config
-    passes here (launch.settings.to_config: each node and LocalCluster)."""
-    if cfg.role.name not in ROLES:
-        raise ValueError(f"role={cfg.role.name!r} is not one of {ROLES}")
+    passes here (launch.settings.to_config: each node and LocalCluster), section by section."""
+    _one_of("role", cfg.role.name, ROLES)
     gguf_file = cfg.model.gguf_file
     if gguf_file and (not str(gguf_file).endswith(".gguf") or "/" in str(gguf_file)):
         raise ValueError(
             f"model.gguf_file={gguf_file!r} is not a .gguf file name (model.path is its directory)"
         )
-    if cfg.worker.replicas < 1:
-        raise ValueError(f"worker.replicas must be at least 1, got {cfg.worker.replicas}")
-    from odmoe.worker.expert_cache import CACHE_POLICIES, check_cache_spec
-
-    check_cache_spec(cfg.worker.cache)
-    if cfg.worker.cache_policy not in CACHE_POLICIES:
-        raise ValueError(f"worker.cache_policy={cfg.worker.cache_policy!r} is not one of {CACHE_POLICIES}")
-    if cfg.cluster.homes not in ("room", "even"):
-        raise ValueError(f"cluster.homes={cfg.cluster.homes!r} is not one of room, even")
+    _check_worker(cfg)
+    _one_of("cluster.homes", cfg.cluster.homes, ("room", "even"), joined=True)
     cfg.topology  # noqa: B018 - raises on a workers/group_size mismatch or too many replicas
-    fault = fault_of(cfg)  # the lab overlay's (lab=on); none in the product's schema
-    if fault.node and fault.action not in FAULT_ACTIONS:
-        raise ValueError(f"fault.action={fault.action!r} is not one of {FAULT_ACTIONS}")
-    if cfg.failover.heartbeat_interval_s <= 0 or cfg.failover.heartbeat_timeout_s <= 0:
+    if (fault := fault_of(cfg)).node:  # the lab overlay's (lab=on); none in the product's schema
+        _one_of("fault.action", fault.action, FAULT_ACTIONS)
+    _check_failover(cfg)
+    _check_serving(cfg)
+    from odmoe.tools.memory import parse_bytes
+
+    for key in ("worker.host_memory", "node.memory", "server.kv_cache_memory"):
+        try:
+            parse_bytes(_value(cfg, key))
+        except ValueError as exc:
+            raise ValueError(f"{key}: {exc}") from None
+    _check_cluster(cfg)
+    check_device("model.device", cfg.model.device)
+    check_device("shadow.device", cfg.shadow.device)
+    check_device("worker.device", cfg.worker.device, allow_auto=True)
+    _check_shadow(cfg)
+    _validate_security(cfg)
+    if cfg.role.name == "local":
+        if not cfg.prompt:
+            raise ValueError("prompt is empty")
+        if cfg.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {cfg.max_new_tokens}")
+
+
+def _value(cfg: OdmoeConfig, key: str):
+    return reduce(getattr, key.split("."), cfg)
+
+
+def _one_of(key: str, value, allowed: tuple, joined: bool = False) -> None:
+    if value not in allowed:
+        raise ValueError(f"{key}={value!r} is not one of {', '.join(allowed) if joined else allowed}")
+
+
+def _check_worker(cfg: OdmoeConfig) -> None:
+    from odmoe.worker.expert_cache import CACHE_POLICIES, check_cache_spec
+    from odmoe.worker.expert_store import STORES
+
+    w = cfg.worker
+    for key in ("worker.replicas", "worker.slots", "worker.decompress_threads"):
+        if (count := _value(cfg, key)) < 1:
+            raise ValueError(f"{key} must be at least 1, got {count}")
+    check_cache_spec(w.cache)
+    _one_of("worker.cache_policy", w.cache_policy, CACHE_POLICIES)
+    _one_of("worker.store", w.store, STORES, joined=True)
+    if cfg.role.name == "worker" and not 0 <= w.index < cfg.cluster.workers:
+        raise ValueError(f"worker.index={w.index} is outside 0..{cfg.cluster.workers - 1}")
+
+
+def _check_failover(cfg: OdmoeConfig) -> None:
+    f = cfg.failover
+    if f.heartbeat_interval_s <= 0 or f.heartbeat_timeout_s <= 0:
         raise ValueError("failover.heartbeat_interval_s and heartbeat_timeout_s must be positive")
-    if cfg.failover.no_worker_grace_s < 0:
+    if f.no_worker_grace_s < 0:
         raise ValueError(
-            f"failover.no_worker_grace_s must be >= 0 (0: fail at once), got "
-            f"{cfg.failover.no_worker_grace_s:g}"
+            f"failover.no_worker_grace_s must be >= 0 (0: fail at once), got {f.no_worker_grace_s:g}"
         )
-    if cfg.failover.beat_interval_s < 0:
-        raise ValueError(
-            f"failover.beat_interval_s must be >= 0 (0: off), got {cfg.failover.beat_interval_s:g}"
-        )
-    if cfg.failover.beat_interval_s > 0:
+    if f.beat_interval_s < 0:
+        raise ValueError(f"failover.beat_interval_s must be >= 0 (0: off), got {f.beat_interval_s:g}")
+    if f.beat_interval_s > 0:
         try:
             suspicion_settings(cfg).check()
         except ValueError as exc:
             raise ValueError(
                 f"failover.suspicion_threshold, acceptable_pause_s, beat_min_std_s: {exc}"
             ) from None
-    f = cfg.failover
     if not f.straggler_factor > 1:  # at 1 or below a group's median member would count as slow
         raise ValueError(f"failover.straggler_factor must be > 1, got {f.straggler_factor:g}")
     for key in ("straggler_after", "straggler_probe_every"):
@@ -102,97 +139,72 @@ def validate(cfg: OdmoeConfig) -> None:
             f"failover.resend_late_factor and resend_late_min_s must be >= 0 (factor 0: never), got "
             f"{f.resend_late_factor:g}, {f.resend_late_min_s:g}"
         )
-    if cfg.server.max_waiting < 1 or cfg.server.request_timeout_s <= 0:
+
+
+def _check_serving(cfg: OdmoeConfig) -> None:
+    s, p = cfg.server, cfg.prefill
+    if s.max_waiting < 1 or s.request_timeout_s <= 0:
         raise ValueError("server.max_waiting must be >= 1 and server.request_timeout_s > 0")
-    if cfg.server.client_ping_s < 0.1 or cfg.server.client_ping_timeout_s < 0.1:
+    if s.client_ping_s < 0.1 or s.client_ping_timeout_s < 0.1:
         raise ValueError(
             "server.client_ping_s and server.client_ping_timeout_s must be at least 0.1 s, got "
-            f"{cfg.server.client_ping_s:g} and {cfg.server.client_ping_timeout_s:g}"
+            f"{s.client_ping_s:g} and {s.client_ping_timeout_s:g}"
         )
-    if cfg.server.max_running < 1:
-        raise ValueError(f"server.max_running must be >= 1, got {cfg.server.max_running}")
-    if cfg.server.decode not in ("batched", "per_request"):
-        raise ValueError(f"server.decode must be batched or per_request, got {cfg.server.decode!r}")
-    if cfg.prefill.chunk_tokens < 0:
-        raise ValueError(f"prefill.chunk_tokens must be >= 0 (0: off), got {cfg.prefill.chunk_tokens}")
-    if not 0 <= cfg.server.http_port < 65536:
-        raise ValueError(f"server.http_port must lie in [0, 65535], got {cfg.server.http_port}")
-    if cfg.worker.slots < 1:
-        raise ValueError(f"worker.slots must be at least 1, got {cfg.worker.slots}")
-    from odmoe.tools.memory import parse_bytes
-    from odmoe.worker.expert_store import STORES
+    if s.max_running < 1:
+        raise ValueError(f"server.max_running must be >= 1, got {s.max_running}")
+    if s.decode not in ("batched", "per_request"):
+        raise ValueError(f"server.decode must be batched or per_request, got {s.decode!r}")
+    if not 0 <= s.http_port < 65536:
+        raise ValueError(f"server.http_port must lie in [0, 65535], got {s.http_port}")
+    if p.chunk_tokens < 0:
+        raise ValueError(f"prefill.chunk_tokens must be >= 0 (0: off), got {p.chunk_tokens}")
+    if p.mini_batch < 0:
+        raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {p.mini_batch}")
+    _one_of("prefill.placement", p.placement, PREFILL_PLACEMENTS, joined=True)
 
-    if cfg.worker.store not in STORES:
-        raise ValueError(f"worker.store={cfg.worker.store!r} is not one of {', '.join(STORES)}")
-    try:
-        parse_bytes(cfg.worker.host_memory)
-    except ValueError as exc:
-        raise ValueError(f"worker.host_memory: {exc}") from None
-    try:
-        parse_bytes(cfg.node.memory)
-    except ValueError as exc:
-        raise ValueError(f"node.memory: {exc}") from None
-    try:
-        parse_bytes(cfg.server.kv_cache_memory)
-    except ValueError as exc:
-        raise ValueError(f"server.kv_cache_memory: {exc}") from None
-    if cfg.worker.decompress_threads < 1:
-        raise ValueError(f"worker.decompress_threads must be at least 1, got {cfg.worker.decompress_threads}")
-    if cfg.role.name == "worker" and not 0 <= cfg.worker.index < cfg.cluster.workers:
-        raise ValueError(f"worker.index={cfg.worker.index} is outside 0..{cfg.cluster.workers - 1}")
-    if not 0 <= cfg.cluster.min_workers <= cfg.cluster.workers:
+
+def _check_cluster(cfg: OdmoeConfig) -> None:
+    c, main, secure = cfg.cluster, cfg.role.name == "main", cfg.security.enabled
+    if not 0 <= c.min_workers <= c.workers:
         raise ValueError(
-            f"cluster.min_workers={cfg.cluster.min_workers} must be within 0..cluster.workers "
-            f"({cfg.cluster.workers}; 0: all of them)"
+            f"cluster.min_workers={c.min_workers} must be within 0..cluster.workers "
+            f"({c.workers}; 0: all of them)"
         )
-    joining = cfg.cluster.join_port >= 0 and not cfg.cluster.worker_addresses  # they come by the link
-    if cfg.role.name == "main" and not joining and len(cfg.cluster.worker_addresses) != cfg.cluster.workers:
+    joining = c.join_port >= 0 and not c.worker_addresses  # they come by the link
+    if main and not joining and len(c.worker_addresses) != c.workers:
         raise ValueError(
-            f"role=main needs cluster.worker_addresses with {cfg.cluster.workers} entries, "
-            f"got {len(cfg.cluster.worker_addresses)}"
+            f"role=main needs cluster.worker_addresses with {c.workers} entries, "
+            f"got {len(c.worker_addresses)}"
         )
-    if joining and cfg.role.name == "main" and not cfg.security.enabled:
+    if joining and main and not secure:
         raise ValueError(
             "cluster.join_port without cluster.worker_addresses admits nodes by the join link, which needs "
             "security.enabled=true (its certificate's fingerprint and secret are what a box checks)"
         )
-    if cfg.join and not cfg.security.enabled:
+    if cfg.join and not secure:
         raise ValueError("join=LINK needs security.enabled=true: the link is checked by TLS and a secret")
-    check_device("model.device", cfg.model.device)
-    check_device("shadow.device", cfg.shadow.device)
-    check_device("worker.device", cfg.worker.device, allow_auto=True)
+
+
+def _check_shadow(cfg: OdmoeConfig) -> None:
     from odmoe.shadow.precision import CPU_ONLY, PRECISIONS
 
-    if cfg.shadow.precision in CPU_ONLY and cfg.shadow.device.startswith("cuda"):
+    s = cfg.shadow
+    if s.precision in CPU_ONLY and s.device.startswith("cuda"):
         raise ValueError(
-            f"shadow.precision={cfg.shadow.precision} is a CPU kernel of torch's; on CUDA use int8 or nf4"
+            f"shadow.precision={s.precision} is a CPU kernel of torch's; on CUDA use int8 or nf4"
         )
-    if cfg.shadow.mode not in SHADOW_MODES:
-        raise ValueError(f"shadow.mode={cfg.shadow.mode!r} is not one of {SHADOW_MODES}")
+    _one_of("shadow.mode", s.mode, SHADOW_MODES)
     for name in ("inject_wrong", "inject_wrong_token"):
         if not 0.0 <= (rate := getattr(emulation_of(cfg), name)) <= 1.0:
             raise ValueError(f"emulation.{name} must lie in [0, 1], got {rate}")
-    if cfg.shadow.precision not in PRECISIONS:
-        raise ValueError(f"shadow.precision={cfg.shadow.precision!r} is not one of {', '.join(PRECISIONS)}")
+    _one_of("shadow.precision", s.precision, PRECISIONS, joined=True)
     cfg.miss.validate()
     make_plan(cfg.alignment)  # raises on a bad mode, negative periods or bounds
-    if not 0 <= cfg.shadow.nice <= 19:
-        raise ValueError(f"shadow.nice must lie in 0..19 (an os.nice increment), got {cfg.shadow.nice}")
-    if cfg.shadow.hedge_margin < 0:
-        raise ValueError(f"shadow.hedge_margin must be >= 0 (0: off), got {cfg.shadow.hedge_margin}")
+    if not 0 <= s.nice <= 19:
+        raise ValueError(f"shadow.nice must lie in 0..19 (an os.nice increment), got {s.nice}")
+    if s.hedge_margin < 0:
+        raise ValueError(f"shadow.hedge_margin must be >= 0 (0: off), got {s.hedge_margin}")
     Speculation(1, cfg.alignment.max_ahead)  # raises on max_ahead < 1
-    if cfg.prefill.mini_batch < 0:
-        raise ValueError(f"prefill.mini_batch must be >= 0 (0: one batch), got {cfg.prefill.mini_batch}")
-    if cfg.prefill.placement not in PREFILL_PLACEMENTS:
-        raise ValueError(
-            f"prefill.placement={cfg.prefill.placement!r} is not one of {', '.join(PREFILL_PLACEMENTS)}"
-        )
-    _validate_security(cfg)
-    if cfg.role.name == "local":
-        if not cfg.prompt:
-            raise ValueError("prompt is empty")
-        if cfg.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {cfg.max_new_tokens}")
 
 
 def check_device(key: str, name: str, allow_auto: bool = False) -> None:
