@@ -11,8 +11,6 @@ Contract:
 - `process_memory(pid)` reads /proc/PID/status: the peak (`VmHWM`) and current resident size, split
   into anonymous, file-backed and shared pages, in bytes.
 - `parse_bytes(text)`: a byte size as users write it ("512MiB", "2GB", 1024; "" and 0 mean none).
-- `cgroup_usage()` is the current and peak usage the kernel charges to this process's memory cgroup
-  (page cache included, which is how a limit sees it), when the process runs in one of its own.
 
 Every figure is in bytes. Nothing here allocates or imports torch: a node calls it before loading.
 """
@@ -77,23 +75,6 @@ def cgroup_limit(
                 break
             node = node.parent
     return min(found) if found else None
-
-
-def cgroup_usage(cgroup_file: Path = Path("/proc/self/cgroup"), root: Path = CGROUP_ROOT) -> dict[str, int]:
-    """{"usage", "peak"} charged to this process's own memory cgroup ({} at the root or unreadable)."""
-    for version, rel in _memory_cgroups(cgroup_file):
-        if rel in ("", "/"):
-            continue
-        if version == 1:
-            node = root / "memory" / rel.lstrip("/")
-            files = {"usage": "memory.usage_in_bytes", "peak": "memory.max_usage_in_bytes"}
-        else:
-            node = root / ("unified" if (root / "unified").is_dir() else "") / rel.lstrip("/")
-            files = {"usage": "memory.current", "peak": "memory.peak"}
-        out = {k: v for k, f in files.items() if (v := _read_int(node / f)) is not None}
-        if out:
-            return out
-    return {}
 
 
 def process_memory(pid: int | str = "self", proc: Path = Path("/proc")) -> ProcessMemory:

@@ -118,7 +118,7 @@ def small_model(tmp_path_factory) -> Path:
 
 def reference(model: Path, dtype: torch.dtype) -> ExpertStore:
     ckpt = Checkpoint(model)
-    return ExpertStore.from_checkpoint(ckpt, ckpt.moe_layers, dtype)
+    return ExpertStore.build(ckpt, ckpt.moe_layers, dtype)
 
 
 def all_loads_equal(store: ExpertStore, ref: ExpertStore, use_async: bool = False) -> bool:

@@ -234,7 +234,7 @@ def test_cache_buffers_are_allocated_as_kept_experts_need_them(model_dirs):
     from odmoe.worker.expert_store import DeviceSlots, ExpertStore
 
     ckpt = Checkpoint(model_dirs["mixtral"])
-    store = ExpertStore.from_checkpoint(ckpt, ckpt.moe_layers, torch.float32)
+    store = ExpertStore.build(ckpt, ckpt.moe_layers, torch.float32)
     slots = DeviceSlots(store, torch.device("cpu"), slots=2, cache=3, allocate=1)
     assert len(slots._slots) == 3
     for key in list(store.keys())[:3]:

@@ -2,9 +2,9 @@
 
 Contract: `Substituter.decide(layer, top_k_index[T, k], top_k_weights[T, k], predicted)` returns
 {missing expert: resident expert} for a decode step, applying `odmoe.lossy.miss_policy` with this
-request's per-token budget (main's data path counts them). `begin_token()` starts a new
-generated token (its budget). Only single-token steps (decode, batch 1) are ever substituted: rows
-of one expert are never split between two experts, and prefill has no prediction.
+request's per-token budget (main's data path counts them and starts each token's). Only
+single-token steps (decode, batch 1) are ever substituted: rows of one expert are never split
+between two experts, and prefill has no prediction.
 
 Inputs the gates need: the buddy lists and TAE percentiles from `odmoe-profile` (loaded here), and
 for `importance` the router's scores over all experts, read by `odmoe.shadow.router_tap.RouterTap` from the
@@ -97,9 +97,6 @@ class Substituter:
         if self.cfg.tae_percentile >= 0 and self.profile is not None:
             return self.profile.tau(layer, self.cfg.tae_percentile)
         return self.cfg.tae_threshold
-
-    def begin_token(self) -> None:
-        self.budget.reset()
 
     def decide(
         self, layer: int, top_k_index: torch.Tensor, top_k_weights: torch.Tensor, predicted: list[int] | None

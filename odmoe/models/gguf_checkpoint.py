@@ -71,10 +71,6 @@ _WIDTHS = (  # (config field transformers leaves at its default, the GGUF key th
 )
 
 
-def is_gguf(path: str | Path) -> bool:
-    return str(path).endswith(".gguf")
-
-
 def gguf_location(path: str | Path) -> tuple[Path, str]:
     """(directory, file name) as transformers' `from_pretrained(dir, gguf_file=...)` takes them: of a
     sharded set the first shard, which holds the metadata (config, tokenizer, chat template)."""
@@ -348,10 +344,6 @@ class GgufCheckpoint(Checkpoint):
     def expert_shapes(self) -> tuple[torch.Size, torch.Size]:
         gate, _, down = self._expert_tensors(self.moe_layers[0])
         return torch.Size([2 * gate.shape[1], gate.shape[2]]), torch.Size(down.shape[1:])
-
-    def stored_expert_bytes(self) -> int:
-        """One expert's bytes as the file stores it (the first MoE layer's)."""
-        return sum(t.nbytes // t.shape[0] for t in self._expert_tensors(self.moe_layers[0]))
 
     def _plain_expert_keys(self, layer: int, expert: int) -> None:  # type: ignore[override]
         return None  # never the bytes a worker computes with: dequantized on every read

@@ -65,11 +65,6 @@ class ExpertStore:
         self.pack_missing: str | None = None  # set by `build`: where it looked for a pack and found none
 
     @classmethod
-    def from_checkpoint(cls, checkpoint: Checkpoint, layers: list[int], dtype: torch.dtype) -> ExpertStore:
-        """Every expert decompressed in host memory (`worker.store=memory` without a budget)."""
-        return cls.build(checkpoint, layers, dtype)
-
-    @classmethod
     def build(
         cls,
         checkpoint: Checkpoint,
