@@ -26,12 +26,12 @@ values are its own.
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from odmoe.tools.model_factory import built_beside
 
 GGUF_TYPES = (
     "F32",
@@ -266,8 +266,7 @@ def write_gguf(
     tensors = _gguf_tensors(model_dir, arch)
     rng = np.random.default_rng(seed)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with built_beside(out_dir) as tmp:
         writer = gguf.GGUFWriter(
             tmp / gguf_file_name(qtype),
             arch,
@@ -284,9 +283,4 @@ def write_gguf(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
         writer.close()
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out_dir / gguf_file_name(qtype, 0, shards)

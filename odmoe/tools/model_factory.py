@@ -15,6 +15,7 @@ BPE already encodes, not new special tokens: the vocabulary, and so every cached
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import json
@@ -22,7 +23,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -469,14 +470,22 @@ def make_model(spec: ModelSpec, out_dir: str | Path, max_shard_size: str | None 
 
 def _save_atomically(model, spec: ModelSpec, out_dir: Path, max_shard_size: str | None, meta: dict) -> None:
     """The model's weights (sharded at `max_shard_size`, None: transformers' default), its tokenizer
-    and `odmoe_model.json` (meta) into out_dir, written beside it first and then renamed into place,
-    so a crash never leaves half a model."""
+    and `odmoe_model.json` (meta) into out_dir, atomically (`built_beside`)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with built_beside(out_dir) as tmp:
         model.save_pretrained(tmp, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
         build_tokenizer(spec.vocab, spec.max_positions).save_pretrained(tmp)
         (tmp / "odmoe_model.json").write_text(json.dumps(meta, indent=2))
+
+
+@contextlib.contextmanager
+def built_beside(out_dir: Path) -> Iterator[Path]:
+    """An empty directory beside `out_dir` to write a checkpoint into; when the block ends without an
+    error it takes `out_dir`'s place (an old one removed), else it is removed: a crash never leaves
+    half a model. Every maker of checkpoints here writes through it."""
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
+    try:
+        yield tmp
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

@@ -11,9 +11,7 @@ odmoe.tools.mxfp4_checkpoint).
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -21,13 +19,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from odmoe.tools.model_factory import built_beside
+
 Convert = Callable[[str, torch.Tensor], dict[str, torch.Tensor]]
 
 
 def rewrite_checkpoint(src: str | Path, out: str | Path, convert: Convert, quantization_config: dict) -> Path:
     src, out = Path(src), Path(out)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
+    with built_beside(out) as tmp:
         for item in src.iterdir():
             if item.suffix != ".safetensors" and item.is_file():
                 shutil.copy2(item, tmp / item.name)
@@ -41,11 +40,6 @@ def rewrite_checkpoint(src: str | Path, out: str | Path, convert: Convert, quant
         config = json.loads((tmp / "config.json").read_text())
         config["quantization_config"] = quantization_config
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

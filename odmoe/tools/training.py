@@ -38,10 +38,8 @@ import logging
 import math
 import os
 import platform
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -58,6 +56,7 @@ from odmoe.tools.model_factory import (
     ModelSpec,
     add_chat_template,
     build_tokenizer,
+    built_beside,
     corpus_documents,
     default_cache_dir,
     ensure_default_model,
@@ -352,18 +351,12 @@ def _fit(model, train: torch.Tensor, spec: ModelSpec, settings: TrainSettings) -
 
 def _save(model, tokenizer, spec: ModelSpec, report: dict, out_dir: Path) -> None:
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-", dir=out_dir.parent))
-    try:
+    with built_beside(out_dir) as tmp:
         model.config.output_router_logits = False
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "odmoe_model.json").write_text(json.dumps(asdict(spec), indent=2))
         (tmp / "odmoe_training.json").write_text(json.dumps(report, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _ensure(target: Path, spec: ModelSpec, settings: TrainSettings, what: str, train=None) -> Path:
