@@ -272,7 +272,7 @@ def test_every_decode_iteration_runs_in_the_tick_the_shadow_was_told(model_dirs)
     accept = engine._accept
 
     def accept_and_note(ticket, run, logits):
-        seen.append((run.request_id, run.iteration, engine.tick, run.first_tick))
+        seen.append((run.request_id, run.iteration, engine.tick, run.schedule.admission.first_tick))
         return accept(ticket, run, logits)
 
     engine._accept = accept_and_note

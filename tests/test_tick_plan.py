@@ -2,7 +2,19 @@
 
 import pytest
 
-from odmoe.main.tick_plan import RunView, TickPlan, kv_fits, plan_tick, prefill_quota, prefill_tick
+from odmoe.main.tick_plan import (
+    Admission,
+    AdmitState,
+    Arrival,
+    RunView,
+    TickPlan,
+    admit,
+    kv_fits,
+    plan_tick,
+    prefill_quota,
+    prefill_tick,
+    room,
+)
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
@@ -68,3 +80,21 @@ def test_the_kv_budget_admits_while_it_holds_and_the_first_always():
     assert kv_fits(100, 0, 0, 10**6, first=True)  # the first request always fits
     assert not kv_fits(100, 0, 0, 1, first=False)  # not measured yet: one at a time
     assert kv_fits(100, 2, 30, 20, first=False) and not kv_fits(100, 2, 30, 21, first=False)
+
+
+def test_admission_fixes_a_prefills_start_quota_and_first_decode_tick():
+    state = AdmitState(
+        tick=5, free_tick=7, moe_layers=24, chunk_tokens=256, stagger=True, others_running=True
+    )
+    # staggered to tick 7, cut into 4 ticks of 6 layers: it decodes from tick 11
+    assert admit(Arrival(1024), state) == Admission(prefill_tick=7, quota=6, first_tick=11)
+    # a scored prompt passes over its layers twice before it decodes
+    assert admit(Arrival(100, scored=True), state) == Admission(7, 24, 9)
+    # admitted mid-pass: a plain prefill goes this tick, a grouped one the next
+    now = AdmitState(5, 5, 24, 0, True, True, in_pass=True)
+    assert admit(Arrival(10), now).prefill_tick == 5
+    assert admit(Arrival(10, grouped=True), now) == Admission(6, 24, 7)
+
+
+def test_room_is_what_max_running_leaves():
+    assert room(8, 3) == 5 and room(8, 8) == 0 and room(2, 5) == 0

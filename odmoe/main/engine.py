@@ -8,8 +8,10 @@ to the model sends them. Each request's inputs and choice of each token are thos
 `generate()` (`odmoe.main.request_run`), so its tokens equal transformers' whatever else runs beside it.
 
 Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* at a time:
-  1) admit: waiting requests join at the tick boundary while `max_running` and the K/V budget
-     allow; each begins with its prefill, and the shadow is told (which tick its decode starts at);
+  1) admit: waiting requests join at the tick boundary, in arrival order, while the planner says
+     there is room (`tick_plan.room`: `max_running`; `kv_fits`: the K/V budget); the planner also
+     fixes each one's prefill (`tick_plan.admit`: its start, staggered, its quota of layers per
+     tick, its first decode tick, of which the shadow is told);
   2) run, as the tick's plan says (`odmoe.main.tick_plan.plan_tick`, pure: decoding requests go in
      the batched pass, staggered prefills and followers wait): every other running request's
      forward pass runs as a lockstep task (`odmoe.lockstep`), on this thread, in its own shapes and
@@ -20,10 +22,10 @@ Continuous batching, exactly (DESIGN: lossless batching). The loop, one *tick* a
      (`RemoteExperts.exchange_decode`, named `(stream, tick, layer)`: each expert loaded once for
      all of them, one message per worker, every request's rows computed as its own) and each gets
      back its own output. A request's
-     prefill exchanges its own layers, `prefill_quota` MoE layers per tick (`prefill.chunk_tokens`),
+     prefill exchanges its own layers, its quota of MoE layers per tick (`prefill.chunk_tokens`),
      so running streams wait for at most that much of a long prompt: the prompt is still one forward
      pass, cut between layers rather than between tokens, so its bits are one-shot prefill's.
-     Prompts arriving together prefill one per tick (`prefill.stagger`, `prefill_tick`), so the
+     Prompts arriving together prefill one per tick (`prefill.stagger`), so the
      streams running wait for one prompt an iteration and requests that came together part.
      The tick a prompt prefills in is fixed when it is admitted, so the shadow is told its first
      decode tick then.
@@ -44,7 +46,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -65,11 +66,12 @@ from odmoe.main.request_run import (
     InvalidRequest,
     PromptEvent,
     RequestRun,
+    RunSchedule,
     TokenEvent,
 )
 from odmoe.main.run_stats import request_stats
 from odmoe.main.sampling import InvalidSampling
-from odmoe.main.tick_plan import RunView, TickPlan, kv_fits, plan_tick, prefill_quota, prefill_tick
+from odmoe.main.tick_plan import AdmitState, Arrival, RunView, TickPlan, admit, kv_fits, plan_tick, room
 from odmoe.models.main_model import MainModel
 from odmoe.transport.messages import Step
 
@@ -238,12 +240,12 @@ class MainEngine:
     # 1) admit ---------------------------------------------------------------------------------
     def _admit(self, requests: RequestQueue) -> None:
         idle = not self.running and not self.finishing
-        while len(self.running) < self.batching.max_running:
+        while room(self.batching.max_running, len(self.running)):
             ticket = requests.take(timeout=IDLE_WAIT_S if idle and not self.running else 0.0, fits=self._fits)
             if ticket is None:
                 break
             self._start(ticket, requests)
-        requests.capacity = self.batching.max_running - len(self.running)
+        requests.capacity = room(self.batching.max_running, len(self.running))
 
     def _fits(self, ticket: Ticket) -> bool:
         """Whether the K/V cache budget has room for this request (tick_plan.kv_fits)."""
@@ -269,40 +271,38 @@ class MainEngine:
             return None
         if not self.running and not self.finishing:  # a new busy period: its stream is named after it
             self.stream, self.tick, self.prefill_free_tick = request.request_id, 0, 0
-        quota = prefill_quota(len(ids), self.moe_layers, self.batching.chunk_tokens, bool(self.running))
-        passes = 2 if request.prompt_logprobs else 1  # the prompt's scoring pass, then its prefill
-        prefill_ticks = math.ceil(passes * self.moe_layers / quota)
-        plain = passes == 1 and quota >= self.moe_layers and not request.prefill_group
-        starts = prefill_tick(self.tick, self.prefill_free_tick, self.batching.stagger, in_pass, plain)
-        run = RequestRun(
-            request,
-            ids,
-            self.main,
-            self.tokenizer,
-            self.eos_ids,
-            self.experts.context(request.request_id),
-            self.make_plan(),
-            _sink(ticket, self.observer),
-            first_tick=starts + prefill_ticks,
-            prefill_quota=quota,
+        arrival = Arrival(len(ids), request.prompt_logprobs, bool(request.prefill_group))
+        state = AdmitState(
+            self.tick,
+            self.prefill_free_tick,
+            self.moe_layers,
+            self.batching.chunk_tokens,
+            self.batching.stagger,
+            bool(self.running),
+            in_pass,
         )
+        schedule = RunSchedule(admit(arrival, state), plan=self.make_plan())
+        ctx = self.experts.context(request.request_id)
+        sink = _sink(ticket, self.observer)
+        run = RequestRun(request, ids, self.main, self.tokenizer, self.eos_ids, ctx, sink, schedule)
         if run.already_over():
             stats = _resumed_over_stats(run)
             ticket.put(DoneEvent(stats))
             self.observer.finished(ticket, stats)
             requests.done(ticket)
             return None
-        run.leader = _prefill_leader([r for _, r in self.running], self.tasks, run, ids)
-        if run.leader is not None:  # its prefill is the leader's: decode starts with the leader's
-            run.first_tick = run.leader.first_tick
+        schedule.leader = _prefill_leader([r for _, r in self.running], self.tasks, run, ids)
+        if schedule.leader is not None:  # its prefill is the leader's: decode starts with the leader's
+            schedule.admission = schedule.leader.schedule.admission
         else:
-            run.prefill_tick, self.prefill_free_tick = starts, run.first_tick
+            self.prefill_free_tick = schedule.admission.first_tick
         # A prompt only scored has nothing to predict; while the workers' caches hold every expert
         # they serve, predictions would load nothing (and the shadow's compute would slow main's)
         shadow = self.experts.shadow
         if shadow is not None and request.max_new_tokens > 0 and not self.experts.caches_complete():
-            run.shadow = shadow
-            shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, run.first_tick)
+            schedule.shadow = shadow
+            first_tick = schedule.admission.first_tick
+            shadow.begin(request.request_id, ids, request.max_new_tokens, self.stream, first_tick)
         self.running.append((ticket, run))
         return run
 
@@ -314,7 +314,7 @@ class MainEngine:
         self.observer.tick(len(self.running), decoding)
         for _, run in self.running:
             if run.decoding:
-                run.batch_sizes.append(decoding)  # the requests it decoded beside (itself included)
+                run.clock.batch_sizes.append(decoding)  # the requests it decoded beside (itself included)
         views = [_view(run, run.request_id in self.tasks) for _, run in self.running]
         plan = plan_tick(views, self.tick, self.batched is not None)
         runs = {run.request_id: (ticket, run) for ticket, run in self.running}
@@ -334,7 +334,7 @@ class MainEngine:
             run = runs[key][1]
             if key in plan.resume:  # a prefill parked across ticks: a new quota of layers
                 prefill.append(key)
-                run.prefill_layers = 0
+                run.schedule.prefill_layers = 0
                 continue
             run.ctx.begin(run.iteration)
             self._route(self.tasks.start(key, self._forward, run), runs, decode, prefill)
@@ -359,9 +359,9 @@ class MainEngine:
             # first streams its token after one prefill, not all after k
             key = prefill.pop(0)
             run = runs[key][1]
-            if run.prefill_layers >= run.prefill_quota:
+            if run.schedule.prefill_layers >= run.schedule.admission.quota:
                 continue  # its quota for this tick is spent: it goes on next tick
-            run.prefill_layers += 1
+            run.schedule.prefill_layers += 1
             self._route(self.tasks.resume(key), runs, decode, prefill)
             if prefill and prefill[-1] == key:  # parked before its next layer: it goes on first
                 prefill.insert(0, prefill.pop())
@@ -403,8 +403,10 @@ class MainEngine:
         if ticket is None:
             return
         run = self._start(ticket, queue, in_pass=True)
-        queue.capacity = self.batching.max_running - len(self.running)
-        if run is not None and run.leader is None and run.prefill_tick == self.tick:
+        queue.capacity = room(self.batching.max_running, len(self.running))
+        if run is None or run.schedule.leader is not None:
+            return
+        if run.schedule.admission.prefill_tick == self.tick:
             self.prefilled_in_pass += 1
             self._run_tasks(TickPlan(tasks=[run.request_id]), {run.request_id: (ticket, run)})
 
@@ -432,9 +434,9 @@ class MainEngine:
         if run.iteration == 0:
             if not self.kv_bytes_per_position:
                 self.kv_bytes_per_position = _cache_bytes(run.cache) // max(run.prompt_len, 1)
-            for follower_ticket, follower in [(t, r) for t, r in self.running if r.leader is run]:
+            for follower_ticket, follower in [(t, r) for t, r in self.running if r.schedule.leader is run]:
                 follower.cache = copy.deepcopy(run.cache)  # the prompt's K/V rows, before any decode
-                follower.leader = None
+                follower.schedule.leader = None
                 self._accept(follower_ticket, follower, logits)
         finished = run.accept(logits)
         if not finished:
@@ -470,7 +472,7 @@ class MainEngine:
         (the paper's recall counts those that came late too), or after RECALL_WAIT_S."""
         held = []
         for ticket, run, ended_at, deadline in self.finishing:
-            shadow = run.shadow
+            shadow = run.schedule.shadow
             ready = shadow is None or shadow.ended(run.request_id) or time.monotonic() >= deadline
             if not ready and wait:
                 shadow.wait_ended(run.request_id, deadline)
@@ -480,8 +482,8 @@ class MainEngine:
                 continue
             recall = self.experts.recall(run.ctx, wait_s=0.0)
             stats = request_stats(run, self.experts, self.main, recall, ended_at)
-            if run.shadow is not None:
-                run.shadow.forget(run.request_id)
+            if run.schedule.shadow is not None:
+                run.schedule.shadow.forget(run.request_id)
             self.observer.finished(ticket, stats)
             # main's spans reach the trace file before the client learns the request is done
             self.experts.tracer.flush()
@@ -497,10 +499,10 @@ class MainEngine:
         requests that were to copy its prefill compute their own."""
         self.tasks.cancel(run.request_id)
         for _, follower in self.running:
-            if follower.leader is run:
-                follower.leader = None
-        if run.shadow is not None:
-            run.shadow.end(run.request_id)
+            if follower.schedule.leader is run:
+                follower.schedule.leader = None
+        if run.schedule.shadow is not None:
+            run.schedule.shadow.end(run.request_id)
 
     def _fail(self, entry: tuple[Ticket, RequestRun], error: BaseException) -> None:
         ticket, run = entry
@@ -553,7 +555,7 @@ def _prefill_leader(
     for other in running:
         if (
             other.request.prefill_group == group
-            and other.leader is None
+            and other.schedule.leader is None
             and other.iteration == 0
             and other.request_id not in tasks
             and other.step_input[0].tolist() == ids
@@ -564,8 +566,8 @@ def _prefill_leader(
 
 def _view(run: RequestRun, parked: bool) -> RunView:
     """What the tick's planner sees of a run."""
-    follows = run.leader is not None
-    return RunView(run.request_id, run.decoding, run.iteration, run.prefill_tick, follows, parked)
+    follows, starts = run.schedule.leader is not None, run.schedule.admission.prefill_tick
+    return RunView(run.request_id, run.decoding, run.iteration, starts, follows, parked)
 
 
 def _sink(ticket: Ticket, observer):

@@ -1,7 +1,8 @@
 """One request on main, from admission to its last event: what the decode loop keeps per request.
 
 Contract: a `RequestRun` holds a request's prompt, tokens so far, K/V cache (`DynamicCache`), token
-chooser (greedy or seeded sampling, `odmoe.main.sampling`), stop strings and streamed text. The engine
+chooser (greedy or seeded sampling, `odmoe.main.sampling`), stop strings and streamed text, with the
+engine's decisions for it (`RunSchedule`) and its timing (`RunClock`) beside. The engine
 calls `forward()` once per iteration (inside a lockstep task: it may park at every MoE layer) and
 `accept(logits)` with what it returned; `accept` chooses the token exactly as `generate()` would,
 streams it (a `TokenEvent` to the run's sink) unless it is a replayed one, and says whether the
@@ -25,11 +26,13 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache, PreTrainedTokenizerBase
 
-from odmoe.main.alignment import AlignmentPlan
+from odmoe.main.alignment import AlignmentPlan, AlignmentSchedule
 from odmoe.main.batched_decode import DecodeInput
 from odmoe.main.remote_experts import RunContext
 from odmoe.main.sampling import SamplingParams, TokenChooser
+from odmoe.main.shadow_link import ShadowLink
 from odmoe.main.stop_strings import StopStrings
+from odmoe.main.tick_plan import Admission
 from odmoe.models.cache_argument import with_cache
 from odmoe.models.kv_rows import newest_rows
 from odmoe.models.main_model import MainModel
@@ -91,6 +94,31 @@ class DoneEvent:
 Sink = Callable[[object], None]  # where a run's events go (a ticket's queue)
 
 
+@dataclass
+class RunSchedule:
+    """The engine's decisions for a run and its way through the current tick: its admission
+    (`odmoe.main.tick_plan.admit`), the MoE layers its prefill exchanged this tick, whose prefill it
+    copies (`prefill_group`), the shadow predicting for it (None: none, or no use) and the plan of
+    when to align it (its report is in the stats, shadow or not)."""
+
+    admission: Admission = Admission()
+    prefill_layers: int = 0
+    leader: RequestRun | None = None
+    shadow: ShadowLink | None = None
+    plan: AlignmentPlan = field(default_factory=lambda: AlignmentPlan(AlignmentSchedule()))
+
+
+@dataclass
+class RunClock:
+    """Its stats' timing: when it began (perf_counter, and the trace's microseconds), when its first
+    token came (0: not yet), how many requests decoded beside it each decode iteration (itself too)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    start_us: int = field(default_factory=now_us)
+    first_token_at: float = 0.0
+    batch_sizes: list[int] = field(default_factory=list)
+
+
 class RequestRun:
     def __init__(
         self,
@@ -100,14 +128,13 @@ class RequestRun:
         tokenizer: PreTrainedTokenizerBase,
         eos_ids: set[int],
         ctx: RunContext,
-        plan: AlignmentPlan,
         sink: Sink,
-        first_tick: int = 1,
-        prefill_quota: int = 0,
+        schedule: RunSchedule | None = None,
     ):
-        self.request, self.main, self.eos_ids, self.ctx, self.plan = request, main, eos_ids, ctx, plan
+        self.request, self.main, self.eos_ids, self.ctx = request, main, eos_ids, ctx
         self.sink = sink
-        self.start, self.start_us = time.perf_counter(), now_us()
+        self.schedule = schedule or RunSchedule()
+        self.clock = RunClock()
         self.prompt_len = len(prompt_ids)
         self.chooser = TokenChooser(main.model, request.sampling, prompt_ids)
         self.stops, self.text = StopStrings(request.stop), _Detokenizer(tokenizer)
@@ -116,18 +143,10 @@ class RequestRun:
         self.resumed = list(request.resume_ids)
         self.new_ids: list[int] = []
         self.iteration = 0  # 0: prefill; n: the n-th decode iteration
-        self.first_token_at = 0.0
         self.finish_reason = "length"
         self.logits: torch.Tensor | None = None
-        self.first_tick = first_tick  # main's tick of its decode iteration 1 (names its predictions)
-        self.prefill_tick = 0  # main's tick its prefill starts in (engine: staggered prefills)
-        self.prefill_quota = prefill_quota  # MoE layers its prefill may exchange per tick (0: all)
-        self.prefill_layers = 0  # MoE layers its prefill exchanged in the current tick
-        self.batch_sizes: list[int] = []  # per decode iteration: requests decoding together, itself too
         self.scored = not request.prompt_logprobs  # the prompt's scoring pass is done (or not asked)
-        self.leader: RequestRun | None = None  # prefill_group: the run whose prefill this one copies
         self.done = False
-        self.shadow = None  # the ShadowLink predicting for it (None: none, or no use: odmoe.main.engine)
 
     @property
     def request_id(self) -> str:
@@ -212,8 +231,8 @@ class RequestRun:
             token = self.resumed[iteration]
             self.chooser.replace_last(token)
         self.new_ids.append(token)
-        if not replayed and not self.first_token_at:
-            self.first_token_at = time.perf_counter()
+        if not replayed and not self.clock.first_token_at:
+            self.clock.first_token_at = time.perf_counter()
         piece, stopped = self.stops.feed(self.text.add(token))
         eos = token in self.eos_ids and not self.request.ignore_eos
         finished = stopped or eos or iteration + 1 == self.request.max_new_tokens
@@ -239,29 +258,30 @@ class RequestRun:
 
     def next_iteration(self) -> None:
         self.iteration += 1
-        self.prefill_layers = 0
+        self.schedule.prefill_layers = 0
 
     def align_shadow(self, pace: bool) -> None:
         """Before decode iteration n: main's input token for it and the K/V rows main computed in n-1,
         where the plan says (`pace`: an Align every iteration, aligned or not); with the next
         iteration it will align, so a waiting shadow knows."""
-        if self.shadow is None:
+        shadow, plan = self.schedule.shadow, self.schedule.plan
+        if shadow is None:
             return
         iteration = self.iteration + 1
-        if self.shadow.resumable(self.request_id):  # reachable again after it was lost: from here on
-            self.shadow.resume(self.request_id, iteration, self.new_ids[: iteration - 1])
+        if shadow.resumable(self.request_id):  # reachable again after it was lost: from here on
+            shadow.resume(self.request_id, iteration, self.new_ids[: iteration - 1])
         wrong, predicted = self.ctx.traffic.wrong_predictions(iteration - 1)
-        self.plan.observe(iteration - 1, wrong, predicted)
-        send_token, send_kv = self.plan.aligns(iteration)
+        plan.observe(iteration - 1, wrong, predicted)
+        send_token, send_kv = plan.aligns(iteration)
         if not (send_token or send_kv or pace):
             return
         keys = values = None
         if send_kv:
             keys, values = newest_rows(self.cache, self.rows_last_iteration)  # [L, heads, rows, D]
-        self.plan.sent(iteration, send_token, send_kv)
+        plan.sent(iteration, send_token, send_kv)
         token = self.new_ids[-1]
-        next_align = self.plan.next_after(iteration)
-        self.shadow.align(self.request_id, iteration, token if send_token else -1, keys, values, next_align)
+        next_align = plan.next_after(iteration)
+        shadow.align(self.request_id, iteration, token if send_token else -1, keys, values, next_align)
 
     @property
     def streamed(self) -> list[int]:

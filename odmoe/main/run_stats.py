@@ -23,7 +23,7 @@ def request_stats(
     run: RequestRun, experts: RemoteExperts, main: MainModel, recall: RecallCounter, end: float
 ) -> dict:
     traffic = run.ctx.traffic
-    first = run.first_token_at or end
+    first = run.clock.first_token_at or end
     decode_tokens = max(len(run.streamed) - 1, 0)
     return {
         **timing_stats(run, first, end),
@@ -35,8 +35,8 @@ def request_stats(
         **memory_stats(run, experts, main),
         "decode": {**asdict(traffic.decode), "seconds": end - first, "tokens": decode_tokens},
         # continuous batching: how many requests decoded together with this one, per iteration
-        "batch_size_mean": sum(run.batch_sizes) / len(run.batch_sizes) if run.batch_sizes else 0.0,
-        "batch_size_max": max(run.batch_sizes, default=0),
+        "batch_size_mean": sum(sizes) / len(sizes) if (sizes := run.clock.batch_sizes) else 0.0,
+        "batch_size_max": max(run.clock.batch_sizes, default=0),
         "emulated_link": {
             # from each worker's pong; absent where its load link is not emulated
             f"worker{w}": {"bandwidth_gbps": p.link[0], "latency_ms": p.link[1]}
@@ -44,7 +44,7 @@ def request_stats(
             if p.link
         }
         or None,
-        "prefill": prefill_stats(traffic, first - run.start),
+        "prefill": prefill_stats(traffic, first - run.clock.start),
         "recall": recall.report(),
         "timely_recall": traffic.timely_recall.report(),
         "per_worker": {f"worker{w}": asdict(row) for w, row in sorted(traffic.per_worker.items())},
@@ -59,8 +59,8 @@ def request_stats(
         "resumed_tokens": len(run.resumed),
         "finish_reason": run.finish_reason,
         "seed": run.chooser.seed if run.chooser.sampling else None,
-        "failover": failover_stats(experts, traffic, run.start_us),
-        "alignment": run.plan.report(),
+        "failover": failover_stats(experts, traffic, run.clock.start_us),
+        "alignment": run.schedule.plan.report(),
         # failover.steer_stragglers: the stragglers as of the request's end (odmoe.main.stragglers)
         "stragglers": experts.stragglers.report() if experts.stragglers is not None else None,
         # failover.resend_late_*: decode calls sent again for being late, since main started
@@ -77,9 +77,9 @@ def timing_stats(run: RequestRun, first: float, end: float) -> dict:
         "request_id": run.request_id,
         "prompt_tokens": run.prompt_len,
         "new_tokens": len(new_ids),
-        "ttft_s": first - run.start,
+        "ttft_s": first - run.clock.start,
         "decode_tokens_per_s": decode_tokens / decode_s if decode_tokens and decode_s > 0 else 0.0,
-        "total_s": end - run.start,
+        "total_s": end - run.clock.start,
     }
 
 

@@ -5,10 +5,12 @@ of each running request (`RunView`: a snapshot, no model, no cache) and says who
 tick: the decoding requests one batched pass computes, the prefills parked across ticks that go
 on, and the forward passes started as lockstep tasks (one request alone too); the rest wait (a
 follower's prefill is its leader's; a staggered prefill's tick is later).
-`prefill_quota`, `prefill_tick` and `kv_fits` are the admission's decisions: how many MoE layers a
-prompt's prefill exchanges a tick, in which tick it starts, whether the K/V budget holds one more
-request. The engine (`odmoe.main.engine`) asks and then runs the plan; nothing here touches a
-request, a socket or a tensor, so each rule is tested on its own (tests/test_tick_plan.py).
+`admit(arrival, state) -> Admission` is the admission's plan for a request taken from the queue:
+how many MoE layers its prefill exchanges a tick (`prefill_quota`), the tick it starts in
+(`prefill_tick`), the tick of its first decode iteration; `kv_fits` whether the K/V budget holds
+one more request, `room` how many more may run. The engine (`odmoe.main.engine`) asks and then
+runs the plan; nothing here touches a request, a socket or a tensor, so each rule is tested on
+its own (tests/test_tick_plan.py).
 
 Why apart: the tick's choices (stagger, chunked prefill, the batched pass, followers) were branches
 inside the loop that ran them; a plan is a value one can read, print and test.
@@ -30,6 +32,38 @@ class RunView:
     prefill_tick: int = 0  # the tick its prefill starts in (stagger)
     follows: bool = False  # its prefill is a leader's (same prompt, `prefill_group`)
     parked: bool = False  # its forward pass is a task parked across ticks (a chunked prefill)
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """A request taken from the queue, as the planner sees it."""
+
+    prompt_tokens: int
+    scored: bool = False  # prompt_logprobs: a scoring pass over the prompt before its prefill
+    grouped: bool = False  # in a prefill_group: it may copy a leader's prefill
+
+
+@dataclass(frozen=True)
+class AdmitState:
+    """What admission needs to know of the engine at that moment."""
+
+    tick: int
+    free_tick: int  # the first tick no admitted prompt's prefill holds (stagger)
+    moe_layers: int
+    chunk_tokens: int  # prefill.chunk_tokens (0: a whole prompt at once)
+    stagger: bool  # prefill.stagger
+    others_running: bool
+    in_pass: bool = False  # admitted between two layers of the batched decode pass
+
+
+@dataclass(frozen=True)
+class Admission:
+    """Where an admitted request's prefill goes: the tick it starts in, the MoE layers it exchanges
+    per tick, and the tick of its decode iteration 1 (which names its predictions)."""
+
+    prefill_tick: int = 0
+    quota: int = 0
+    first_tick: int = 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +96,22 @@ def plan_tick(runs: list[RunView], tick: int, batched: bool) -> TickPlan:
     ]
     resume = frozenset(run.key for run in runs if run.parked)
     return TickPlan(tasks=tasks, resume=resume, together=together)
+
+
+def admit(arrival: Arrival, state: AdmitState) -> Admission:
+    """A request's admission: its prefill's quota of layers per tick, its start (staggered), and
+    its first decode tick after the ticks its prefill (and a scoring pass before it) take."""
+    layers = state.moe_layers
+    quota = prefill_quota(arrival.prompt_tokens, layers, state.chunk_tokens, state.others_running)
+    passes = 2 if arrival.scored else 1
+    plain = passes == 1 and quota >= layers and not arrival.grouped
+    starts = prefill_tick(state.tick, state.free_tick, state.stagger, state.in_pass, plain)
+    return Admission(starts, quota, starts + math.ceil(passes * layers / quota))
+
+
+def room(max_running: int, running: int) -> int:
+    """How many more requests may be admitted now (`server.max_running`)."""
+    return max(max_running - running, 0)
 
 
 def prefill_quota(prompt_tokens: int, moe_layers: int, chunk_tokens: int, others_running: bool) -> int:
