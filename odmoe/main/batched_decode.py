@@ -3,10 +3,12 @@ bit for bit what its own batch-of-one forward pass computes.
 
 Contract: `BatchedDecode.supports(main)` says whether main's family has the decoder layer this
 module replays (norm, attention, residual add, norm, MoE or MLP block, residual add: Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE); `BatchedDecode(main).step(inputs, running)` runs one
-decode iteration for every `DecodeInput` (a request's input token and its own K/V cache) and returns
-each request's last-position logits [1, V] (float32, on the host), each cache updated as that
-request's own `model(input_ids, attention_mask, cache, logits_to_keep=1)` call would update it. The
+Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4-MoE); `BatchedDecode(main).step(inputs, running)` is one
+decode iteration for every `DecodeInput` (a request's input token and its own K/V cache), a
+`DecodePass` its caller iterates one decoder layer at a time (between two layers nothing of the pass
+is active: main may prefill a prompt there); once through, its `logits` are each request's
+last-position logits [1, V] (float32, on the host), each cache updated as that request's own
+`model(input_ids, attention_mask, cache, logits_to_keep=1)` call would update it. The
 engine uses it when two or more requests decode in one tick (`server.decode=batched`, the default
 where the family is supported); a request alone, a prefill and every other family take
 transformers' own forward pass per request as before.
@@ -43,8 +45,8 @@ import contextlib
 import inspect
 import logging
 import sys
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -230,6 +232,20 @@ class RowExact(TorchFunctionMode):
         return type(first)(parts) if not hasattr(first, "_fields") else type(first)(*parts)
 
 
+@dataclass
+class DecodePass:
+    """One batched decode iteration, run by iterating it: each step is a decoder layer; between two
+    steps no torch function mode and no forward pass of the experts is active, so the caller may do
+    other work of main's there (a prompt's prefill, in a pass of its own), which the pass never sees.
+    `logits`: each request's [1, V], once iterated to the end."""
+
+    layers: Iterator[int]
+    logits: list[torch.Tensor] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[int]:
+        return self.layers
+
+
 class BatchedDecode:
     def __init__(self, main: MainModel):
         self.main, self.model = main, main.model
@@ -290,16 +306,16 @@ class BatchedDecode:
             return self.config.layer_types[i]
         return "full_attention"
 
-    def step(
-        self,
-        inputs: list[DecodeInput],
-        running: ForwardPass,
-        between: Callable[[], None] | None = None,
-    ) -> list[torch.Tensor]:
-        """Each request's logits [1, V] for its next token; `running` (`rows`: one request per row,
-        in order) is whose experts calls the pass makes. `between()` runs between two decoder
-        layers, outside the pass (no function mode, no forward pass of the experts' own): other work
-        of main's (a prompt's prefill, in a pass of its own), which the pass never sees."""
+    def step(self, inputs: list[DecodeInput], running: ForwardPass) -> DecodePass:
+        """The decode iteration of `inputs`, to be iterated layer by layer; `running` (`rows`: one
+        request per row, in order) is whose experts calls the pass makes."""
+        out = DecodePass(iter(()))
+        out.layers = self._layers(inputs, running, out.logits)
+        return out
+
+    def _layers(self, inputs: list[DecodeInput], running: ForwardPass, logits: list) -> Iterator[int]:
+        """The pass, yielding the index of each decoder layer done but the last; the pass's modes
+        are entered for each layer and left before the yield."""
         body, device, rows = self.body, self.main.device, len(inputs)
         ids = torch.cat([run.token for run in inputs]).to(device)  # [B, 1]
         hidden = body.embed_tokens(ids)  # [B, 1, H]
@@ -307,39 +323,38 @@ class BatchedDecode:
         position_ids = torch.tensor([[p] for p in seen], device=device)  # [B, 1]
         masks = [self._masks(hidden[b : b + 1], run, position_ids[b : b + 1]) for b, run in enumerate(inputs)]
         cache = _BatchCache([run.cache for run in inputs])
+        with self._inside(running, rows):
+            if self.rope_rowwise:  # cos / sin of each request's position alone (the mode)
+                rotary = body.rotary_emb(hidden, position_ids)
+            else:
+                alone = [body.rotary_emb(hidden[b : b + 1], position_ids[b : b + 1]) for b in range(rows)]
+                rotary = tuple(torch.cat(part) for part in zip(*alone, strict=True))  # (cos, sin)
+        layers = body.layers[: self.config.num_hidden_layers]
+        for i, layer in enumerate(layers):
+            with self._inside(running, rows):
+                hidden = layer(
+                    hidden,
+                    attention_mask=_PerRequest(m[self._mask_type(i)] for m in masks),
+                    position_ids=position_ids,
+                    cache=cache,
+                    use_cache=True,
+                    position_embeddings=rotary,
+                )
+            if i + 1 < len(layers):
+                yield i
+        with self._inside(running, rows):
+            out = self.model.lm_head(body.norm(hidden)[:, -1:, :])
+        logits.extend(out[b : b + 1, -1, :].float().cpu() for b in range(rows))
+
+    @contextlib.contextmanager
+    def _inside(self, running: ForwardPass, rows: int):
+        """Within the pass: its experts calls, attention per request, every op row-exact."""
         self.row_exact.rows = rows
         try:
             with forward_pass(running), self._attention_per_request(), self.row_exact:
-                if self.rope_rowwise:  # cos / sin of each request's position alone (the mode)
-                    rotary = body.rotary_emb(hidden, position_ids)
-                else:
-                    alone = [body.rotary_emb(hidden[b : b + 1], position_ids[b : b + 1]) for b in range(rows)]
-                    rotary = tuple(torch.cat(part) for part in zip(*alone, strict=True))  # (cos, sin)
-                layers = body.layers[: self.config.num_hidden_layers]
-                for i, layer in enumerate(layers):
-                    kind = self._mask_type(i)
-                    hidden = layer(
-                        hidden,
-                        attention_mask=_PerRequest(m[kind] for m in masks),
-                        position_ids=position_ids,
-                        cache=cache,
-                        use_cache=True,
-                        position_embeddings=rotary,
-                    )
-                    if between is not None and i + 1 < len(layers):
-                        self._outside(between)
-                hidden = body.norm(hidden)
-                logits = self.model.lm_head(hidden[:, -1:, :])
+                yield
         finally:
             self.row_exact.rows = 0
-        return [logits[b : b + 1, -1, :].float().cpu() for b in range(rows)]
-
-    def _outside(self, work: Callable[[], None]) -> None:
-        """`work` as if no pass were running: no torch function mode (RowExact), no forward pass
-        the experts call would take for its own; the attention patch lets calls on plain tensors
-        through unchanged."""
-        with forward_pass(None), torch._C.DisableTorchFunction():
-            work()
 
     @contextlib.contextmanager
     def _attention_per_request(self):

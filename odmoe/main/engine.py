@@ -374,14 +374,16 @@ class MainEngine:
             run.ctx.begin(run.iteration)
         running = ForwardPass(tuple(run.ctx for _, run in entries), self.stream, self.tick, rows=True)
         inputs = [run.decode_input() for _, run in entries]
-        between = self._prefill_in_pass if self.batching.stagger else None
+        decode = self.batched.step(inputs, running)
         try:
-            logits = self.batched.step(inputs, running, between)
+            for _ in decode:  # one decoder layer at a time; between two, a new prompt may prefill
+                if self.batching.stagger:
+                    self._prefill_in_pass()
         except Exception as exc:  # every request of the pass needed each layer's exchange
             for entry in entries:
                 self._fail(entry, exc)
             return
-        for (ticket, run), row in zip(entries, logits, strict=True):
+        for (ticket, run), row in zip(entries, decode.logits, strict=True):
             self._accept(ticket, run, row)
 
     def _prefill_in_pass(self) -> None:
@@ -389,11 +391,12 @@ class MainEngine:
         if this tick has no prefill yet, is admitted and prefilled now, its first token streamed at
         once, rather than after the rest of the pass and at the next tick (in the closed loop of
         the serving suite a client's next request arrives just after a tick began: that wait was
-        most of its TTFT). Its prefill is its own forward pass, outside the pass (BatchedDecode
-        steps out of it), so its bits are what they are alone; it decodes from the next tick on,
-        the tick it was admitted for. Only a plain prefill goes now, and none while a prefill task is
-        parked: a prompt that is scored, chunked or in a prefill group is admitted now and prefills
-        from the next tick (`_start(in_pass=True)`), its first decode tick told so."""
+        most of its TTFT). Its prefill is its own forward pass, outside the pass (nothing of a
+        DecodePass is active between its layers), so its bits are what they are alone; it decodes
+        from the next tick on, the tick it was admitted for. Only a plain prefill goes now, and none
+        while a prefill task is parked: a prompt that is scored, chunked or in a prefill group is
+        admitted now and prefills from the next tick (`_start(in_pass=True)`), its first decode
+        tick told so."""
         queue = self._queue
         if queue is None or self.tasks or len(self.running) >= self.batching.max_running:
             return
