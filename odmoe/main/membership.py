@@ -62,6 +62,25 @@ class MembershipEvent:
     reason: str = ""
 
 
+def _pong(frames) -> Pong | None:
+    """The Pong in `frames`, or None for anything else (frames from a worker are not trusted)."""
+    try:
+        message, _ = from_frames(frames)
+    except CodecError:
+        return None
+    return message if isinstance(message, Pong) else None
+
+
+def enough_to_start(topology: Topology, layers: list[int], pongs: dict[int, Pong], minimum: int) -> bool:
+    """Start-up may end: every worker answered, or (with `minimum`, cluster.min_workers) at least
+    `minimum` did and every layer has one that holds it."""
+    if len(pongs) == topology.workers:
+        return True
+    if not minimum or len(pongs) < minimum:
+        return False
+    return all(topology.holders(layer, pongs) for layer in layers)
+
+
 class Membership:
     def __init__(
         self,
@@ -88,8 +107,7 @@ class Membership:
         self.events: list[MembershipEvent] = []
         self.refusals: dict[int, str] = {}  # worker -> why its last CURVE handshake failed
         self.shadow_pub = ""
-        self._poller_stale = True
-        self._poller = zmq.Poller()
+        self._poller: zmq.Poller | None = None  # None: the live set changed, rebuilt at the next wait
         self._by_socket: dict[zmq.Socket, tuple[int, bool]] = {}  # socket -> (worker, is monitor)
         self._beat_verdicts: dict[int, str] = {}  # worker -> why the beats say it is lost
 
@@ -99,18 +117,12 @@ class Membership:
         that judge them (None: heartbeats alone)."""
         self.beats = beats
         self.links = {i: self._connect(i, a) for i, a in enumerate(self.addresses) if a}
-        self._poller_stale = True
+        self._poller = None
 
     # -- who is alive ------------------------------------------------------------------------
     @property
     def live(self) -> frozenset[int]:
         return frozenset(self.links)
-
-    def socket(self, worker: int) -> zmq.Socket:
-        link = self.links.get(worker)
-        if link is None:
-            raise WorkerUnavailable(f"worker {worker} is not live")
-        return link.sock
 
     def _connect(self, worker: int, address: str) -> WatchedSocket:
         # No send high-water mark: a full queue would make a send block or fail, and a slow worker
@@ -142,16 +154,14 @@ class Membership:
         if self.beats is not None:
             self.beats.forget(f"worker{worker}")
         self.pongs.pop(worker, None)
-        self._poller_stale = True
+        self._poller = None
         self.events.append(MembershipEvent(worker, "lost", now_us(), reason))
         log.warning("worker %d (%s) lost: %s; live: %s", worker, link.address, reason, sorted(self.links))
 
     def wait(self, timeout_ms: int) -> tuple[list[tuple[int, list]], list[int]]:
         """Block up to timeout_ms for answers or losses: ([(worker, frames)], [workers lost])."""
-        if self._poller_stale:
-            self._rebuild_poller()
         received, lost = [], []
-        for sock, _ in self._poller.poll(max(timeout_ms, 0)):
+        for sock, _ in (self._poller or self._rebuild_poller()).poll(max(timeout_ms, 0)):
             if self.beats is not None and sock == self.beats.fileno():
                 lost += [w for w in self._beats_lost() if w not in lost]
                 continue
@@ -193,16 +203,15 @@ class Membership:
         if self.beats is not None:
             self.beats.watch(f"worker{worker}", self.addresses[worker])
 
-    def _rebuild_poller(self) -> None:
-        self._poller = zmq.Poller()
-        self._by_socket = {}
+    def _rebuild_poller(self) -> zmq.Poller:
+        self._poller, self._by_socket = zmq.Poller(), {}
         for worker, link in self.links.items():
             for sock, is_monitor in ((link.sock, False), (link.monitor, True)):
                 self._poller.register(sock, zmq.POLLIN)
                 self._by_socket[sock] = (worker, is_monitor)
         if self.beats is not None:
             self._poller.register(self.beats.fileno(), zmq.POLLIN)
-        self._poller_stale = False
+        return self._poller
 
     # -- start-up ------------------------------------------------------------------------------
     def ping_all(self, timeout_s: float, shadow_pub: str, minimum: int = 0) -> list[Pong]:
@@ -216,7 +225,7 @@ class Membership:
         for worker in self.links:
             self.send(worker, to_frames(Ping(shadow_pub=shadow_pub)))
         deadline = time.monotonic() + timeout_s
-        while not self._enough_to_start(minimum):
+        while not enough_to_start(self.topology, self.layers, self.pongs, minimum):
             received, lost = self.wait(int((deadline - time.monotonic()) * 1000))
             if refused := [w for w in lost if w in self.refusals]:
                 raise WorkerUnavailable(self.refusals[refused[0]])
@@ -233,7 +242,7 @@ class Membership:
                     f"worker(s) {silent} did not answer a ping within {timeout_s:.0f}s{more}"
                 )
             for worker, frames in received:
-                pong = self._pong(frames)
+                pong = _pong(frames)
                 if pong is not None:
                     if problem := self._verify(worker, pong):
                         raise WorkerUnavailable(problem)
@@ -242,26 +251,12 @@ class Membership:
         for worker in [w for w in self.links if w not in self.pongs]:  # not up yet: probed from now on
             link = self.links.pop(worker)
             link.close()
-            self._poller_stale = True
+            self._poller = None
             log.info(
                 "worker %d is not up yet: main serves without it and takes it in when it answers", worker
             )
         self.broadcast()
         return [self.pongs[i] for i in sorted(self.pongs)]
-
-    def _enough_to_start(self, minimum: int) -> bool:
-        if len(self.pongs) == self.topology.workers:
-            return True
-        if not minimum or len(self.pongs) < minimum:
-            return False
-        return all(self.topology.holders(layer, self.pongs) for layer in self.layers)
-
-    def _pong(self, frames) -> Pong | None:
-        try:
-            message, _ = from_frames(frames)
-        except CodecError:
-            return None
-        return message if isinstance(message, Pong) else None
 
     def _verify(self, worker: int, pong: Pong) -> str:
         address = self.addresses[worker]
@@ -321,7 +316,7 @@ class Membership:
     def _admit(self, probe: _Probe) -> bool:
         link = probe.link
         while link.sock.poll(0):
-            pong = self._pong(link.sock.recv_multipart(copy=False))
+            pong = _pong(link.sock.recv_multipart(copy=False))
             if pong is None:
                 continue
             if problem := self._verify(probe.index, pong):
@@ -334,7 +329,7 @@ class Membership:
             link.lost()  # drain the connect events of the probe
             self.links[probe.index], self.pongs[probe.index] = link, pong
             self._watch(probe.index)
-            self._poller_stale = True
+            self._poller = None
             self.events.append(MembershipEvent(probe.index, "rejoined", now_us(), link.address))
             log.info("worker %d (%s) is back; live: %s", probe.index, link.address, sorted(self.links))
             return True
