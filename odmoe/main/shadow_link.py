@@ -86,6 +86,19 @@ class _Request:
         return self.first_tick + iteration - 1
 
 
+def own_experts(prediction: Prediction | None, request: str) -> list[int] | None:
+    """`request`'s own choice in a prediction: all of it when it names no requests (one request ran),
+    else the request's entry; None when there is none (not here yet, or the request is not listed)."""
+    if prediction is None:
+        return None
+    if not prediction.requests:
+        return prediction.experts
+    try:
+        return prediction.request_experts[prediction.requests.index(request)]
+    except (ValueError, IndexError):  # untrusted frames: the lists may disagree
+        return None
+
+
 class ShadowLink:
     def __init__(
         self,
@@ -142,22 +155,21 @@ class ShadowLink:
     @property
     def up(self) -> bool:
         """Reachable, as far as the heartbeat and the beats know (drains their events)."""
-        if self.control.lost():
-            self._lost("its connection dropped")
-        if self.beats is not None:
-            if self.beats.take_lost():
-                self.beat_lost = True
-                self._lost(self.beats.why("shadow"))
-            if self.beats.take_back():
-                self.beat_lost = False
-                log.info("shadow (%s) answers beats again: running requests resume with it", self.address)
+        why = ["its connection dropped"] if self.control.lost() else []
+        if self.beats is not None and self.beats.take_lost():
+            self.beat_lost = True
+            why.append(self.beats.why("shadow"))
+        if why:  # stale: a resume reconnects afresh
+            self.lost_at_us, self.stale, self.fresh = now_us(), True, False
+            log.warning(
+                "shadow (%s) lost (%s): requests run without predictions until it is back",
+                self.address,
+                "; ".join(why),
+            )
+        if self.beats is not None and self.beats.take_back():
+            self.beat_lost = False
+            log.info("shadow (%s) answers beats again: running requests resume with it", self.address)
         return not self.beat_lost and (self.control.connected or self.fresh)
-
-    def _lost(self, why: str) -> None:
-        self.lost_at_us, self.stale, self.fresh = now_us(), True, False
-        log.warning(
-            "shadow (%s) lost (%s): requests run without predictions until it is back", self.address, why
-        )
 
     def resumable(self, request: str) -> bool:
         """The request runs without the shadow, and the shadow is reachable now."""
@@ -169,9 +181,7 @@ class ShadowLink:
         iterations 1..iteration-1): the shadow takes the request up again from there."""
         r = self.requests[request]
         if self.stale:  # fresh connections: no retransmission backoff, no stale queue
-            self.close()
-            self._connect(self.address, self.pub_address)
-            self.stale, self.fresh = False, True
+            self.replace(self.address, self.pub_address)
         r.offset, r.active, r.ended, r.resumes = iteration - 1, True, False, r.resumes + 1
         ids = [*r.prompt_ids, *fed_ids]
         left = r.max_new_tokens - r.offset
@@ -289,28 +299,19 @@ class ShadowLink:
         r = self.requests.get(request)
         if r is None or not r.active:
             return {}
+
+        def own(key: tuple[int, int]) -> list[int] | None:  # by main's (iteration, layer)
+            mine = r.stream == self.stream  # predictions are kept for the current stream only
+            return own_experts(self.predictions.get((r.tick(key[0]), key[1])) if mine else None, request)
+
         deadline = time.monotonic() + wait_s
-        while not r.ended and any(self._choice(request, r, k) is None for k in keys):
+        while not r.ended and any(own(k) is None for k in keys):
             if time.monotonic() >= deadline:
                 break
             if self.sub.poll(10):
                 self._drain(None)
-        found = {k: self._choice(request, r, k) for k in keys}
+        found = {k: own(k) for k in keys}
         return {k: v for k, v in found.items() if v is not None}
-
-    def _choice(self, request: str, r: _Request, key: tuple[int, int]) -> list[int] | None:
-        iteration, layer = key
-        if r.stream != self.stream:
-            return None
-        prediction = self.predictions.get((r.tick(iteration), layer))
-        if prediction is None:
-            return None
-        if not prediction.requests:
-            return prediction.experts
-        try:
-            return prediction.request_experts[prediction.requests.index(request)]
-        except (ValueError, IndexError):
-            return None
 
     def _drain(self, now: Step | None) -> None:
         while self.sub.poll(0):
