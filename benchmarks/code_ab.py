@@ -3,6 +3,7 @@ path (the tokens must be the same, the speed within noise).
 
     git worktree add /tmp/ab_old <commit>                      # the old code beside this checkout
     (cd /tmp/ab_old/odmoe && ln -s ../nodes nodes && ln -s ../launch launch && ln -s ../conf conf)
+    cd /tmp   # not the checkout: `python -m` puts the working directory first on sys.path
     for i in 1 2 3; do
         PYTHONPATH=/tmp/ab_old python -m odmoe_bench.code_ab MODEL   # A: the old code
         python -m odmoe_bench.code_ab MODEL                          # B: this checkout
@@ -10,8 +11,10 @@ path (the tokens must be the same, the speed within noise).
 
 Each run starts a LocalCluster (2 workers, the defaults) on MODEL (a checkpoint directory: the
 demo model `~/.cache/odmoe/models/demo-mixtral-...`), warms it with one short request, then
-generates 64 tokens for each of three prompts, and prints one JSON line: which code ran, the tokens,
-wall and decode tokens/s and each prompt's first 8 token ids (A and B must print the same ids).
+generates 64 tokens for each of three prompts, one after another (a request alone) or with
+`--together` all at once (continuous batching: the batched decode pass), and prints one JSON line:
+which code ran (check it: the `code` path), the tokens, wall and decode tokens/s and each prompt's
+first 8 token ids (A and B must print the same ids).
 The symlinks make `odmoe.nodes` / `odmoe.launch` / `odmoe.conf` resolve inside the old tree too
 (the installed package maps them from the checkout's top-level folders); node processes inherit
 PYTHONPATH, so every node runs the version under test. Alternate A and B: the box's load drifts.
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import odmoe
 from odmoe.launch.local_cluster import LocalCluster
@@ -33,22 +37,29 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a checkpoint directory")
     parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--together", action="store_true", help="the three prompts at once")
     args = parser.parse_args(argv)
     with LocalCluster(args.model, workers=2) as cluster:
         cluster.client.generate(PROMPTS[0], max_new_tokens=4)  # warm: loads, first shapes
-        runs = []
-        for prompt in PROMPTS:
+
+        def timed(prompt: str):
             start = time.perf_counter()
-            got = cluster.client.generate(prompt, max_new_tokens=args.tokens)
-            runs.append((got, time.perf_counter() - start))
+            return cluster.client.generate(prompt, max_new_tokens=args.tokens), time.perf_counter() - start
+
+        start = time.perf_counter()
+        with ThreadPoolExecutor(len(PROMPTS) if args.together else 1) as pool:
+            runs = list(pool.map(timed, PROMPTS))
+        wall = time.perf_counter() - start
     tokens = sum(len(got.token_ids) for got, _ in runs)
-    decode_s = sum(got.stats["decode"]["seconds"] for got, _ in runs)
+    # together, the requests' decode seconds overlap: the wall clock is the measure
+    decode_s = 0.0 if args.together else sum(got.stats["decode"]["seconds"] for got, _ in runs)
     print(
         json.dumps(
             {
                 "code": odmoe.__file__,
                 "tokens": tokens,
-                "wall_tokens_per_s": round(tokens / sum(s for _, s in runs), 1),
+                "together": args.together,
+                "wall_tokens_per_s": round(tokens / wall, 1),
                 "decode_tokens_per_s": round(tokens / decode_s, 1) if decode_s else None,
                 "first_ids": [got.token_ids[:8] for got, _ in runs],
             }
