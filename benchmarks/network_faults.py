@@ -22,8 +22,8 @@ its own namespace, run `--streams` requests at a time, again and again. `--cases
 - `straggler`: cacheless workers, every worker's expert loads over an emulated 25 Gbit/s + 0.2 ms
   link, worker3's 10x slower (as benchmarks/stragglers.py), `--seconds` each, healthy then slow:
   tokens/s against healthy, when main steered away from worker3.
-(`odmoe-bench suite=network` runs these cases, and `client_cut`: a client whose own link
-black-holes mid-stream, until main cancels its request.)
+- `client_cut`, on the first cluster: a client whose own link black-holes mid-stream, until main
+  cancels its request. (`odmoe-bench suite=network` runs these cases, through `measure`.)
 Every request's tokens are compared with transformers' greedy generate(). `--words` are more
 odmoe-launch words for the clusters (e.g. the detector before issue 47:
 `failover.beat_interval_s=0 failover.heartbeat_timeout_s=1.0`). Prints the figures and writes JSON
@@ -42,6 +42,7 @@ import threading
 import time
 
 import httpx
+from transformers import AutoConfig
 
 import odmoe
 from odmoe.launch.local_cluster import NodePlacement
@@ -57,7 +58,7 @@ from odmoe_bench.workload import prompt_ids, reference_tokens
 WORKERS = 4
 NODES = ["main", "shadow", *[f"worker{i}" for i in range(WORKERS)]]
 NEW_TOKENS = 48
-CASES = ("loss", "black_hole", "jitter_loss", "shadow_cut", "straggler")
+CASES = ("loss", "black_hole", "client_cut", "jitter_loss", "shadow_cut", "straggler")
 
 
 class Load:
@@ -420,6 +421,43 @@ def client_cut(cluster, prompts, wants, context: int) -> dict:
     }
 
 
+def measure(lan: Lan, path: str, words: list[str], prompts, wants, cases, loss: float, seconds: float,
+            hole_s: float = 30, jitter_ms: float = 20, cut_s: float = 30, straggler_s: float | None = None,
+            slower: float = 10.0) -> dict:  # fmt: skip
+    """Each case of `cases` (CASES, "healthy" alone: the first cluster's baseline) on the namespaces of
+    `lan`, measured under load, by report key: healthy, lossy, black_hole and client_cut share one
+    cluster; healthy_relayed and jitter_loss, shadow_cut, healthy_cacheless and straggler their own."""
+    report: dict = {}
+    if {"healthy", "loss", "black_hole", "client_cut"} & set(cases):
+        with odmoe.LocalCluster(path, overrides=words, place=lan.placement) as cluster:
+            cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
+            healthy = report["healthy"] = phase(cluster, prompts, wants, max(seconds / 4, 10))
+            if "loss" in cases:
+                for node in lan.nodes:
+                    lan.drop(node, loss)
+                lossy = report["lossy"] = phase(cluster, prompts, wants, seconds)
+                for node in lan.nodes:
+                    lan.heal(node)
+                lossy["tokens_per_s_vs_healthy"] = round(
+                    lossy["tokens_per_s"] / max(healthy["tokens_per_s"], 1e-9), 3
+                )
+            if "black_hole" in cases:
+                report["black_hole"] = black_hole(lan, cluster, prompts, wants, hole_s)
+            if "client_cut" in cases:
+                context = AutoConfig.from_pretrained(path).max_position_embeddings
+                report["client_cut"] = client_cut(cluster, prompts, wants, context)
+    if "jitter_loss" in cases:
+        both = jitter_and_loss(lan, path, words, prompts, wants, loss, jitter_ms / 1e3, seconds)
+        report["healthy_relayed"], report["jitter_loss"] = both["healthy"], both["jitter_loss"]
+        report["jitter_loss"]["jitter_s"] = both["jitter_s"]
+    if "shadow_cut" in cases:
+        report["shadow_cut"] = shadow_cut(lan, path, words, prompts, wants, cut_s)
+    if "straggler" in cases:
+        both = straggler(lan, path, words, prompts, wants, straggler_s or seconds, slower)
+        report["healthy_cacheless"], report["straggler"] = both["healthy"], both["straggler"]
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny")
@@ -439,44 +477,16 @@ def main() -> None:
     if why := missing():
         raise SystemExit(f"network_faults: {why}")
     path = resolve_model(args.model)
-    tok = load_tokenizer(path)
-    prompts = [prompt_ids(tok, i, 16) for i in range(args.streams)]
+    prompts = [prompt_ids(load_tokenizer(path), i, 16) for i in range(args.streams)]
     wants = [reference_tokens(path, p, NEW_TOKENS) for p in prompts]
     report: dict = {"model": path, "loss_per_link": args.loss, "words": args.words, "streams": args.streams}
     words = [f"cluster.workers={WORKERS}", "cluster.group_size=2", *args.words]
     with Lan(NODES, 1.0, 0.1) as lan:
-        if "loss" in cases or "black_hole" in cases:
-            with odmoe.LocalCluster(path, overrides=words, place=lan.placement) as cluster:
-                cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
-                report["healthy"] = phase(cluster, prompts, wants, max(args.seconds / 4, 10))
-                if "loss" in cases:
-                    for node in NODES:
-                        lan.drop(node, args.loss)
-                    report["lossy"] = phase(cluster, prompts, wants, args.seconds)
-                    for node in NODES:
-                        lan.heal(node)
-                    report["lossy"]["tokens_per_s_vs_healthy"] = round(
-                        report["lossy"]["tokens_per_s"] / max(report["healthy"]["tokens_per_s"], 1e-9), 3
-                    )
-                if "black_hole" in cases:
-                    report["black_hole"] = black_hole(lan, cluster, prompts, wants, args.hole_s)
-        if "jitter_loss" in cases:
-            both = jitter_and_loss(
-                lan, path, words, prompts, wants, args.loss, args.jitter_ms / 1e3, args.seconds
-            )
-            report["healthy_relayed"], report["jitter_loss"] = both["healthy"], both["jitter_loss"]
-            report["jitter_loss"]["jitter_s"] = both["jitter_s"]
-        if "shadow_cut" in cases:
-            report["shadow_cut"] = shadow_cut(lan, path, words, prompts, wants, args.cut_s)
-        if "straggler" in cases:
-            both = straggler(lan, path, words, prompts, wants, args.seconds)
-            report["healthy_cacheless"], report["straggler"] = both["healthy"], both["straggler"]
-    for name in ("healthy", "lossy", "black_hole", "healthy_relayed", "jitter_loss", "shadow_cut",
-                 "healthy_cacheless", "straggler"):  # fmt: skip
-        if name in report:
-            row = {k: v for k, v in report[name].items() if k not in ("events", "errors")}
-            print(f"{name:11} {row}", flush=True)
-    write_report(args.out, report)
+        measured = measure(lan, path, words, prompts, wants, cases, args.loss, args.seconds, args.hole_s,
+                           args.jitter_ms, args.cut_s)  # fmt: skip
+    for name, row in measured.items():
+        print(f"{name:11} { {k: v for k, v in row.items() if k not in ('events', 'errors')} }", flush=True)
+    write_report(args.out, {**report, **measured})
 
 
 if __name__ == "__main__":
