@@ -35,14 +35,11 @@ def ablation(rows: list[dict], out: Path, subtitle: str) -> None:
     speed.boxplot([r["decode_tokens_per_s"]["values"] for r in rows], widths=0.5)
     speed.plot(range(1, len(rows) + 1), [r["decode_tokens_per_s"]["mean"] for r in rows], "D", color="C3")
     speed.set_xticks(range(1, len(rows) + 1), labels, fontsize=8)
-    speed.set_ylabel("decode tokens/s")
-    speed.set_title("decode speed (box: requests, diamond: mean)")
+    speed.set(ylabel="decode tokens/s", title="decode speed (box: requests, diamond: mean)")
     bars = stall.bar(range(len(rows)), [r["stall_ms_per_token"] for r in rows], color="C1")
     _label_bars(stall, bars, [None if r["recall"] is None else f"recall\n{r['recall']:.2f}" for r in rows])
     stall.set_xticks(range(len(rows)), [str(r["case"]) for r in rows])
-    stall.set_xlabel("case")
-    stall.set_ylabel("stall ms per decode token")
-    stall.set_title("waiting for expert loads")
+    stall.set(xlabel="case", ylabel="stall ms per decode token", title="waiting for expert loads")
     stall.margins(y=0.25)
     fig.suptitle(f"ablation cases (paper Fig. 8)\n{subtitle}", fontsize=10)
     fig.tight_layout()
@@ -61,9 +58,7 @@ def heatmaps(
         image = ax.imshow(values, cmap="viridis", origin="lower")
         ax.set_xticks(range(len(kvs)), [str(k) for k in kvs])
         ax.set_yticks(range(len(tokens)), [str(t) for t in tokens])
-        ax.set_xlabel("KV alignment period")
-        ax.set_ylabel("token alignment period")
-        ax.set_title(panel)
+        ax.set(xlabel="KV alignment period", ylabel="token alignment period", title=panel)
         for i, row in enumerate(values):
             for j, v in enumerate(row):
                 if not math.isnan(v):
@@ -160,8 +155,7 @@ def grid(cells: list[dict], systems: dict, out: Path, subtitle: str) -> None:
         ax.set_xticks(
             [i + width * (len(names) - 1) / 2 for i in range(len(cells))], [c["name"] for c in cells]
         )
-        ax.set_xlabel("input / output tokens")
-        ax.set_title(label)
+        ax.set(xlabel="input / output tokens", title=label)
         ax.grid(axis="y", alpha=0.3)
     axes[0].legend(fontsize=8)
     mem = axes[3]
@@ -249,8 +243,7 @@ def compression(report: dict, out: Path, subtitle: str) -> None:
         xs = [i + m * width for i in range(len(by_dtype))]
         ratio.bar(xs, [v * 100 if v is not None else 0 for v in values], width, label=method)
     ratio.set_xticks([i + 0.4 - width / 2 for i in range(len(by_dtype))], list(by_dtype))
-    ratio.set_ylabel("stored / raw bytes (%)")
-    ratio.set_title("every expert of the model")
+    ratio.set(ylabel="stored / raw bytes (%)", title="every expert of the model")
     ratio.legend(fontsize=7)
     for d, row in report["speed"].items():
         threads = sorted(row["odmoe_gbps"], key=int)
@@ -259,9 +252,7 @@ def compression(report: dict, out: Path, subtitle: str) -> None:
         if row["zipnn_gbps"]:
             zipnn = [row["zipnn_gbps"][n] for n in threads]
             speed.plot([int(n) for n in threads], zipnn, "x--", label=f"zipnn {d}")
-    speed.set_xlabel("threads")
-    speed.set_ylabel("decompressed GB/s")
-    speed.set_title("decompression speed")
+    speed.set(xlabel="threads", ylabel="decompressed GB/s", title="decompression speed")
     speed.legend(fontsize=7)
     if panels == 3:
         decode = axes[2]
@@ -273,8 +264,7 @@ def compression(report: dict, out: Path, subtitle: str) -> None:
             color="C2",
         )
         decode.set_xticks(range(len(rows)), list(rows), fontsize=8)
-        decode.set_ylabel("decode tokens/s")
-        decode.set_title("decode, storage-bound link")
+        decode.set(ylabel="decode tokens/s", title="decode, storage-bound link")
     fig.suptitle(f"lossless compressed expert store — {subtitle}", fontsize=9)
     _save(fig, out)
 
@@ -355,8 +345,7 @@ def lossy(rows: list[dict], out: Path, subtitle: str) -> None:
                         ax.annotate(
                             f"{r['value']:g}", (x, y), textcoords="offset points", xytext=(3, 3), fontsize=7
                         )
-            ax.set_xlabel("decode tokens/s" if clustered else "substitutions per token")
-            ax.set_ylabel(label)
+            ax.set(xlabel="decode tokens/s" if clustered else "substitutions per token", ylabel=label)
             ax.set_title(f"injected misses {rate:g}", fontsize=9)
             ax.legend(fontsize=8)
     fig.suptitle(
@@ -390,8 +379,7 @@ def lookahead(report: dict, out: Path, subtitle: str) -> None:
         timely = [r.get("timely_recall") for r in rows]
         _label_bars(speed, bars, [None if t is None else f"in time\n{t:.3f}" for t in timely])
         speed.set_xticks(list(x), labels, fontsize=7, rotation=35, ha="right")
-        speed.set_ylabel("decode tokens/s")
-        speed.set_title("decode speed and timely recall per system")
+        speed.set(ylabel="decode tokens/s", title="decode speed and timely recall per system")
     if "hedge" in ax:
         _lookahead_hedging(ax["hedge"], hedging)
     fig.suptitle(subtitle, fontsize=9)
@@ -410,8 +398,7 @@ def _lookahead_hedging(hedge, hedging: list[dict]) -> None:
         hedge.axvline(10, color="grey", ls="--", lw=0.8)
         hedge.legend(fontsize=8)
     hedge.set_xlabel("extra expert loads (%)")
-    hedge.set_ylabel("recall with hedges")
-    hedge.set_title("hedged prefetch (labels: margin; dashed: the goal)")
+    hedge.set(ylabel="recall with hedges", title="hedged prefetch (labels: margin; dashed: the goal)")
 
 
 def prefill(report: dict, out: Path, subtitle: str) -> None:
@@ -438,8 +425,7 @@ def prefill(report: dict, out: Path, subtitle: str) -> None:
     ]
     ttft.set_xticks(range(len(rows)), labels, fontsize=8)
     ttft.set_xlabel("prefill.mini_batch, prefill.placement")
-    ttft.set_ylabel("TTFT ms (median)")
-    ttft.set_title("time to first token")
+    ttft.set(ylabel="TTFT ms (median)", title="time to first token")
     ttft.legend(fontsize=7)
     if kv:
         recall = axes[0][1]
@@ -449,8 +435,7 @@ def prefill(report: dict, out: Path, subtitle: str) -> None:
         ):
             points = [(int(t), r) for t, r in kv["recall_per_token"][key].items() if r is not None]
             recall.plot([t for t, _ in points], [r for _, r in points], style, label=label)
-        recall.set_xlabel("decode token")
-        recall.set_ylabel("recall")
+        recall.set(xlabel="decode token", ylabel="recall")
         recall.set_title(f"alignment.prefill_kv: {kv['precision']} shadow, token alignment only", fontsize=9)
         recall.legend(fontsize=8)
     fig.suptitle(f"Batched prefill\n{subtitle}", fontsize=10)
