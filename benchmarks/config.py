@@ -527,20 +527,16 @@ def validate(cfg: BenchConfig) -> None:
     for name, periods in cfg.recall.alignments.items():
         if len(periods) != 2 or min(periods) < 0:
             raise ValueError(f"recall.alignments.{name} must be [token_period, kv_period] >= 0")
-    if bad := sorted(set(cfg.grid.systems) - set(GRID_SYSTEMS)):
-        raise ValueError(f"grid.systems: {bad} not among {', '.join(GRID_SYSTEMS)}")
-    if bad := sorted(set(cfg.ablation.cases) - set(range(1, 7))):
-        raise ValueError(f"ablation.cases: {bad} not among 1..6")
+    _among("grid.systems", cfg.grid.systems, GRID_SYSTEMS)
+    _among("ablation.cases", cfg.ablation.cases, range(1, 7))
     for name in ("alignment", "ablation", "grid"):
         if getattr(cfg, name).repeats < 1:
             raise ValueError(f"{name}.repeats must be at least 1")
     if cfg.grid.lru_experts < 1:
         raise ValueError("grid.lru_experts must be at least 1")
     c = cfg.compression
-    if bad := sorted(set(c.systems) - set(COMPRESSION_SYSTEMS)):
-        raise ValueError(f"compression.systems: {bad} not among {', '.join(COMPRESSION_SYSTEMS)}")
-    if bad := sorted(set([*c.dtypes, c.dtype]) - {"bfloat16", "float16", "float32"}):
-        raise ValueError(f"compression dtypes: {bad} not among bfloat16, float16, float32")
+    _among("compression.systems", c.systems, COMPRESSION_SYSTEMS)
+    _among("compression dtypes", [*c.dtypes, c.dtype], ("bfloat16", "float16", "float32"))
     if not c.threads or min(c.threads) < 1 or c.repeats < 1 or c.speed_repeats < 1:
         raise ValueError("compression.threads, repeats and speed_repeats must be at least 1")
     for case in cfg.faults.cases:
@@ -550,8 +546,7 @@ def validate(cfg: BenchConfig) -> None:
     if not 1 <= cfg.faults.at_token < cfg.faults.new_tokens - 4:
         raise ValueError("faults.at_token must lie in 1 .. new_tokens - 5 (gaps after it are measured)")
     nw = cfg.network
-    if bad := sorted(set(nw.cases) - set(NETWORK_CASES)):
-        raise ValueError(f"network.cases: {bad} not among {', '.join(NETWORK_CASES)}")
+    _among("network.cases", nw.cases, NETWORK_CASES)
     if not 0 < nw.loss < 1 or min(nw.seconds, nw.hole_s, nw.cut_s, nw.straggler_s) <= 0 or nw.streams < 1:
         raise ValueError(
             "network: loss must lie in (0, 1), seconds, hole_s, cut_s and straggler_s > 0, streams >= 1"
@@ -564,22 +559,19 @@ def validate(cfg: BenchConfig) -> None:
     if any(r <= 0 for r in sv.rates) or sv.open_requests < 1:
         raise ValueError("serving.rates must be > 0 and serving.open_requests >= 1")
     ca = cfg.cache
-    if bad := sorted(set(ca.systems) - set(CACHE_SYSTEMS) - set(CACHE_ABLATIONS)):
-        raise ValueError(f"cache.systems: {bad} not among {', '.join(CACHE_SYSTEMS + CACHE_ABLATIONS)}")
+    _among("cache.systems", ca.systems, CACHE_SYSTEMS + CACHE_ABLATIONS)
     if not 0 <= ca.skew < 1:
         raise ValueError(f"cache.skew must lie in [0, 1), got {ca.skew}")
     if not ca.budgets or any(not 0 <= b <= 1 for b in ca.budgets) or min(ca.prompts, ca.new_tokens) < 1:
         raise ValueError("cache.budgets must lie in [0, 1]; cache.prompts and new_tokens >= 1")
     me = cfg.memory
-    if bad := sorted(set(me.systems) - set(MEMORY_SYSTEMS)):
-        raise ValueError(f"memory.systems: {bad} not among {', '.join(MEMORY_SYSTEMS)}")
+    _among("memory.systems", me.systems, MEMORY_SYSTEMS)
     if not me.layers or min(me.layers) < 1 or any(not 0 < f <= 1 for f in me.disk_fractions):
         raise ValueError("memory.layers must be >= 1 and memory.disk_fractions lie in (0, 1]")
     ev = cfg.eval
     if ev.limit < 0 or min(ev.num_concurrent, ev.scoring_prompts, ev.scoring_batch) < 1:
         raise ValueError("eval: limit must be >= 0; num_concurrent, scoring_prompts, scoring_batch >= 1")
-    if bad := sorted(set(ev.tasks) - {"odmoe_code_mc", "odmoe_code_gen"}):
-        raise ValueError(f"eval.tasks: {bad} not among odmoe_code_mc, odmoe_code_gen")
+    _among("eval.tasks", ev.tasks, ("odmoe_code_mc", "odmoe_code_gen"))
     if cfg.soak.clients < 1 or cfg.soak.requests < cfg.soak.clients:
         raise ValueError("soak.clients must be >= 1 and soak.requests >= soak.clients")
     for key in ("chaos_every_s", "down_s", "straggler_delay_s", "hole_s", "loss", "network_s"):
@@ -630,6 +622,12 @@ def validate(cfg: BenchConfig) -> None:
         )
     if cfg.link.bandwidth_gbps < 0 or cfg.link.latency_ms < 0:
         raise ValueError("link.bandwidth_gbps and link.latency_ms must be >= 0 (0/0: no emulated link)")
+
+
+def _among(name: str, values, known) -> None:
+    """ValueError naming `name` where some of `values` are not among `known`."""
+    if bad := sorted(set(values) - set(known)):
+        raise ValueError(f"{name}: {bad} not among {', '.join(map(str, known))}")
 
 
 def suite_summaries() -> dict[str, str]:

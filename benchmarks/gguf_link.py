@@ -18,7 +18,6 @@ the link time the smaller blocks save. A GGUF file computes in float32 as transf
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -26,7 +25,9 @@ from pathlib import Path
 from odmoe import LocalCluster
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.node_memory import process_memory
-from odmoe.tools.model_factory import ModelSpec, make_wide_model
+from odmoe.tools.model_factory import make_wide_model
+from odmoe_bench.results import write_report
+from odmoe_bench.wide_model import add_wide_model_args, wide_spec
 
 PROMPT = "def fibonacci(n):\n    "
 
@@ -97,10 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m odmoe_bench.gguf_link", description=__doc__.splitlines()[0]
     )
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=3584)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--experts", type=int, default=8)
+    add_wide_model_args(parser, layers=4)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--gbps", type=float, default=8.0, help="emulated host-to-device link")
     parser.add_argument("--types", nargs="+", default=["Q8_0", "Q4_K"])
@@ -109,18 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from odmoe.tools.gguf_export import write_gguf
 
-    spec = ModelSpec(
-        family="qwen3_moe",
-        layers=args.layers,
-        hidden=args.hidden,
-        intermediate=args.intermediate,
-        experts=args.experts,
-        top_k=2,
-        heads=16,
-        kv_heads=4,
-        vocab=2048,
-        dtype="bfloat16",
-    )
+    spec = wide_spec(args, family="qwen3_moe", vocab=2048)
     rows, seconds = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
@@ -157,8 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "rows": rows,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     return 0
 
 

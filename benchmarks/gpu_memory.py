@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from odmoe.node_memory import process_memory
+from odmoe_bench.results import write_report
 
 GiB = 1 << 30
 
@@ -108,7 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{n['device_peak'] / GiB:8.2f}   {n['ready_s'] or 0:6.1f}"
         )
     if args.out:
-        Path(args.out).write_text(json.dumps(report, indent=2))
+        write_report(args.out, report)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ load, and whether the tokens equal transformers loading that checkpoint in one p
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.tools.fp8_checkpoint import quantize_fp8
 from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4
+from odmoe_bench.results import write_report
 
 SPEC = ModelSpec(family="deepseek_v3", hidden=64, intermediate=32, experts=16, top_k=4, dtype="bfloat16")
 GPT_OSS = ModelSpec(family="gpt_oss", dtype="bfloat16")
@@ -98,8 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         **ratios,
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+    write_report(args.out, report)
     return 0
 
 

@@ -42,10 +42,11 @@ from pathlib import Path
 from odmoe.launch.memory_cgroups import MemoryCgroups
 from odmoe.memory_plan import MARGIN_BYTES, PROCESS_BYTES
 from odmoe.node_memory import process_memory
-from odmoe.tools.model_factory import ModelSpec, default_cache_dir, make_wide_model
+from odmoe.tools.model_factory import default_cache_dir, make_wide_model
 from odmoe_bench import plots
 from odmoe_bench.config import BenchConfig
 from odmoe_bench.results import ResultsDir
+from odmoe_bench.wide_model import wide_spec
 
 GiB, MiB = 1 << 30, 1 << 20
 SYSTEM_WORDS = {
@@ -98,22 +99,10 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
 
 
 def _model(m, layers: int) -> str:
-    spec = ModelSpec(
-        family="mixtral",
-        layers=layers,
-        hidden=m.hidden,
-        intermediate=m.intermediate,
-        experts=m.experts,
-        top_k=2,
-        heads=16,
-        kv_heads=4,
-        vocab=4096,
-        dtype="bfloat16",
-    )
     target = default_cache_dir() / f"memory-mixtral-{layers}x{m.hidden}x{m.intermediate}"
     if not (target / "odmoe_model.json").is_file():
         print(f"making {target}", flush=True)
-        make_wide_model(spec, target)
+        make_wide_model(wide_spec(m, layers=layers), target)
     return str(target)
 
 
@@ -130,11 +119,15 @@ def _reference(path: str, prompt: str, new_tokens: int) -> list[int]:
         "o=m.generate(ids,attention_mask=torch.ones_like(ids),do_sample=False,max_new_tokens=n);"
         "print(json.dumps(o[0,ids.shape[1]:].tolist()))"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code, path, prompt, str(new_tokens)], capture_output=True, text=True
-    )
+    return _child(code, path, prompt, str(new_tokens))
+
+
+def _child(code: str, *args: str):
+    """What the Python `code` run in a child process with `args` printed last (JSON); RuntimeError
+    with its stderr's tail where it failed."""
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
     if done.returncode:
-        raise RuntimeError(f"the reference failed: {done.stderr[-2000:]}")
+        raise RuntimeError(f"{code[:60]}... failed: {done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -196,10 +189,10 @@ def _shadow(path: str, precision: str) -> dict:
         "import json,sys;from odmoe_bench.shadow_memory import measure_memory;"
         "print(json.dumps(measure_memory(sys.argv[1],sys.argv[2],False)))"
     )
-    done = subprocess.run([sys.executable, "-c", code, path, precision], capture_output=True, text=True)
-    if done.returncode:
-        return {"precision": precision, "error": done.stderr[-500:]}
-    return {"precision": precision, **json.loads(done.stdout.strip().splitlines()[-1])}
+    try:
+        return {"precision": precision, **_child(code, path, precision)}
+    except RuntimeError as failed:
+        return {"precision": precision, "error": str(failed)[-500:]}
 
 
 def _slopes(rows: list[dict]) -> dict:
