@@ -63,11 +63,14 @@ CASES = ("loss", "black_hole", "client_cut", "jitter_loss", "shadow_cut", "strag
 
 class Load:
     """`streams` clients, each streaming requests back to back until `stop`: tokens checked
-    against the reference, arrival times kept."""
+    against the reference, arrival times kept. `watch`: the clients ask with generate() instead
+    (whose stats carry each decode iteration's recall) and keep per request its wall start and
+    stats, so an iteration's time can be read back (`predicted_again`)."""
 
-    def __init__(self, cluster, prompts: list[list[int]], wants: list[list[int]]):
-        self.cluster, self.prompts, self.wants = cluster, prompts, wants
+    def __init__(self, cluster, prompts: list[list[int]], wants: list[list[int]], watch: bool = False):
+        self.cluster, self.prompts, self.wants, self.watch = cluster, prompts, wants, watch
         self.times: list[list[float]] = []
+        self.runs: list[tuple[float, dict]] = []
         self.tokens = self.requests = self.different = 0
         self.errors: list[str] = []
         self.stopping = threading.Event()
@@ -79,11 +82,16 @@ class Load:
 
     def _client(self, i: int) -> None:
         while not self.stopping.is_set():
-            times, got = [], []
+            times, got, start = [], [], time.time()
             try:
-                for piece in self.cluster.client.stream(self.prompts[i], max_new_tokens=NEW_TOKENS):
-                    got.append(piece.token_id)
-                    times.append(time.monotonic())
+                if self.watch:
+                    result = self.cluster.client.generate(self.prompts[i], max_new_tokens=NEW_TOKENS)
+                    self.runs.append((start, result.stats))
+                    got = result.token_ids
+                else:
+                    for piece in self.cluster.client.stream(self.prompts[i], max_new_tokens=NEW_TOKENS):
+                        got.append(piece.token_id)
+                        times.append(time.monotonic())
             except Exception as exc:  # a lost request: counted, the load goes on
                 self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
                 continue
@@ -100,6 +108,35 @@ class Load:
     def longest_stall_s(self, since: float) -> float:
         gaps = [b - a for ts in self.times for a, b in zip(ts, ts[1:], strict=False) if b >= since]
         return max(gaps, default=0.0)
+
+    def predicted_again(self, since: float) -> float | None:
+        """With `watch`: the wall time of the first decode iteration after `since` that used
+        predictions (recall above 0), interpolated within its request (start + TTFT + the decode
+        seconds shared evenly over its iterations); None if none did."""
+        for start, stats in self.runs:
+            per_token = {int(n): r for n, r in stats["recall"]["per_token"].items()}
+            n_max = max(per_token, default=0)
+            first = start + stats["ttft_s"]
+            step = stats["decode"]["seconds"] / max(n_max, 1)
+            for n in sorted(per_token):
+                at = first + n * step
+                if at >= since and per_token[n] > 0:
+                    return at
+        return None
+
+
+def _figures(took: float, since: float, *loads: Load) -> dict:
+    """What a case reports of its loads over `took` seconds: the longest stall of a stream after
+    `since`, requests, tokens (and per second), requests whose tokens differ, requests lost."""
+    tokens = sum(load.tokens for load in loads)
+    return {
+        "longest_stall_s": round(max(load.longest_stall_s(since) for load in loads), 3),
+        "requests": sum(load.requests for load in loads),
+        "tokens": tokens,
+        "tokens_per_s": round(tokens / took, 2),
+        "different": sum(load.different for load in loads),
+        "lost_requests": sum(len(load.errors) for load in loads),
+    }
 
 
 def missing() -> str:
@@ -129,15 +166,10 @@ def phase(cluster, prompts, wants, seconds: float) -> dict:
     took = time.monotonic() - start
     return {
         "seconds": round(took, 1),
-        "requests": load.requests,
-        "tokens": load.tokens,
-        "tokens_per_s": round(load.tokens / took, 2),
-        "different": load.different,
-        "lost_requests": len(load.errors),
+        **_figures(took, start, load),
         "errors": load.errors[:3],
         "workers_declared_lost": sum(e["event"] == "lost" for e in _events(cluster, wall)),
         "events": _events(cluster, wall),
-        "longest_stall_s": round(load.longest_stall_s(start), 3),
     }
 
 
@@ -165,12 +197,7 @@ def black_hole(lan: Lan, cluster, prompts, wants, hole_s: float) -> dict:
         "detect_s": round(lost[0]["at_us"] / 1e6 - holed, 3) if lost else None,
         "detected_by": lost[0]["reason"] if lost else None,
         "serving_again_s": round(back[0]["at_us"] / 1e6 - healed, 3) if back else None,
-        "longest_stall_s": round(load.longest_stall_s(start), 3),
-        "requests": load.requests,
-        "tokens": load.tokens,
-        "tokens_per_s": round(load.tokens / took, 2),
-        "different": load.different,
-        "lost_requests": len(load.errors),
+        **_figures(took, start, load),
     }
 
 
@@ -240,52 +267,6 @@ def _log_times(cluster, node: str, pattern: str) -> list[float]:
     return [datetime.datetime.strptime(t, "%Y-%m-%d %H:%M:%S,%f").timestamp() for t in stamps]
 
 
-class Watched:
-    """One more client asking requests back to back with generate() (whose stats carry each decode
-    iteration's recall): per request its wall start and stats, so an iteration's time can be read
-    back (start + TTFT + the decode seconds shared evenly over its iterations)."""
-
-    def __init__(self, cluster, prompt: list[int], want: list[int]):
-        self.runs: list[tuple[float, dict]] = []
-        self.different = self.requests = self.tokens = 0
-        self.errors: list[str] = []
-        self.stopping = threading.Event()
-
-        def ask() -> None:
-            while not self.stopping.is_set():
-                start = time.time()
-                try:
-                    got = cluster.client.generate(prompt, max_new_tokens=NEW_TOKENS)
-                except Exception as exc:  # a lost request: counted
-                    self.errors.append(f"{type(exc).__name__}: {exc}"[:200])
-                    continue
-                self.runs.append((start, got.stats))
-                self.requests += 1
-                self.tokens += len(got.token_ids)
-                self.different += got.token_ids != want
-
-        self.thread = threading.Thread(target=ask, daemon=True)
-        self.thread.start()
-
-    def stop(self) -> None:
-        self.stopping.set()
-        self.thread.join(timeout=300)
-
-    def predicted_again(self, since: float) -> float | None:
-        """The wall time of the first decode iteration after `since` that used predictions (recall
-        above 0), interpolated within its request; None if none did."""
-        for start, stats in self.runs:
-            per_token = {int(n): r for n, r in stats["recall"]["per_token"].items()}
-            n_max = max(per_token, default=0)
-            first = start + stats["ttft_s"]
-            step = stats["decode"]["seconds"] / max(n_max, 1)
-            for n in sorted(per_token):
-                at = first + n * step
-                if at >= since and per_token[n] > 0:
-                    return at
-        return None
-
-
 def shadow_cut(lan: Lan, path: str, words: list[str], prompts, wants, cut_s: float) -> dict:
     """A cluster of its own (cacheless workers, so every expert waits on a prediction or a load
     after routing; an fp32 shadow, so a prediction that arrives is right): main <-> shadow alone
@@ -296,7 +277,10 @@ def shadow_cut(lan: Lan, path: str, words: list[str], prompts, wants, cut_s: flo
     with odmoe.LocalCluster(path, overrides=words, place=lan.placement) as cluster:
         cluster.client.generate(prompts[0], max_new_tokens=4)  # warm
         healthy = phase(cluster, prompts, wants, 10)
-        load, watched = Load(cluster, prompts[1:], wants[1:]), Watched(cluster, prompts[0], wants[0])
+        load, watched = (
+            Load(cluster, prompts[1:], wants[1:]),
+            Load(cluster, prompts[:1], wants[:1], watch=True),
+        )
         start = time.monotonic()
         time.sleep(5)
         cut = time.time()
@@ -315,20 +299,14 @@ def shadow_cut(lan: Lan, path: str, words: list[str], prompts, wants, cut_s: flo
         back = [t for t in _log_times(cluster, "main", r"shadow \(.*\) answers beats again") if t >= healed]
         again = watched.predicted_again(healed)
         events = _events(cluster, cut)
-    tokens = load.tokens + watched.tokens
     return {
         "cut_s": cut_s,
         "detect_s": round(lost[0] - cut, 3) if lost else None,
         "detected_by": "main's beats to the shadow" if lost else None,
         "beats_answered_again_s": round(back[0] - healed, 3) if back else None,
         "serving_again_s": None if again is None else round(again - healed, 3),
-        "longest_stall_s": round(load.longest_stall_s(start), 3),
-        "requests": load.requests + watched.requests,
-        "tokens": tokens,
-        "tokens_per_s": round(tokens / took, 2),
+        **_figures(took, start, load, watched),
         "healthy_tokens_per_s": healthy["tokens_per_s"],
-        "different": load.different + watched.different,
-        "lost_requests": len(load.errors) + len(watched.errors),
         "workers_declared_lost": sum(e["event"] == "lost" for e in events),
     }
 
@@ -412,12 +390,9 @@ def client_cut(cluster, prompts, wants, context: int) -> dict:
         "detect_s": None if detect_s is None else round(detect_s, 3),
         "detected_by": "main's pings to the client" if detect_s is not None else None,
         "serving_again_s": None,
-        "longest_stall_s": round(load.longest_stall_s(holed), 3),
-        "requests": load.requests,
-        "tokens": load.tokens + len(first),
-        "tokens_per_s": round(load.tokens / took, 2),
+        **_figures(took, holed, load),
+        "tokens": load.tokens + len(first),  # the cut request's first tokens too (not in tokens/s)
         "different": load.different + (first != wants[0][:3]),
-        "lost_requests": len(load.errors),
     }
 
 
