@@ -31,6 +31,7 @@ suites (`pip install -e ./benchmarks`, which pulls odmoe's `bench` extra: matplo
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import time
@@ -42,7 +43,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 
 from odmoe.launch.settings import typed
-from odmoe_bench.config import BenchConfig, validate
+from odmoe_bench.config import SUITES, BenchConfig, validate
 
 ConfigStore.instance().store(name="bench_schema", node=BenchConfig)
 log = logging.getLogger("odmoe.bench")
@@ -57,77 +58,28 @@ def to_bench_config(raw: DictConfig) -> BenchConfig:
 def run_suites(cfg: BenchConfig) -> None:
     from odmoe.tools.model_names import resolve_model
     from odmoe_bench.results import ResultsDir
-    from odmoe_bench.suites import (
-        ablation,
-        alignment,
-        cache,
-        compression,
-        dataplane,
-        eval_harness,
-        faults,
-        frontdoor,
-        grid,
-        lookahead,
-        lossy,
-        memory,
-        network,
-        placement,
-        prefill,
-        recall,
-        security,
-        serving,
-        soak,
-        timeline,
-    )
 
-    suites = {
-        "recall": recall.run,
-        "alignment": alignment.run,
-        "ablation": ablation.run,
-        "grid": grid.run,
-        "timeline": timeline.run,
-        "compression": compression.run,
-        "faults": faults.run,
-        "network": network.run,
-        "soak": soak.run,
-        "frontdoor": frontdoor.run,
-        "security": security.run,
-        "lossy": lossy.run,
-        "lookahead": lookahead.run,
-        "prefill": prefill.run,
-        "dataplane": dataplane.run,
-        "placement": placement.run,
-        "serving": serving.run,
-        "cache": cache.run,
-        "eval": eval_harness.run,
-        "memory": memory.run,
-    }
     if cfg.suite == "gpu":  # its own real-width model; stops at once without CUDA
         from odmoe_bench.suites import gpu
 
         model_path = gpu.prepare(cfg)
-        out = ResultsDir(cfg, model_path)
-        start = time.perf_counter()
-        print(f"\n== suite gpu on {model_path}", flush=True)
-        gpu.run(cfg, model_path, out)
-        print(f"== suite gpu took {time.perf_counter() - start:.0f}s", flush=True)
-        return
-    model_path = resolve_model(cfg.model)
+    else:
+        model_path = resolve_model(cfg.model)
     out = ResultsDir(cfg, model_path)
     # quick leaves out the soak (it is one long run), placement (it needs the ray extra and starts
     # a Ray cluster; tests/test_ray_cluster.py exercises the same path), eval (the eval extra;
     # tests/test_eval_harness.py runs it reduced), memory (GiBs of real-width checkpoints; its
     # parts are tests/test_memory_limits.py's) and network (root and namespaces; its cases are
     # tests/test_network_faults.py's)
-    names = (
-        [n for n in suites if n not in ("soak", "placement", "eval", "memory", "network")]
-        if cfg.suite == "quick"
-        else [cfg.suite]
-    )
+    left_out = ("soak", "placement", "eval", "memory", "network", "gpu", "quick")
+    names = [n for n in SUITES if n not in left_out] if cfg.suite == "quick" else [cfg.suite]
     for name in names:
         start = time.perf_counter()
         print(f"\n== suite {name} on {model_path}", flush=True)
-        suites[name](cfg, model_path, out)
+        # benchmarks/suites/<name>.py's run (suite eval's module is eval_harness, the harness's name)
+        importlib.import_module(f"odmoe_bench.suites.{'eval_harness' if name == 'eval' else name}").run(
+            cfg, model_path, out
+        )
         print(f"== suite {name} took {time.perf_counter() - start:.0f}s", flush=True)
 
 
