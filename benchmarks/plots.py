@@ -13,7 +13,12 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
-def _save(fig, out: Path) -> None:
+def _save(fig, out: Path, title: str | None = None, fontsize: int = 10, tight: bool = False) -> None:
+    """`title` over the panels; `tight`: the panels laid out again once it is there."""
+    if title is not None:
+        fig.suptitle(title, fontsize=fontsize)
+    if tight:
+        fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110, bbox_inches="tight")
     plt.close(fig)
@@ -41,9 +46,7 @@ def ablation(rows: list[dict], out: Path, subtitle: str) -> None:
     stall.set_xticks(range(len(rows)), [str(r["case"]) for r in rows])
     stall.set(xlabel="case", ylabel="stall ms per decode token", title="waiting for expert loads")
     stall.margins(y=0.25)
-    fig.suptitle(f"ablation cases (paper Fig. 8)\n{subtitle}", fontsize=10)
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, f"ablation cases (paper Fig. 8)\n{subtitle}", tight=True)
 
 
 def heatmaps(
@@ -128,13 +131,11 @@ def recall_vs_token(
         ax.set_ylabel("recall")
     for ax in list(axes.flat)[len(precisions) :]:
         ax.axis("off")
-    fig.suptitle(
+    title = (
         f"recall vs output token (paper Fig. 3; rolling mean over {window} tokens, "
-        f"overall Eq. 3 in brackets)\n{subtitle}",
-        fontsize=9,
+        f"overall Eq. 3 in brackets)\n{subtitle}"
     )
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, title, 9, tight=True)
 
 
 def grid(cells: list[dict], systems: dict, out: Path, subtitle: str) -> None:
@@ -170,9 +171,7 @@ def grid(cells: list[dict], systems: dict, out: Path, subtitle: str) -> None:
             bottom += b / 2**20
     mem.set_xticks(range(len(names)), names, rotation=20, fontsize=7)
     mem.set_title("device memory MiB, by node")
-    fig.suptitle(f"odmoe and baselines (paper Table 2)\n{subtitle}", fontsize=10)
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, f"odmoe and baselines (paper Table 2)\n{subtitle}", tight=True)
 
 
 def timeline(events: list[dict], window: tuple[float, float], out: Path, title: str) -> None:
@@ -219,8 +218,7 @@ def timeline(events: list[dict], window: tuple[float, float], out: Path, title: 
     ax.set_xlabel("ms")
     ax.grid(axis="x", alpha=0.3)
     ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, tight=True)
 
 
 def _layer_of(name: str) -> int | None:
@@ -265,8 +263,7 @@ def compression(report: dict, out: Path, subtitle: str) -> None:
         )
         decode.set_xticks(range(len(rows)), list(rows), fontsize=8)
         decode.set(ylabel="decode tokens/s", title="decode, storage-bound link")
-    fig.suptitle(f"lossless compressed expert store — {subtitle}", fontsize=9)
-    _save(fig, out)
+    _save(fig, out, f"lossless compressed expert store — {subtitle}", fontsize=9)
 
 
 def faults(rows: list[dict], out: Path, subtitle: str) -> None:
@@ -289,9 +286,7 @@ def faults(rows: list[dict], out: Path, subtitle: str) -> None:
         ax.set_ylabel("inter-token ms", fontsize=8)
     for ax in list(axes.flat)[len(rows) :]:
         ax.axis("off")
-    fig.suptitle(f"Inter-token latency around a failure\n{subtitle}", fontsize=10)
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, f"Inter-token latency around a failure\n{subtitle}", tight=True)
 
 
 def soak(samples: list[dict], events: list[dict], out: Path, subtitle: str) -> None:
@@ -311,9 +306,7 @@ def soak(samples: list[dict], events: list[dict], out: Path, subtitle: str) -> N
         legend += ", green: straggler, purple: black hole, brown: loss burst"
     rss.set_xlabel(f"seconds ({legend})")
     rss.legend(fontsize=7, ncol=4)
-    fig.suptitle(f"Soak\n{subtitle}", fontsize=10)
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, f"Soak\n{subtitle}", tight=True)
 
 
 def lossy(rows: list[dict], out: Path, subtitle: str) -> None:
@@ -348,12 +341,10 @@ def lossy(rows: list[dict], out: Path, subtitle: str) -> None:
             ax.set(xlabel="decode tokens/s" if clustered else "substitutions per token", ylabel=label)
             ax.set_title(f"injected misses {rate:g}", fontsize=9)
             ax.legend(fontsize=8)
-    fig.suptitle(
-        f"lossy miss policies: quality vs speed (labels: buddy TAE percentile, importance alpha)\n{subtitle}",
-        fontsize=9,
+    title = (
+        f"lossy miss policies: quality vs speed (labels: buddy TAE percentile, importance alpha)\n{subtitle}"
     )
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, title, 9, tight=True)
 
 
 def lookahead(report: dict, out: Path, subtitle: str) -> None:
@@ -382,8 +373,7 @@ def lookahead(report: dict, out: Path, subtitle: str) -> None:
         speed.set(ylabel="decode tokens/s", title="decode speed and timely recall per system")
     if "hedge" in ax:
         _lookahead_hedging(ax["hedge"], hedging)
-    fig.suptitle(subtitle, fontsize=9)
-    _save(fig, out)
+    _save(fig, out, subtitle, fontsize=9)
 
 
 def _lookahead_hedging(hedge, hedging: list[dict]) -> None:
@@ -438,9 +428,7 @@ def prefill(report: dict, out: Path, subtitle: str) -> None:
         recall.set(xlabel="decode token", ylabel="recall")
         recall.set_title(f"alignment.prefill_kv: {kv['precision']} shadow, token alignment only", fontsize=9)
         recall.legend(fontsize=8)
-    fig.suptitle(f"Batched prefill\n{subtitle}", fontsize=10)
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, f"Batched prefill\n{subtitle}", tight=True)
 
 
 def dataplane(report: dict, out: Path, subtitle: str) -> None:
@@ -546,8 +534,7 @@ def gpu(report: dict, out: Path, subtitle: str) -> None:
     _label_bars(bus, bars, [f"{v:.1f}" for v in values])
     bus.set_xticks(range(len(rates)), list(rates), fontsize=8)
     bus.set_ylabel("host-to-device GB/s")
-    fig.suptitle(f"{report.get('gpu') or report['device']}: {subtitle}", fontsize=9)
-    _save(fig, out)
+    _save(fig, out, f"{report.get('gpu') or report['device']}: {subtitle}", fontsize=9)
 
 
 def _dataplane_stages(ax, layers: dict, stages: dict, floor: dict | None = None) -> None:
@@ -622,12 +609,11 @@ def serving(report: dict, out: Path, subtitle: str) -> None:
         ax.set(xlabel="arrival rate, requests/s (open loop, Poisson)", ylabel="ms", yscale="log", xticks=r)
         ax.legend(fontsize=8)
     differ = sum(x["differ"] for x in loads)
-    fig.suptitle(
+    title = (
         f"serving: up to {report['max_running']} requests decode together; requests whose tokens "
-        f"differ from running alone: {differ}\n{subtitle}",
-        fontsize=9,
+        f"differ from running alone: {differ}\n{subtitle}"
     )
-    _save(fig, out)
+    _save(fig, out, title, 9)
 
 
 def cache(report: dict, out: Path, subtitle: str) -> None:
@@ -650,10 +636,8 @@ def cache(report: dict, out: Path, subtitle: str) -> None:
     for ax in axes:
         ax.legend(fontsize=8)
     differ = sum(r["differ"] for r in rows)
-    fig.suptitle(
-        f"expert cache: requests whose tokens differ from transformers: {differ}\n{subtitle}", fontsize=9
-    )
-    _save(fig, out)
+    title = f"expert cache: requests whose tokens differ from transformers: {differ}\n{subtitle}"
+    _save(fig, out, title, 9)
 
 
 def memory(report: dict, out: Path, subtitle: str) -> None:
@@ -682,12 +666,11 @@ def memory(report: dict, out: Path, subtitle: str) -> None:
         axes[1].set(xlabel="the experts' share the workers' memory holds", ylabel="decode tokens/s")
         axes[1].invert_xaxis()
         axes[1].legend(fontsize=8)
-    fig.suptitle(
+    title = (
         f"memory per node (defaults) and the disk path; tokens identical to one process: "
-        f"{report['identical']}\n{subtitle}",
-        fontsize=9,
+        f"{report['identical']}\n{subtitle}"
     )
-    _save(fig, out)
+    _save(fig, out, title, 9)
 
 
 def network(rows: list[dict], out: Path, subtitle: str) -> None:
@@ -717,6 +700,4 @@ def network(rows: list[dict], out: Path, subtitle: str) -> None:
     times.set_ylabel("seconds")
     times.legend(fontsize=8)
     times.set_title("longest stall of a stream; time to detect and to recover", fontsize=9)
-    fig.suptitle(f"Network faults, every node in a namespace\n{subtitle}", fontsize=10)
-    fig.tight_layout()
-    _save(fig, out)
+    _save(fig, out, f"Network faults, every node in a namespace\n{subtitle}", tight=True)
