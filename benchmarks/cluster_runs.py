@@ -126,7 +126,8 @@ def recall_per_token(stats: list[dict]) -> dict[int, float]:
     return {n: statistics.mean(v) for n, v in sorted(per.items())}
 
 
-def _spread(values: list[float]) -> dict:
+def spread(values: list[float]) -> dict:
+    """Mean, sample standard deviation (0 for one value), extremes and the values themselves."""
     return {
         "mean": statistics.mean(values),
         "stdev": statistics.stdev(values) if len(values) > 1 else 0.0,
@@ -142,9 +143,9 @@ def summarise(run: ClusterRun) -> dict:
     return {
         "words": run.words,
         "requests": len(s),
-        "decode_tokens_per_s": _spread([x["decode_tokens_per_s"] for x in s]),
-        "ttft_s": _spread([x["ttft_s"] for x in s]),
-        "overall_tokens_per_s": _spread([x["new_tokens"] / x["total_s"] for x in s]),
+        "decode_tokens_per_s": spread([x["decode_tokens_per_s"] for x in s]),
+        "ttft_s": spread([x["ttft_s"] for x in s]),
+        "overall_tokens_per_s": spread([x["new_tokens"] / x["total_s"] for x in s]),
         "recall": pooled_recall(s),
         "timely_recall": pooled_recall(s, "timely_recall"),
         "stall_ms_per_token": statistics.mean(

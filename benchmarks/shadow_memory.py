@@ -34,6 +34,7 @@ import time
 from pathlib import Path
 
 from odmoe.models.open_model import open_checkpoint
+from odmoe_bench.results import write_report
 
 
 def _status() -> dict[str, int]:
@@ -198,10 +199,7 @@ def main(argv: list[str] | None = None) -> None:
         if speed and row["loader"] == "layers":
             row["ms_per_token"], row["decode_threads"] = speed[row["chosen"]], args.threads
         print(_line(row), flush=True)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"model": args.model, "rows": rows}, indent=2) + "\n")
-    print(f"wrote {out}")
+    write_report(args.out, {"model": args.model, "rows": rows})
 
 
 if __name__ == "__main__":

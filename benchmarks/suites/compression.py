@@ -34,7 +34,7 @@ from odmoe.worker.expert_pack import write_pack
 from odmoe.worker.expert_sources import CompressedExpert
 from odmoe_bench import plots
 from odmoe_bench.baselines import run_in_child
-from odmoe_bench.cluster_runs import cluster_words, run_cluster, summarise
+from odmoe_bench.cluster_runs import cluster_words, run_cluster, spread, summarise
 from odmoe_bench.config import BenchConfig, BenchLink
 from odmoe_bench.results import ResultsDir
 from odmoe_bench.suite_kit import Table, prompts
@@ -313,13 +313,8 @@ def _lru(cfg: BenchConfig, model_path: str, prompts: list[list[int]]) -> dict:
         bandwidth_gbps=suite.bandwidth_gbps, latency_ms=suite.latency_ms, dtype=suite.dtype,
     )  # fmt: skip
     runs = report["cells"][0]["runs"]
-    speeds = [r["decode_tokens_per_s"] for r in runs]
     return {
-        "decode_tokens_per_s": {
-            "mean": statistics.mean(speeds),
-            "stdev": statistics.stdev(speeds) if len(speeds) > 1 else 0.0,
-            "values": speeds,
-        },
+        "decode_tokens_per_s": spread([r["decode_tokens_per_s"] for r in runs]),
         "lru_hit_rate": report["cells"][0].get("lru_hit_rate"),
         "peak_rss_bytes": {"lru_offloader": report["peak_rss_bytes"]},
         "token_ids": [r["token_ids"] for r in runs],

@@ -29,6 +29,7 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 import httpx
 import torch
@@ -147,8 +148,6 @@ def harness_api(
     cert = str(cluster.key_dir / "tls" / "cert.pem")
     # the harness's requests read the key and the CA bundle from the environment in its synchronous path
     env = {"OPENAI_API_KEY": cluster.token, "REQUESTS_CA_BUNDLE": cert, "SSL_CERT_FILE": cert}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
     name = httpx.get(f"{cluster.http_url}/v1/models", **cluster.http_auth).json()["data"][0]["id"]
     sent: dict[tuple[int, ...], list[float]] = {}
     parse = LocalCompletionsAPI.parse_logprobs
@@ -159,8 +158,11 @@ def harness_api(
                 sent[tuple(ids)] = choice["logprobs"]["token_logprobs"][ctxlen:-1]
         return parse(outputs, tokens=tokens, ctxlens=ctxlens, **kwargs)
 
-    LocalCompletionsAPI.parse_logprobs = staticmethod(recording)
-    try:
+    # both put back as they were when the harness is done (the environment, the parser)
+    with (
+        patch.dict(os.environ, env),
+        patch.object(LocalCompletionsAPI, "parse_logprobs", staticmethod(recording)),
+    ):
         lm = model_class(
             base_url=f"{cluster.http_url}/v1/completions",
             model=name,
@@ -175,13 +177,6 @@ def harness_api(
         results = _evaluate(lm, tasks_dir, tasks, limit)
         results["_encode_pair"] = lm._encode_pair
         return results, sent
-    finally:
-        LocalCompletionsAPI.parse_logprobs = staticmethod(parse)
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def compare(task: str, one: dict, api: dict, sent: dict, strict: bool = False) -> dict:

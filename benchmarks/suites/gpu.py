@@ -50,6 +50,7 @@ from odmoe_bench.cluster_runs import run_cluster
 from odmoe_bench.config import BenchConfig, GpuSuite, gpu_system
 from odmoe_bench.results import ResultsDir
 from odmoe_bench.suite_kit import Table, fmt, prompts
+from odmoe_bench.wide_model import wide_spec
 
 SYSTEMS = Table(
     "system:<20",
@@ -70,19 +71,10 @@ NO_CUDA = (
 
 
 def spec_of(g: GpuSuite) -> ModelSpec:
-    return ModelSpec(
-        family="mixtral",
-        layers=g.layers,
-        hidden=g.hidden,
-        intermediate=g.intermediate,
-        experts=g.experts,
-        top_k=g.top_k,
-        heads=g.heads,
-        kv_heads=g.kv_heads,
-        vocab=g.vocab,
+    return wide_spec(
+        g, top_k=g.top_k, heads=g.heads, kv_heads=g.kv_heads, vocab=g.vocab, dtype=g.dtype,
         max_positions=max(512, g.prompt_tokens + g.new_tokens + 8),
-        dtype=g.dtype,
-    )
+    )  # fmt: skip
 
 
 def prepare(cfg: BenchConfig) -> str:

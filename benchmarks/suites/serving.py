@@ -272,25 +272,16 @@ def _guidellm(cluster, model_path: str, suite, out: ResultsDir) -> dict:
     report = out.path("serving-guidellm", "json")
     backend = f"kind=openai_http,target={cluster.http_url},model={name},verify=false"
     command = [
-        suite.guidellm,
-        "run",
-        "--backend",
-        backend + (f",api_key={cluster.token}" if cluster.token else ""),
-        "--profile",
-        "kind=concurrent,streams=1",
-        "--override",
-        "profile.streams",
-        ",".join(str(c) for c in suite.concurrency),
-        "--constraint",
-        f"kind=max_requests,count={suite.guidellm_requests}",
-        "--tokenizer",
-        f"kind=huggingface_auto,model={model_path}",
-        "--data",
-        f"kind=synthetic_text,prompt_tokens={suite.prompt_tokens},output_tokens={suite.new_tokens}",
-        "--output",
-        f"kind=json,path={report}",
+        suite.guidellm, "run",
+        "--backend", backend + (f",api_key={cluster.token}" if cluster.token else ""),
+        "--profile", "kind=concurrent,streams=1",
+        "--override", "profile.streams", ",".join(str(c) for c in suite.concurrency),
+        "--constraint", f"kind=max_requests,count={suite.guidellm_requests}",
+        "--tokenizer", f"kind=huggingface_auto,model={model_path}",
+        "--data", f"kind=synthetic_text,prompt_tokens={suite.prompt_tokens},output_tokens={suite.new_tokens}",
+        "--output", f"kind=json,path={report}",
         "--disable-console-interactive",
-    ]
+    ]  # fmt: skip
     shown = " ".join(command).replace(cluster.token, "<token>") if cluster.token else " ".join(command)
     print(f"   guidellm: {shown}", flush=True)
     subprocess.run(command, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
