@@ -71,9 +71,9 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     on, off = report["modes"]["on"], report["modes"]["off"]
     report["cost"] = {
         "decode_tokens_per_s_pct": change_pct(on["decode_tokens_per_s"], off["decode_tokens_per_s"]),
-        "ttft_ms": _diff_ms(on["ttft_s"], off["ttft_s"]),
+        "ttft_ms": _ms(_diff(on["ttft_s"], off["ttft_s"])),
         "start_s": _diff(on["start_s"], off["start_s"]),
-        "connect_ms": _diff_ms(on["connect_s"], off["connect_s"]),
+        "connect_ms": _ms(_diff(on["connect_s"], off["connect_s"])),
     }
     _print(report)
     out.write("security", "security", report)
@@ -114,11 +114,6 @@ def _summary(rows: list[dict], starts: list[dict]) -> dict:
 
 def _diff(on: float | None, off: float | None) -> float | None:
     return None if on is None or off is None else on - off
-
-
-def _diff_ms(on: float | None, off: float | None) -> float | None:
-    d = _diff(on, off)
-    return None if d is None else d * 1e3
 
 
 def _print(report: dict) -> None:
