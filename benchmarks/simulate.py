@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 
 from odmoe.tools.pipeline_sim import PipelineParams, simulate
-from odmoe_bench.results import RESULTS
+from odmoe_bench.results import RESULTS, write_report
 
 LAYERS, GROUPS = 32, 4  # Mixtral-8x7B; 8 workers in groups of 2 (top-2)
 EXPERT_BYTES = 3 * 4096 * 14336 * 2  # w1, w2, w3 in fp16: 352 MB
@@ -126,10 +126,7 @@ def main() -> None:
         print(line)
     print("\nthe paper measured 3.69 tokens/s = 0.75 of full speed")
     cached = cache_rows()
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "simulate-paper.json").write_text(
-        json.dumps({"rows": rows, "paper_fraction": 0.7551, "cache": cached}, indent=2)
-    )
+    write_report(RESULTS / "simulate-paper.json", {"rows": rows, "paper_fraction": 0.7551, "cache": cached})
 
 
 if __name__ == "__main__":
