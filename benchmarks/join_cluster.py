@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             [sys.executable, "-m", "odmoe.launch.cli", "role=main", f"model.path={model}", *shape,
              "worker.only_own_layers=true", f"cluster.min_workers={args.workers - 1}", "cluster.join_port=0",
              "server.http=false", f"cluster.main_port={port}", f"security.key_dir={key_dir}",
-             f"ready_file={ready}"],
+             f"node.ready_file={ready}"],
             stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env,
         )  # fmt: skip
         boxes: dict[str, tuple[subprocess.Popen, float]] = {}

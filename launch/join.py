@@ -59,7 +59,7 @@ NOT_SHARED = (
     "model.pull_from=",
     "model.pull_dir=",
     "model.cache_dir=",
-    "ready_file=",
+    "node.ready_file=",
     "join=",
     "cluster.worker_addresses=",
     "cluster.shadow_address=",
@@ -361,10 +361,10 @@ def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
     keys = _write_keys(home / "keys", reply)
     ready = home / f"{reply.name}.ready.json"
     ready.unlink(missing_ok=True)
-    own = [w for w in overrides if not w.startswith(("join=", "role=", "ready_file="))]
+    own = [w for w in overrides if not w.startswith(("join=", "role=", "node.ready_file="))]
     argv = [
         sys.executable, "-m", "odmoe.launch.cli", f"role={reply.role}", *reply.words,
-        f"security.key_dir={keys.root}", f"cluster.host={host}", *own, f"ready_file={ready}",
+        f"security.key_dir={keys.root}", f"cluster.host={host}", *own, f"node.ready_file={ready}",
     ]  # fmt: skip
     print(f"odmoe: admitted as {reply.name}; starting it (keys in {keys.root})", flush=True)
     child = subprocess.Popen(argv)
@@ -375,8 +375,8 @@ def run_join(cfg: OdmoeConfig, overrides: list[str]) -> int:
             return child.returncode or 1
         time.sleep(0.1)
     info = json.loads(ready.read_text())
-    if cfg.ready_file:  # whoever started this launcher learns what the node wrote
-        Path(cfg.ready_file).write_text(json.dumps({**info, "name": reply.name}))
+    if cfg.node.ready_file:  # whoever started this launcher learns what the node wrote
+        Path(cfg.node.ready_file).write_text(json.dumps({**info, "name": reply.name}))
     credentials = ClientCredentials(token=reply.token, cert_pem=reply.cert_pem)
     with credentials.channel(link.address) as channel:
         odmoe_pb2_grpc.AdmissionStub(channel).Ready(

@@ -126,7 +126,7 @@ class LocalCluster:
         standby_mains: int = 0,
         through: Callable[[str, str], str] | None = None,
     ):
-        words = [w for w in overrides if not w.startswith(("role=", "ready_file="))]
+        words = [w for w in overrides if not w.startswith(("role=", "node.ready_file="))]
         if not any(w.startswith("server.http_port=") for w in words):
             words.append("server.http_port=0")  # any free port: clusters side by side never collide
         # The schema's model (`tiny`, random init, made in a second), not the `demo` that odmoe-launch's
@@ -289,7 +289,7 @@ class LocalCluster:
             f"model.path={self.model_path}",
             *where.words,
             *role_args,
-            f"ready_file={ready}",
+            f"node.ready_file={ready}",
         ]
         with open(log_file, "ab") as out:
             process = SPAWNER.submit(

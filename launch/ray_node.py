@@ -160,7 +160,7 @@ class NodeActor:
         words.append(f"cluster.where='{self.where}'")  # quoted: Hydra's grammar takes it as it is
         if keys is not None:
             words.append(f"security.key_dir={keys.write(self.dir / 'keys')}")
-        words += [*role_words, f"ready_file={self.dir / 'ready.json'}"]
+        words += [*role_words, f"node.ready_file={self.dir / 'ready.json'}"]
         self.process = SPAWNER.submit(
             popen_node,  # the node dies with its actor (a lost Ray node)
             [sys.executable, "-m", "odmoe.launch.cli", *words],

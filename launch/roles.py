@@ -34,7 +34,7 @@ def _serve(name: str, node_class, cfg: OdmoeConfig) -> int:
     except (CheckpointError, UnsupportedModelError, SecurityError, MemoryPlanError, ShareError) as exc:
         log.error("%s: %s", name, exc)
         return BAD_INPUT
-    node.serve(cfg.ready_file)
+    node.serve(cfg.node.ready_file)
     return 0
 
 
@@ -72,7 +72,7 @@ def run_main(cfg: OdmoeConfig, overrides: list[str]) -> int:
         if admissions is not None:  # boxes that join from now on are taken in while main serves
             admissions.on_ready = node.take_in
         node.start()
-        node.serve(cfg.ready_file)
+        node.serve(cfg.node.ready_file)
         if door is not None:
             door.stop(grace=1)
     except (

@@ -57,11 +57,13 @@ class ModelConfig:
 
 @dataclass
 class NodeConfig:
-    """This node's machine, as the memory plan sees it (odmoe.node_memory, odmoe.memory_plan)."""
+    """This node's process: its machine, as the memory plan sees it (odmoe.node_memory,
+    odmoe.memory_plan), and where it says it serves."""
 
     # What this node's process may use in all, e.g. "12GiB" ("": its memory cgroup's limit where one is
     # set, else the kernel's MemAvailable). Announced to main, which deals expert homes by it.
     memory: str = ""
+    ready_file: str | None = None  # the node writes {"address": ...} here once it serves (launchers)
 
 
 @dataclass
@@ -365,7 +367,6 @@ class OdmoeConfig:
     # role=local: the text to continue (odmoe-launch's --prompt / --prompt-file take any text as it is)
     prompt: str = "def fibonacci(n):"
     max_new_tokens: int = 32  # role=local: how many tokens to generate for prompt
-    ready_file: str | None = None  # a node writes {"address": ...} here once it serves
     # odmoe-launch join=odmoe://SECRET@HOST:PORT/FINGERPRINT (the line main prints): this box checks
     # main's certificate against the fingerprint, proves the secret, is handed its role, keys and
     # settings, pulls its share of the checkpoint and serves (role=worker|shadow asks for one).

@@ -271,7 +271,7 @@ def test_a_cluster_joined_only_by_the_link_serves_the_same_tokens(tmp_path, reap
     main = subprocess.Popen(
         [sys.executable, "-m", "odmoe.launch.cli", "role=main", f"model.path={model}", "cluster.workers=2",
          "cluster.group_size=1", "worker.only_own_layers=true", "cluster.join_port=0", "server.http=false",
-         f"cluster.main_port={port}", f"security.key_dir={key_dir}", f"ready_file={ready}"],
+         f"cluster.main_port={port}", f"security.key_dir={key_dir}", f"node.ready_file={ready}"],
         stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env,
     )  # fmt: skip
     boxes: dict[str, subprocess.Popen] = {}
@@ -354,7 +354,7 @@ def test_boxes_in_their_own_network_namespaces_join_by_the_link(tmp_path, reap_c
                  "role=main", f"model.path={model}", "cluster.workers=2", "cluster.group_size=1",
                  "worker.only_own_layers=true", f"cluster.host={main_host}", "cluster.main_port=50051",
                  "cluster.join_port=50053", "server.http=false", f"security.key_dir={key_dir}",
-                 f"ready_file={ready}"],
+                 f"node.ready_file={ready}"],
                 stdout=subprocess.DEVNULL, stderr=open(tmp_path / "main.log", "wb"),
             )
         ]  # fmt: skip
@@ -449,7 +449,7 @@ def test_a_box_joining_a_serving_cluster_is_taken_in_and_given_work(tmp_path, re
         [sys.executable, "-m", "odmoe.launch.cli", "role=main", f"model.path={model}", "cluster.workers=2",
          "cluster.group_size=2", "cluster.min_workers=1", "worker.cache=0", "cluster.join_port=0",
          "server.http=false", f"cluster.main_port={port}", f"security.key_dir={key_dir}",
-         f"ready_file={ready}"],
+         f"node.ready_file={ready}"],
         stdout=subprocess.DEVNULL, stderr=open(log, "wb"), env=env,
     )  # fmt: skip
     boxes: list[subprocess.Popen] = []

@@ -248,7 +248,7 @@ def running_seed(model, key_dir, ready):
     """`odmoe-launch role=seed` serving `model` (TLS + token) while the block runs: its address."""
     seed = subprocess.Popen(
         [sys.executable, "-m", "odmoe.launch.cli", "role=seed", f"model.path={model}",
-         "cluster.join_port=0", f"security.key_dir={key_dir}", f"ready_file={ready}"],
+         "cluster.join_port=0", f"security.key_dir={key_dir}", f"node.ready_file={ready}"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:

@@ -261,7 +261,7 @@ def _startup(path: str, workers: int, bandwidth: float | None) -> dict:
         f"cluster.group_size={workers}",
         f"model.path={path}",
         "security.enabled=false",
-        f"ready_file={ready}",
+        f"node.ready_file={ready}",
     ]
     start = time.perf_counter()
     node = subprocess.Popen(
