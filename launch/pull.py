@@ -139,7 +139,7 @@ def run_seed(cfg: OdmoeConfig, model_path: str) -> int:
     assert served is not None
     server, port, servicer = served
     address = f"{cfg.cluster.host}:{port}"
-    announce_ready(cfg.ready_file, role="seed", share_address=address)
+    announce_ready(cfg.node.ready_file, role="seed", share_address=address)
     print(f"odmoe: serving {model_path}'s bytes on {address} (model.pull_from={address})", flush=True)
     done = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
