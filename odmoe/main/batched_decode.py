@@ -309,9 +309,8 @@ class BatchedDecode:
     def step(self, inputs: list[DecodeInput], running: ForwardPass) -> DecodePass:
         """The decode iteration of `inputs`, to be iterated layer by layer; `running` (`rows`: one
         request per row, in order) is whose experts calls the pass makes."""
-        out = DecodePass(iter(()))
-        out.layers = self._layers(inputs, running, out.logits)
-        return out
+        logits: list[torch.Tensor] = []
+        return DecodePass(self._layers(inputs, running, logits), logits)
 
     def _layers(self, inputs: list[DecodeInput], running: ForwardPass, logits: list) -> Iterator[int]:
         """The pass, yielding the index of each decoder layer done but the last; the pass's modes
