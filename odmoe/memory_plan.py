@@ -29,7 +29,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from odmoe.placement import Topology
+from odmoe.placement import Topology, home_counts
 
 
 class MemoryPlanError(RuntimeError):
@@ -144,31 +144,21 @@ def worker_shares(
     if not setup.cache:
         layers = list(sizes.moe_layers)
         return [len(topology.stored_layers(w, layers)) * sizes.experts for w in range(setup.workers)]
-    if rooms:
-        topology = topology.with_rooms(rooms)
-    counts = [0] * setup.workers
-    for layer in sizes.moe_layers:
-        for e in range(sizes.experts):
-            home = topology.home(layer, e, live)
-            if home is not None:
-                counts[home] += 1
-    return counts
+    counts = home_counts(topology.with_rooms(rooms) if rooms else topology, live)
+    return [counts[w] for w in range(setup.workers)]
 
 
 def plan_workers(
     sizes: CheckpointSizes, setup: WorkerSetup, memories: list[tuple[int | None, str]]
 ) -> list[NodeNeed]:
     """Each worker's need with its memory figure (bytes or None, source), homes dealt by the rooms."""
-    eb = sizes.expert_bytes
+    eb, slots = sizes.expert_bytes, setup.slots * sizes.expert_bytes
     cap = sizes.experts * len(sizes.moe_layers)
     known = [m for m, _ in memories if m is not None]
-    rooms: list[int] | None = [expert_room(m, eb, setup.slots, cap, setup.host_memory) for m in known]
-    if len(known) != len(memories):
-        rooms = None
-    shares = worker_shares(sizes, setup, rooms)
+    rooms = [expert_room(m, eb, setup.slots, cap, setup.host_memory) for m in known]
+    shares = worker_shares(sizes, setup, rooms if len(known) == len(memories) else None)
     out = []
     for w, ((memory, source), share) in enumerate(zip(memories, shares, strict=True)):
-        slots = setup.slots * eb
         if setup.store == "disk":
             need = PROCESS_BYTES + slots + MARGIN_BYTES
             holds = (
@@ -235,13 +225,8 @@ def unfit_homes(
 ) -> str:
     """Main's check once every worker has told its room: "" when each worker that must hold all it is
     home for (`strict`) can, else the line that says which cannot and what to change."""
-    counts = [0] * topology.workers
-    placed = topology.with_rooms(rooms) if topology.homes else topology
-    for layer in topology.moe_layers:
-        for e in range(topology.experts):
-            home = placed.home(layer, e, live)
-            if home is not None:
-                counts[home] += 1
+    homes = home_counts(topology.with_rooms(rooms) if topology.homes else topology, live)
+    counts = [homes[w] for w in range(topology.workers)]
     short = [w for w in range(topology.workers) if strict[w] and counts[w] > rooms[w]]
     if not short:
         return ""
