@@ -8,13 +8,10 @@ nothing of theirs but the pure placement rule and the miss policy's own dataclas
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 
 from odmoe.lossy.miss_policy import MissConfig
 from odmoe.placement import Topology
-
-log = logging.getLogger("odmoe.config")
 
 ROLES = ("local", "main", "worker", "shadow", "ray", "plan", "seed")
 
@@ -340,9 +337,7 @@ class SecurityConfig:
     insecure_lan: bool = False
 
     def node_name(self, role: str, worker_index: int) -> str:
-        if self.key_name:
-            return self.key_name
-        return f"worker{worker_index}" if role == "worker" else role
+        return self.key_name or (f"worker{worker_index}" if role == "worker" else role)
 
 
 @dataclass

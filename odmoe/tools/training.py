@@ -79,18 +79,8 @@ TRAINED_SPEC = ModelSpec(
     seed=0,
 )
 # ~8 M parameters: 1 dense + 3 MoE layers, experts a quarter of the Mixtral-style model's width.
-TRAINED_DEEPSEEK_SPEC = ModelSpec(
-    family="deepseek_v3",
-    layers=4,
-    hidden=256,
-    intermediate=128,
-    experts=16,
-    top_k=4,
-    heads=8,
-    kv_heads=8,
-    vocab=4096,
-    max_positions=512,
-    seed=0,
+TRAINED_DEEPSEEK_SPEC = replace(
+    TRAINED_SPEC, family="deepseek_v3", intermediate=128, experts=16, top_k=4, kv_heads=8
 )
 # Hybrid attention (Qwen3-Next: 3 gated-DeltaNet layers to 1 full attention), so the shadow's recall
 # is measured where alignment leaves the recurrent states to the shadow; experts half as wide as
@@ -105,19 +95,7 @@ TRAINED_SPECS = {
 # experts top-2, trained on first use in about two minutes on two cores so that the first command
 # prints recognisable Python. Narrow experts and a 1,024-token vocabulary (the lm_head was half of a
 # step at 4,096) are what make a step cheap.
-DEMO_SPEC = ModelSpec(
-    family="mixtral",
-    layers=4,
-    hidden=128,
-    intermediate=128,
-    experts=8,
-    top_k=2,
-    heads=4,
-    kv_heads=2,
-    vocab=1024,
-    max_positions=512,
-    seed=0,
-)
+DEMO_SPEC = replace(TRAINED_SPEC, hidden=128, intermediate=128, heads=4, kv_heads=2, vocab=1024)
 
 
 @dataclass(frozen=True)
