@@ -49,23 +49,6 @@ from odmoe.tools.corpora import corpus_files
 
 log = logging.getLogger("odmoe.tools.model_factory")
 
-FAMILIES = (
-    "mixtral",
-    "qwen2_moe",
-    "qwen3_moe",
-    "olmoe",
-    "deepseek_v2",
-    "deepseek_v3",
-    "glm4_moe",
-    "phimoe",
-    "qwen3_next",
-    "qwen3_5_moe_text",
-    "qwen3_5_moe",
-    "gpt_oss",
-    "llama4_text",
-    "llama4",
-    "ernie4_5_moe",
-)
 # Published as vision-language checkpoints whose language model odmoe serves (models.families.WRAPPERS):
 # the factory makes the whole wrapper, with a vision tower as small as it goes.
 MULTIMODAL = {"qwen3_5_moe": "qwen3_5_moe_text", "llama4": "llama4_text"}
@@ -164,7 +147,7 @@ def hf_config(spec: ModelSpec) -> PretrainedConfig:
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
     )
-    return _CONFIGS.get(spec.family, _CONFIGS["olmoe"])(spec, common)
+    return _CONFIGS[spec.family](spec, common)
 
 
 def qwen3_next_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
@@ -361,9 +344,6 @@ def glm4_moe_config(spec: ModelSpec, common: dict) -> PretrainedConfig:
 # each family's transformers config from the spec and the keys every family shares
 _CONFIGS: dict[str, Callable[[ModelSpec, dict], PretrainedConfig]] = {
     "mixtral": lambda s, c: MixtralConfig(intermediate_size=s.intermediate, num_local_experts=s.experts, **c),
-    # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
-    "phimoe": lambda s, c: PhimoeConfig(intermediate_size=s.intermediate, num_local_experts=s.experts, **c),
-    "olmoe": lambda s, c: OlmoeConfig(intermediate_size=s.intermediate, num_experts=s.experts, **c),
     "qwen2_moe": lambda s, c: Qwen2MoeConfig(
         intermediate_size=s.intermediate,
         moe_intermediate_size=s.intermediate,
@@ -378,15 +358,19 @@ _CONFIGS: dict[str, Callable[[ModelSpec, dict], PretrainedConfig]] = {
         head_dim=s.hidden // s.heads,
         **c,
     ),
+    "olmoe": lambda s, c: OlmoeConfig(intermediate_size=s.intermediate, num_experts=s.experts, **c),
     **dict.fromkeys(DEEPSEEK, deepseek_config),
     "glm4_moe": glm4_moe_config,
+    # Mixtral's layout; sparsemixer routing, LayerNorm, biased attention
+    "phimoe": lambda s, c: PhimoeConfig(intermediate_size=s.intermediate, num_local_experts=s.experts, **c),
     **dict.fromkeys(("qwen3_next", "qwen3_5_moe_text"), qwen3_next_config),
     "qwen3_5_moe": lambda s, c: qwen3_5_moe_config(s),
     "gpt_oss": gpt_oss_config,
-    "ernie4_5_moe": ernie4_5_moe_config,
     "llama4_text": llama4_text_config,
     "llama4": lambda s, c: llama4_config(s),
+    "ernie4_5_moe": ernie4_5_moe_config,
 }
+FAMILIES = tuple(_CONFIGS)  # every family the factory makes
 
 CORPORA = ("stdlib", "demo")  # the interpreter's own sources | the shipped demo corpus
 
