@@ -102,10 +102,6 @@ class KeyDir:
         return self.private / f"{node}.key_secret"
 
 
-def node_names(workers: int) -> list[str]:
-    return ["main", "shadow", *(f"worker{i}" for i in range(workers))]
-
-
 def init_key_dir(root: str | Path, workers: int, hosts: tuple[str, ...] = ()) -> KeyDir:
     """Create a cluster's keys: CURVE keypairs for main, shadow and `workers` workers, a TLS
     certificate valid for `hosts` (plus loopback and TLS_NAME) and a client token. Refuses to
@@ -116,7 +112,7 @@ def init_key_dir(root: str | Path, workers: int, hosts: tuple[str, ...] = ()) ->
     for folder in (keys.root, keys.public, keys.private, keys.cert.parent):
         folder.mkdir(parents=True, exist_ok=True)
     keys.private.chmod(0o700)
-    for name in node_names(workers):
+    for name in ("main", "shadow", *(f"worker{i}" for i in range(workers))):
         add_node_key(keys, name)
     cert, key = self_signed_certificate(hosts)
     _write(keys.cert, cert, 0o644)
@@ -165,13 +161,17 @@ def revoked_nodes(keys: KeyDir) -> list[str]:
 
 
 def _revoked_keys(keys: KeyDir) -> dict[bytes, str]:
-    """z85 key -> node, for every key in DIR/revoked that parses."""
+    return _keys_in(keys.revoked, "revoked/")
+
+
+def _keys_in(folder: Path, what: str) -> dict[bytes, str]:
+    """z85 key -> node, for every `.key` file in `folder` that parses (the others: a warning)."""
     found = {}
-    for path in sorted(keys.revoked.glob("*.key")):
+    for path in sorted(folder.glob("*.key")):
         try:
             found[load_public_key(path)] = _node_of_file(path.name)
         except (SecurityError, OSError) as exc:
-            log.warning("revoked/: %s skipped: %s", path, exc)
+            log.warning("%s: %s skipped: %s", what, path, exc)
     return found
 
 
@@ -381,12 +381,7 @@ class AllowList:
 
     def _load(self) -> None:
         signature = self._scan()
-        admitted, revoked = {}, _revoked_keys(self.keys)
-        for path in sorted(self.keys.public.glob("*.key")):
-            try:
-                admitted[load_public_key(path)] = _node_of_file(path.name)
-            except (SecurityError, OSError) as exc:
-                log.warning("allow-list: %s skipped: %s", path, exc)
+        revoked, admitted = _revoked_keys(self.keys), _keys_in(self.keys.public, "allow-list")
         if self._signature:
             log.info(
                 "allow-list re-read from %s: %d keys admitted, %d revoked",
