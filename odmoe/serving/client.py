@@ -182,18 +182,6 @@ class Client:
             channel, odmoe_pb2_grpc.InferenceStub(channel), health_pb2_grpc.HealthStub(channel)
         )
 
-    def _request(self, prompt, max_new_tokens, return_logits, request_id, resume, options: dict):
-        fields = dict(
-            max_new_tokens=max_new_tokens,
-            return_logits=return_logits,
-            request_id=request_id,
-            resume_ids=resume,
-            **options,
-        )
-        if isinstance(prompt, str):
-            return odmoe_pb2.GenerateRequest(prompt=prompt, **fields)
-        return odmoe_pb2.GenerateRequest(token_ids=list(prompt), **fields)
-
     def _replies(
         self,
         prompt,
@@ -216,12 +204,14 @@ class Client:
         received: list[int] = []
         failures = 0  # consecutive, without a new token in between
         options = _options(stop, sampling)
+        options.update(max_new_tokens=max_new_tokens, return_logits=return_logits, request_id=request_id)
+        options.update(prompt_logprobs=prompt_logprobs, ignore_eos=ignore_eos)
+        options.update({"prompt": prompt} if isinstance(prompt, str) else {"token_ids": list(prompt)})
         if logprobs is not None:
             options["logprobs"] = logprobs
-        options["prompt_logprobs"], options["ignore_eos"] = prompt_logprobs, ignore_eos
         while True:
             turn = self._ring.turn()
-            request = self._request(prompt, max_new_tokens, return_logits, request_id, received, options)
+            request = odmoe_pb2.GenerateRequest(resume_ids=received, **options)
             before = len(received)
             try:
                 yield from self._attempt(turn, request, received, options)
