@@ -260,21 +260,6 @@ class LiveWorkers:
     kind: str = "membership"
 
 
-_ALL = (
-    ComputeExperts,
-    ExpertsResult,
-    Ping,
-    Pong,
-    Release,
-    Prediction,
-    ShadowIteration,
-    ShadowEnded,
-    BeginRequest,
-    Align,
-    EndRequest,
-    LiveWorkers,
-)
-_KINDS = {cls.kind: cls for cls in _ALL}
 Message = (
     ComputeExperts
     | ExpertsResult
@@ -289,6 +274,8 @@ Message = (
     | EndRequest
     | LiveWorkers
 )
+_ALL = typing.get_args(Message)
+_KINDS = {cls.kind: cls for cls in _ALL}
 # How many tensors a message carries is checked by its receiver, who knows what they mean (a
 # ComputeExperts one per expert: the worker; an Align 0 or 2: the shadow; a result: main).
 
@@ -384,14 +371,10 @@ _check_str, _check_int = _checker(str), _checker(int)
 
 
 def _step(value, where: str) -> Step:
-    if type(value) is not dict or len(value) != 3:
+    if type(value) is not dict or value.keys() != {"request", "iteration", "layer"}:
         raise CodecError(f"{where} is not a step")
-    try:
-        request, iteration, layer = value["request"], value["iteration"], value["layer"]
-    except KeyError:
-        raise CodecError(f"{where} is not a step") from None
     return Step(
-        _check_str(request, f"{where}.request"),
-        _check_int(iteration, f"{where}.iteration"),
-        _check_int(layer, f"{where}.layer"),
+        _check_str(value["request"], f"{where}.request"),
+        _check_int(value["iteration"], f"{where}.iteration"),
+        _check_int(value["layer"], f"{where}.layer"),
     )
