@@ -159,8 +159,7 @@ def _error_answers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_, exc: RequestValidationError):
-        first = exc.errors()[0]
-        loc = first.get("loc", ())
+        loc = exc.errors()[0].get("loc", ())
         where = str(loc[1]) if len(loc) > 1 else None  # the body's field (a union adds its branch)
         detail = "; ".join(
             f"{'.'.join(str(p) for p in e.get('loc', ())[1:])}: {e['msg']}" for e in exc.errors()
@@ -178,8 +177,7 @@ def _info_routes(app: FastAPI, backend) -> None:
 
     @app.get("/health")
     async def health():
-        why = backend.health()
-        if why:
+        if why := backend.health():
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return {"status": "ok"}
 
@@ -202,7 +200,6 @@ def _tokenizer_routes(app: FastAPI, backend) -> None:
 
     @app.get("/tokenizer_info")
     async def tokenizer_info():
-        """vLLM's tokenizer endpoints (evaluation harnesses tokenize through the server with them)."""
         tok = backend.tokenizer
         return {
             "tokenizer_class": type(tok).__name__,
@@ -241,9 +238,8 @@ def _generation_routes(app: FastAPI, backend, ping_s: float) -> None:
             raise ApiError(400, "max_tokens=0 needs echo=true (it scores the prompt)", "max_tokens")
         if max_tokens == 0 and body.stream:
             raise ApiError(400, "max_tokens=0 (scoring a prompt) cannot be streamed", "stream")
-        reqs = []
-        for prompt, token_ids in _completion_prompts(body.prompt):
-            reqs += _requests(body, max_tokens, prompt=prompt, token_ids=token_ids)
+        prompts = _completion_prompts(body.prompt)
+        reqs = [r for prompt, ids in prompts for r in _requests(body, max_tokens, prompt, ids)]
         return await _answer(backend, request, body, reqs, chat=False, ping_s=ping_s)
 
     @app.post("/v1/chat/completions")
@@ -358,8 +354,7 @@ async def _events(ticket, request: Request | None):
             if request is not None and time.monotonic() - checked >= POLL_S:
                 checked = time.monotonic()
                 if await request.is_disconnected():
-                    ticket.cancel()
-                    return
+                    return  # the finally cancels the request
             if event is None:
                 continue
             if event is END:
@@ -558,27 +553,23 @@ class _Shape:
         self, piece, finish_reason: str | None, index: int = 0, scored=(), before: list[int] = ()
     ) -> dict:
         logprobs = self._logprobs(list(scored), list(before)) if scored else None
-        if self.chat:
-            delta = piece if isinstance(piece, dict) else {"content": piece}
-            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        else:
-            choice = {"index": index, "text": piece, "logprobs": logprobs, "finish_reason": finish_reason}
+        if self.chat and not isinstance(piece, dict):
+            piece = {"content": piece}
+        key = "delta" if self.chat else "text"
+        choice = {"index": index, key: piece, "logprobs": logprobs, "finish_reason": finish_reason}
         return {**self.head(), "choices": [choice]}
 
     def whole(self, answers: list[_Answer]) -> dict:
-        choices = []
-        for index, a in enumerate(answers):
-            logprobs = self._logprobs(a.scored, []) if self.logprobs else None
-            if self.chat:
-                choice = {
-                    "index": index,
-                    "message": {"role": "assistant", "content": a.text},
-                    "logprobs": logprobs,
-                }
-            else:
-                choice = {"index": index, "text": a.text, "logprobs": logprobs}
-            choice["finish_reason"] = a.stats["finish_reason"]
-            choices.append(choice)
+        key = "message" if self.chat else "text"
+        choices = [
+            {
+                "index": index,
+                key: {"role": "assistant", "content": a.text} if self.chat else a.text,
+                "logprobs": self._logprobs(a.scored, []) if self.logprobs else None,
+                "finish_reason": a.stats["finish_reason"],
+            }
+            for index, a in enumerate(answers)
+        ]
         stats = [a.stats for a in answers]
         brief = _brief(stats[0])
         if len(stats) > 1:  # each choice's own (its seed among them)
