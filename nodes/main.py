@@ -39,6 +39,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent import futures
+from dataclasses import asdict
 from pathlib import Path
 
 import grpc
@@ -314,18 +315,13 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
                     "index": i,
                     "address": members.addresses[i],
                     "live": i in members.live,
-                    "layers": self.checkpoint.moe_layers
-                    if i not in members.pongs
-                    else members.pongs[i].layers,
+                    "layers": members.pongs[i].layers if i in members.pongs else self.checkpoint.moe_layers,
                 }
                 for i in range(self.cfg.cluster.workers)
             ],
             "live_workers": sorted(members.live),
             # the latest losses and returns (operators, and tests timing detection and rejoin)
-            "membership_events": [
-                {"worker": e.worker, "event": e.event, "at_us": e.at_us, "reason": e.reason}
-                for e in members.events[-20:]
-            ],
+            "membership_events": [asdict(e) for e in members.events[-20:]],
             "shadow": None if shadow is None else {"address": shadow.address, "up": shadow.control.connected},
             "placement": self._placement(),
             "homes_problem": self.homes_problem,  # a grown cluster whose homes do not fit ("": they do)
@@ -345,9 +341,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         places = {"main": self.cfg.cluster.where}
         if self.cfg.shadow.enabled:
             places["shadow"] = self.shadow_where
-        for i in range(self.cfg.cluster.workers):
-            places[f"worker{i}"] = pongs[i].where if i in pongs else ""
-        return places
+        return places | {
+            f"worker{i}": pongs[i].where if i in pongs else "" for i in range(self.cfg.cluster.workers)
+        }
 
     def take_in(self, name: str, address: str, pub_address: str = "") -> None:
         """A node the join link admitted became ready while main serves (any thread): a worker is
@@ -393,14 +389,9 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             why = f" (CURVE handshake failed: {shadow.control.refused})" if shadow.control.refused else ""
             log.warning("shadow %s is not reachable%s: requests run without it", shadow.address, why)
         pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, cfg.cluster.min_workers)
-        topology = self.experts.members.topology
         # the homes' fit is known once every worker has told its room (a cluster still growing: later)
-        if len(pongs) == topology.workers:
-            self.homes_checked = True
-            if problem := unfit_homes(
-                topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs]
-            ):
-                raise MemoryPlanError(problem)
+        if len(pongs) == self.experts.members.topology.workers and (problem := self._homes_problem(pongs)):
+            raise MemoryPlanError(problem)
         self.connect_s = time.perf_counter() - start
 
     def _check_grown_homes(self) -> None:
@@ -411,12 +402,15 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         members = self.experts.members
         if self.homes_checked or len(members.pongs) < members.topology.workers:
             return
-        self.homes_checked = True
-        pongs = [members.pongs[w] for w in range(members.topology.workers)]
-        rooms, strict = [p.cache_room for p in pongs], [p.strict_share for p in pongs]
-        if problem := unfit_homes(members.topology, rooms, strict):
+        if problem := self._homes_problem([members.pongs[w] for w in range(members.topology.workers)]):
             self.homes_problem = problem
             log.error("the grown cluster's homes do not fit: %s", problem)
+
+    def _homes_problem(self, pongs: list) -> str:
+        """What stops the homes fitting the rooms every worker told (`unfit_homes`; "": they fit)."""
+        self.homes_checked = True
+        rooms, strict = [p.cache_room for p in pongs], [p.strict_share for p in pongs]
+        return unfit_homes(self.experts.members.topology, rooms, strict)
 
     def serve(self, ready_file: str | None = None) -> None:
         """Serve clients (gRPC, and HTTP with server.http) until SIGINT/SIGTERM; after start()."""

@@ -83,12 +83,11 @@ class DecodeInput:
 
 
 # where `dim` sits among the positional arguments, and its default, where not (1, None: none)
-_DIM_AT: dict = {F.normalize: (2, 1)}
-for _name in ("topk", "norm"):
-    _DIM_AT.update({getattr(torch, _name): (2, -1 if _name == "topk" else None)})
-    _DIM_AT.update({getattr(torch.Tensor, _name): (2, -1 if _name == "topk" else None)})
-for _name in ("sort", "argsort"):
-    _DIM_AT.update({getattr(torch, _name): (1, -1), getattr(torch.Tensor, _name): (1, -1)})
+_DIM_AT: dict = {F.normalize: (2, 1)} | {
+    getattr(owner, name): at
+    for name, at in (("topk", (2, -1)), ("norm", (2, None)), ("sort", (1, -1)), ("argsort", (1, -1)))
+    for owner in (torch, torch.Tensor)
+}
 
 
 def _reduced_dims(func, args, kwargs, ndim: int) -> set[int] | None:
@@ -404,9 +403,8 @@ class _BatchCache:
         self.caches = caches
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = _PerRequest(), _PerRequest()
-        for b, cache in enumerate(self.caches):
-            k, v = cache.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx, *args, **kwargs)
-            keys.append(k)
-            values.append(v)
-        return keys, values
+        rows = [
+            cache.update(key_states[b : b + 1], value_states[b : b + 1], layer_idx, *args, **kwargs)
+            for b, cache in enumerate(self.caches)
+        ]
+        return _PerRequest(k for k, _ in rows), _PerRequest(v for _, v in rows)

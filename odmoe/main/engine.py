@@ -207,10 +207,7 @@ class MainEngine:
             while not stopped():
                 self._admit(requests)
                 between_ticks()
-                if self.running:
-                    self._tick()
-                    self._retire(requests)
-                self._finish_held(requests, wait=not self.running)
+                self._iterate(requests)
         finally:
             self._abandon(requests, ShuttingDown("main is shutting down"))
 
@@ -224,10 +221,7 @@ class MainEngine:
             self._admit(queue)
             try:
                 while self.running or self.finishing:
-                    if self.running:
-                        self._tick()
-                        self._retire(queue)
-                    self._finish_held(queue, wait=not self.running)
+                    self._iterate(queue)
                     while events:
                         event = events.pop(0)
                         if isinstance(event, Exception):
@@ -236,6 +230,13 @@ class MainEngine:
                             yield event
             finally:
                 self._abandon(queue, RuntimeError("the caller stopped reading"))
+
+    def _iterate(self, requests: RequestQueue) -> None:
+        """One tick of the running requests (if any), then the finished ones' DoneEvents."""
+        if self.running:
+            self._tick()
+            self._retire(requests)
+        self._finish_held(requests, wait=not self.running)
 
     # 1) admit ---------------------------------------------------------------------------------
     def _admit(self, requests: RequestQueue) -> None:
@@ -466,9 +467,7 @@ class MainEngine:
             else:
                 keep.append((ticket, run))
         self.running = keep
-        if not self.running and not self.finishing and self.stream:
-            self.experts.end_stream(self.stream)
-            self.stream = ""
+        self._end_stream_if_idle()
 
     def _finish_held(self, requests: RequestQueue, wait: bool) -> None:
         """Finished requests get their DoneEvent once the shadow has sent every prediction for them
@@ -493,9 +492,7 @@ class MainEngine:
             ticket.put(DoneEvent(stats, run.logits[0].clone() if run.request.return_logits else None))
             requests.done(ticket)
         self.finishing = held
-        if not self.running and not self.finishing and self.stream:
-            self.experts.end_stream(self.stream)
-            self.stream = ""
+        self._end_stream_if_idle()
 
     def _end(self, ticket: Ticket, run: RequestRun) -> None:
         """The run leaves: its task (a prefill parked across ticks) ends, the shadow stops on it;
@@ -520,15 +517,16 @@ class MainEngine:
     def _abandon(self, requests: RequestQueue, reason: Exception) -> None:
         for ticket, run in self.running:
             self._end(ticket, run)
-            ticket.put(reason)
-            self.observer.ended(ticket, "error")
-            requests.done(ticket)
-        for ticket, _, _, _ in self.finishing:
+        for ticket in [t for t, _ in self.running] + [held[0] for held in self.finishing]:
             ticket.put(reason)
             self.observer.ended(ticket, "error")
             requests.done(ticket)
         self.running, self.finishing = [], []
-        if self.stream:
+        self._end_stream_if_idle()
+
+    def _end_stream_if_idle(self) -> None:
+        """No request left: the workers drop what they hold for the stream."""
+        if not self.running and not self.finishing and self.stream:
             self.experts.end_stream(self.stream)
             self.stream = ""
 
@@ -553,18 +551,16 @@ def _prefill_leader(
 ) -> RequestRun | None:
     """A running request of the same `prefill_group` and prompt whose prefill has not started."""
     group = run.request.prefill_group
-    if not group:
-        return None
-    for other in running:
-        if (
-            other.request.prefill_group == group
-            and other.schedule.leader is None
-            and other.iteration == 0
-            and other.request_id not in tasks
-            and other.step_input[0].tolist() == ids
-        ):
-            return other
-    return None
+    leaders = (
+        other
+        for other in running
+        if other.request.prefill_group == group
+        and other.schedule.leader is None
+        and other.iteration == 0
+        and other.request_id not in tasks
+        and other.step_input[0].tolist() == ids
+    )
+    return next(leaders, None) if group else None
 
 
 def _view(run: RequestRun, parked: bool) -> RunView:
@@ -585,13 +581,10 @@ def _sink(ticket: Ticket, observer):
 
 
 def _cache_bytes(cache) -> int:
-    total = 0
-    for layer in getattr(cache, "layers", ()):
-        for name in ("keys", "values"):
-            t = getattr(layer, name, None)
-            if isinstance(t, torch.Tensor):
-                total += t.numel() * t.element_size()
-    return total
+    tensors = [
+        getattr(layer, name, None) for layer in getattr(cache, "layers", ()) for name in ("keys", "values")
+    ]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def _resumed_over_stats(run: RequestRun) -> dict:

@@ -97,9 +97,6 @@ class Observers(ExchangeObserver):
     def add(self, observer: ExchangeObserver) -> None:
         self.all.append(observer)
 
-    def first(self, kind: type) -> ExchangeObserver | None:
-        return next((o for o in self.all if isinstance(o, kind)), None)
-
     def layer_called(self, ctx: RunContext, layer: int) -> None:
         for o in self.all:
             o.layer_called(ctx, layer)
@@ -152,7 +149,7 @@ class TrafficAccounting(ExchangeObserver):
         hedged = set(prediction.hedges) - set(prediction.experts) if prediction is not None else set()
         for rows in x.batch:
             ctx = rows.ctx
-            predicted = _requests_choice(prediction, ctx.request)
+            predicted = own_experts(prediction, ctx.request)
             ctx.traffic.note_prediction(ctx.iteration, layer, predicted, rows.experts, hedged)
         for b, count in x.resent.items():
             x.batch[b].ctx.traffic.resent += count
@@ -216,13 +213,14 @@ class FaultInjection(ExchangeObserver):
         self.trigger.at(ctx.request, ctx.iteration, layer)
 
 
-def _requests_choice(prediction: Prediction | None, request: str) -> list[int] | None:
-    """What the shadow predicted for this request (None: no prediction for it arrived in time)."""
+def own_experts(prediction: Prediction | None, request: str) -> list[int] | None:
+    """`request`'s own choice in a prediction: all of it when it names no requests (one request ran),
+    else the request's entry; None when there is none (not here yet, or the request is not listed)."""
     if prediction is None:
         return None
     if not prediction.requests:
-        return prediction.experts  # one request alone
+        return prediction.experts
     try:
         return prediction.request_experts[prediction.requests.index(request)]
-    except (ValueError, IndexError):
+    except (ValueError, IndexError):  # untrusted frames: the lists may disagree
         return None

@@ -84,7 +84,6 @@ class DecodeRows:
     top_k_weights: torch.Tensor  # [1, k]
     groups: list[ExpertRows]  # the experts it routes to, ascending
     stand_in: dict[int, int]  # lossy only: missing expert -> the resident one computed instead
-    entered: float = 0.0  # perf_counter when its call began
 
     @property
     def experts(self) -> list[int]:

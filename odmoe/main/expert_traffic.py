@@ -175,9 +175,7 @@ class ExpertTraffic:
             self._add_expert(result.worker, result.part == 0, nbytes, load_s, compute_s)
             if result.cached and result.cached[i] and result.part == 0:
                 self._cache_hit(result.step.layer, 1, result.cached[i])
-        self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
-        if result.cache:
-            self.cache[result.worker] = result.cache
+        self._add_worker(result)
 
     def add_share(self, result: ExpertsResult, i: int, share: int, of: int) -> None:
         """This request's `share` of `of` segments of expert `result.experts[i]` (a decode answer):
@@ -186,12 +184,10 @@ class ExpertTraffic:
         load_s, compute_s = result.load_s[i] * part, result.compute_s[i] * part
         nbytes = result.bytes_loaded[i] * part
         self._add_decode(load_s, compute_s, nbytes, part)
-        self._add_worker(result.worker, result.peak_rss, result.device_peak_bytes)
+        self._add_worker(result)
         self._add_expert(result.worker, part, nbytes, load_s, compute_s)
         if result.cached and result.cached[i]:
             self._cache_hit(result.step.layer, part, result.cached[i] * part)
-        if result.cache:
-            self.cache[result.worker] = result.cache
         self.preloaded += result.preloaded[i]
         self.reloads += not result.preloaded[i]
         if len(result.hedges) == 3:
@@ -209,9 +205,13 @@ class ExpertTraffic:
         d.loads += count if nbytes > 0 else 0
         d.load_s += load_s
 
-    def _add_worker(self, worker: int, peak_rss: int, device_peak: int) -> None:
-        self.worker_peak_rss[worker] = max(self.worker_peak_rss.get(worker, 0), peak_rss)
-        self.worker_device_peak[worker] = max(self.worker_device_peak.get(worker, 0), device_peak)
+    def _add_worker(self, result: ExpertsResult) -> None:
+        """The answering worker's peak memory so far, and its cache as of this answer."""
+        w = result.worker
+        self.worker_peak_rss[w] = max(self.worker_peak_rss.get(w, 0), result.peak_rss)
+        self.worker_device_peak[w] = max(self.worker_device_peak.get(w, 0), result.device_peak_bytes)
+        if result.cache:
+            self.cache[w] = result.cache
 
     def _add_expert(self, worker: int, count: float, nbytes: float, load_s: float, compute_s: float) -> None:
         w = self.per_worker.setdefault(worker, WorkerCounters())

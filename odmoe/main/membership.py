@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from odmoe.placement import Topology
+from odmoe.placement import LayerUnavailable, Topology
 from odmoe.tools.trace import now_us
 from odmoe.transport.beats import BeatWatch
 from odmoe.transport.codec import CodecError
@@ -137,6 +137,13 @@ class Membership:
             curve=self.curve,
             server=f"worker{worker}",
         )
+
+    def serving(self, layer: int) -> list[int]:
+        """The live workers that serve `layer` now ([] where none does)."""
+        try:
+            return self.topology.serving_group(layer, self.live)
+        except LayerUnavailable:
+            return []
 
     def send(self, worker: int, frames: list, copy: bool = True) -> bool:
         """Send to a live worker (never blocks); False, and nothing sent, when it is not live."""
@@ -281,11 +288,8 @@ class Membership:
         if self.beats is not None:
             for worker in self._beats_lost():
                 self.mark_lost(worker, self._beat_verdicts.pop(worker))
-        while True:
-            try:
-                worker, address = self.announced.get_nowait()
-            except queue.Empty:
-                break
+        while not self.announced.empty():  # filled by other threads, emptied only here
+            worker, address = self.announced.get_nowait()
             if not 0 <= worker < self.topology.workers:
                 log.warning("ignoring an announcement from %s as worker %d: no such index", address, worker)
                 continue

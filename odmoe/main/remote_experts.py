@@ -76,7 +76,6 @@ from odmoe.main.straggler_steering import StragglerSteering
 from odmoe.main.stragglers import StragglerWatch
 from odmoe.main.worker_calls import WorkerCalls, WorkerFailed, calls_of, split_answers
 from odmoe.models.expert_math import combine, expert_input, split_by_expert
-from odmoe.placement import Topology
 from odmoe.tools.trace import Tracer
 from odmoe.transport.messages import (
     EndRequest,
@@ -131,11 +130,6 @@ class RemoteExperts:
         self.calls = WorkerCalls(
             members, kernel, self.observe, prefill, reply_timeout_s, late, no_worker_grace_s
         )
-
-    @property
-    def topology(self) -> Topology:
-        """Membership's: it learns the workers' cache rooms (weighted homes) once they have answered."""
-        return self.members.topology
 
     @property
     def tracer(self) -> Tracer:
@@ -198,16 +192,8 @@ class RemoteExperts:
     def _decode_rows(
         self, running: ForwardPass, ctx: RunContext, layer: int, hidden, top_k_index, top_k_weights
     ) -> DecodeRows:
-        rows = DecodeRows(
-            ctx,
-            layer,
-            hidden,
-            top_k_index,
-            top_k_weights,
-            split_by_expert(top_k_index, self.num_experts, self.kernel),
-            {},
-            time.perf_counter(),
-        )
+        groups = split_by_expert(top_k_index, self.num_experts, self.kernel)
+        rows = DecodeRows(ctx, layer, hidden, top_k_index, top_k_weights, groups, {})
         if self.substituter is not None:  # its router's scores are this request's now (the tap's latest)
             self.substituter.budget = ctx.budget
             rows.stand_in = self._stand_ins(

@@ -174,9 +174,7 @@ def failover_stats(experts: RemoteExperts, traffic: ExpertTraffic, since_us: flo
     return {
         "live_workers": sorted(experts.members.live),
         "resent_calls": traffic.resent,
-        "events": [
-            {"worker": e.worker, "event": e.event, "at_us": e.at_us, "reason": e.reason} for e in events
-        ],
+        "events": [asdict(e) for e in events],
     }
 
 

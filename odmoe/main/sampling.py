@@ -66,7 +66,6 @@ class SamplingParams:
 class TokenChooser:
     def __init__(self, model: PreTrainedModel, params: SamplingParams, prompt_ids: list[int]):
         params.validate()
-        self.params = params
         self.seed = params.seed if params.seed is not None else secrets.randbelow(MAX_SEED)
         config, _ = model._prepare_generation_config(None, **params.generate_kwargs())
         model._prepare_special_tokens(config, kwargs_has_attention_mask=True, device="cpu")

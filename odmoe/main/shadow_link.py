@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import zmq
 
+from odmoe.main.exchange_observers import own_experts
 from odmoe.tools.trace import now_us
 from odmoe.transport.beats import BeatWatch
 from odmoe.transport.codec import CodecError
@@ -84,19 +85,6 @@ class _Request:
 
     def tick(self, iteration: int) -> int:
         return self.first_tick + iteration - 1
-
-
-def own_experts(prediction: Prediction | None, request: str) -> list[int] | None:
-    """`request`'s own choice in a prediction: all of it when it names no requests (one request ran),
-    else the request's entry; None when there is none (not here yet, or the request is not listed)."""
-    if prediction is None:
-        return None
-    if not prediction.requests:
-        return prediction.experts
-    try:
-        return prediction.request_experts[prediction.requests.index(request)]
-    except (ValueError, IndexError):  # untrusted frames: the lists may disagree
-        return None
 
 
 class ShadowLink:
@@ -274,11 +262,8 @@ class ShadowLink:
         """The request's stats are out: drop what is kept for it, and predictions nobody needs."""
         self.requests.pop(request, None)
         live = [r.first_tick for r in self.requests.values() if r.stream == self.stream]
-        oldest = min(live, default=None)
-        if oldest is None:
-            self.predictions = {}
-        else:
-            self.predictions = {k: p for k, p in self.predictions.items() if k[0] >= oldest}
+        oldest = min(live, default=float("inf"))  # none left: no prediction is needed
+        self.predictions = {k: p for k, p in self.predictions.items() if k[0] >= oldest}
 
     # -- predictions ----------------------------------------------------------------------------
     def prediction(self, step: Step) -> Prediction | None:
@@ -305,9 +290,7 @@ class ShadowLink:
             return own_experts(self.predictions.get((r.tick(key[0]), key[1])) if mine else None, request)
 
         deadline = time.monotonic() + wait_s
-        while not r.ended and any(own(k) is None for k in keys):
-            if time.monotonic() >= deadline:
-                break
+        while not r.ended and any(own(k) is None for k in keys) and time.monotonic() < deadline:
             if self.sub.poll(10):
                 self._drain(None)
         found = {k: own(k) for k in keys}

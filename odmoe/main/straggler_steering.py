@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from odmoe.main.exchange_records import BatchCall
 from odmoe.main.membership import Membership
 from odmoe.main.stragglers import StragglerWatch, home_move, lost_hits, straggler_room
-from odmoe.placement import LayerUnavailable, home_counts, moved_homes
+from odmoe.placement import home_counts, moved_homes
 from odmoe.transport.messages import Step
 
 log = logging.getLogger("odmoe.main")
@@ -34,12 +34,6 @@ class StragglerSteering:
         self._weigh_at = 0  # with homes: the iteration count at which unmoved stragglers are weighed again
         self._events_seen = 0  # Membership.events already read
 
-    def _serving(self, layer: int) -> list[int]:
-        try:
-            return self.members.topology.serving_group(layer, self.members.live)
-        except LayerUnavailable:
-            return []
-
     def judge(
         self, step: Step, calls: list[BatchCall], overtaken: Sequence[BatchCall] = (), gathered: float = 0.0
     ) -> None:
@@ -54,7 +48,7 @@ class StragglerSteering:
         watch = self.watch
         if (step.request, step.iteration) != self._last_step:
             self._iterations, self._last_step = self._iterations + 1, (step.request, step.iteration)
-        homes, peers = self.members.topology.homes, self._serving(step.layer)
+        homes, peers = self.members.topology.homes, self.members.serving(step.layer)
         changed = self._forget_changed_members(watch)
         for call in calls:
             assert call.answer is not None

@@ -347,14 +347,8 @@ class WorkerCalls:
         """The layer is over: every worker serving it that no releasing call told gets a Release."""
         called = {c.worker for c in calls if c.done and c.releases}
         release = to_frames(Release(step))
-        for worker in [w for w in self._serving(step.layer) if w not in called]:
+        for worker in [w for w in self.members.serving(step.layer) if w not in called]:
             self.members.send(worker, release)
-
-    def _serving(self, layer: int) -> list[int]:
-        try:
-            return self.topology.serving_group(layer, self.members.live)
-        except LayerUnavailable:
-            return []
 
 
 def calls_of(placement: dict[int, int], one_per_expert: bool) -> list[tuple[int, list[int]]]:
