@@ -116,19 +116,13 @@ def split_by_expert(top_k_index: torch.Tensor, num_experts: int, kernel: str = "
         top_k = top_k_index.shape[-1]
         flat = top_k_index.reshape(-1)
         sorted_ids, perm = torch.sort(flat)
-        rows = []
-        for expert in sorted_ids.unique().tolist():
-            pairs = perm[sorted_ids == expert]
-            rows.append(ExpertRows(expert=expert, token_idx=pairs // top_k, slot_idx=pairs % top_k))
-        return rows
+        pairs = {expert: perm[sorted_ids == expert] for expert in sorted_ids.unique().tolist()}
+        return [ExpertRows(expert, token_idx=p // top_k, slot_idx=p % top_k) for expert, p in pairs.items()]
     # eager: [T, k] -> one_hot [T, k, E] -> [E, k, T], as the kernel builds its mask.
     mask = torch.nn.functional.one_hot(top_k_index, num_classes=num_experts).permute(2, 1, 0)
     hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
-    rows = []
-    for expert in hit:
-        slot_idx, token_idx = torch.where(mask[expert])
-        rows.append(ExpertRows(expert=expert, token_idx=token_idx, slot_idx=slot_idx))
-    return rows
+    where = {expert: torch.where(mask[expert]) for expert in hit}  # (slot_idx, token_idx)
+    return [ExpertRows(expert, token_idx=t, slot_idx=s) for expert, (s, t) in where.items()]
 
 
 def expert_input(

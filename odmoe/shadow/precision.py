@@ -19,6 +19,7 @@ matrix) and kept in float32 for bitsandbytes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -51,10 +52,7 @@ class WeightShape:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 def int4_group(out_features: int, in_features: int) -> int | None:

@@ -34,6 +34,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol
 
 import torch
@@ -248,10 +249,9 @@ class ShadowPredictor:
         choice; once every one has chosen at a layer, that layer's union goes out and they go on."""
         parked: dict[str, Choice] = {}
         for run in runs:
-            start = time.perf_counter()
-            self._running = run
-            self._settle(run, self.tasks.start(run.request, self._forward, tokens[run.request], run), parked)
-            run.forward_s += time.perf_counter() - start
+            self._settle(
+                run, partial(self.tasks.start, run.request, self._forward, tokens[run.request], run), parked
+            )
         while parked:
             layer = min(c.layer for c in parked.values())
             group = [k for k, c in parked.items() if c.layer == layer]
@@ -259,15 +259,16 @@ class ShadowPredictor:
                 self.choices.choose(tick, layer, request, parked.pop(request))
             self._publish(tick, layer)
             for request in group:
-                ran = self.runs.get(request)
-                start = time.perf_counter()
-                self._running = ran
-                self._settle(ran, self.tasks.resume(request), parked)
-                if ran is not None:
-                    ran.forward_s += time.perf_counter() - start
+                self._settle(self.runs.get(request), partial(self.tasks.resume, request), parked)
         self._running = None
 
-    def _settle(self, run: ShadowRun | None, outcome: Outcome, parked: dict[str, Choice]) -> None:
+    def _settle(self, run: ShadowRun | None, go: Callable[[], Outcome], parked: dict[str, Choice]) -> None:
+        """A task run on (`go`: started or resumed) until it parks with its choice or ends; its time
+        counts as its forward pass's."""
+        start, self._running = time.perf_counter(), run
+        outcome = go()
+        if run is not None:
+            run.forward_s += time.perf_counter() - start
         if isinstance(outcome, Parked):
             parked[outcome.key] = outcome.payload
         elif isinstance(outcome, Finished) and run is not None:
@@ -363,11 +364,7 @@ class ShadowPredictor:
         self, run: ShadowRun, layer: int, module, output, limit: GroupLimit | None, row: int = -1
     ) -> Choice:
         """A request's choice at `layer` (its router's `row`), as the knobs leave it."""
-        request, iteration = run.request, run.iteration
-
-        def alter(experts: list[int]) -> list[int]:
-            return self.knobs.choice(request, iteration, layer, experts)
-
+        alter = partial(self.knobs.choice, run.request, run.iteration, layer)
         s = self.setup
         return router_choice(module, output, layer, s.top_k, s.hedge_margin, limit, row, alter)
 

@@ -96,9 +96,6 @@ class ShadowBatch:
         self.valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, width]
         self.stepping: list[tuple[int, str]] = []  # during step(): (row, request) of the rows stepped
 
-    def __len__(self) -> int:
-        return len(self.rows)
-
     def index(self, request: str) -> int:
         return self.rows.index(request)
 

@@ -27,6 +27,7 @@ int4. A model needing a tensor the checkpoint's weight map lacks is loaded the o
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import logging
@@ -69,24 +70,30 @@ _KEEP_FULL = ("shared_expert_gate", "lm_head")  # tiny gates stay exact; the hea
 _EXPERT_PARAMS = {"gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"}
 
 
-class UnfusedExperts(nn.Module):
-    """A fused experts module as per-expert linears (any modules computing x @ W.T: quantized or
-    not), computing what transformers' eager kernel does."""
+class _PerExpertLinears(nn.Module):
+    """A fused experts module's experts as per-expert linears (any modules computing x @ W.T:
+    quantized or not): gate_up each [2I, H], gate rows first; down each [H, I]."""
+
+    stored_transposed = False  # the fused parameters are [E, H, 2I] / [E, I, H] (Llama 4's)
 
     def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], hidden_act: str):
         super().__init__()
         self.num_experts = len(gate_up)
-        self.gate_up = nn.ModuleList(gate_up)  # each [2I, H]: gate rows first
-        self.down = nn.ModuleList(down)  # each [H, I]
+        self.gate_up, self.down = nn.ModuleList(gate_up), nn.ModuleList(down)
         self.act_fn = ACT2FN[hidden_act]
 
     @classmethod
-    def from_fused(cls, fused: nn.Module, hidden_act: str, copy: bool = True) -> UnfusedExperts:
+    def from_fused(cls, fused: nn.Module, hidden_act: str, copy: bool = True):
         """Float linears over a fused module's [E, 2I, H] / [E, H, I] (`copy=False`: views of it)."""
         take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
-        gate_up = [float_linear(take(w), None) for w in fused.gate_up_proj]
-        down = [float_linear(take(w), None) for w in fused.down_proj]
+        turn = cls.stored_transposed
+        gate_up = [float_linear(take(w.T if turn else w), None) for w in fused.gate_up_proj]
+        down = [float_linear(take(w.T if turn else w), None) for w in fused.down_proj]
         return cls(gate_up, down, hidden_act)
+
+
+class UnfusedExperts(_PerExpertLinears):
+    """A fused experts module as per-expert linears, computing what transformers' eager kernel does."""
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         out = torch.zeros_like(hidden)
@@ -98,24 +105,12 @@ class UnfusedExperts(nn.Module):
         return out
 
 
-class UnfusedBmmExperts(nn.Module):
+class UnfusedBmmExperts(_PerExpertLinears):
     """Llama 4's fused experts ([E, H, 2I], [E, I, H], called on [E * T, H] rows already scaled by
     the router) as per-expert linears; rows a token did not route to are zero and give zero, so
     only the others are computed (a predictor's shortcut: the shadow need not be exact)."""
 
-    def __init__(self, gate_up: list[nn.Module], down: list[nn.Module], hidden_act: str):
-        super().__init__()
-        self.num_experts = len(gate_up)
-        self.gate_up = nn.ModuleList(gate_up)  # each [2I, H]: Llama 4's [H, 2I] transposed
-        self.down = nn.ModuleList(down)  # each [H, I]
-        self.act_fn = ACT2FN[hidden_act]
-
-    @classmethod
-    def from_fused(cls, fused: nn.Module, hidden_act: str, copy: bool = True) -> UnfusedBmmExperts:
-        take = (lambda t: t.detach().clone()) if copy else (lambda t: t.detach())
-        gate_up = [float_linear(take(w.T), None) for w in fused.gate_up_proj]
-        down = [float_linear(take(w.T), None) for w in fused.down_proj]
-        return cls(gate_up, down, hidden_act)
+    stored_transposed = True
 
     def forward(self, routed_in: torch.Tensor) -> torch.Tensor:
         rows = routed_in.view(self.num_experts, -1, routed_in.shape[-1])
@@ -266,15 +261,11 @@ def _fill_by_layer(
         _read_tensors(model, checkpoint, keys.get(index, []), dtype_of)
         # 2) its experts, each quantized as soon as it is read (or into the fused parameters)
         for name, fused in experts_modules_named(layer):
-            owner_name, _, attr = name.rpartition(".")
-            full = f"{prefix}.{index}.{name}"
             if precision in QUANTIZED and checkpoint.family.expert_layout != "gpt_oss":
-                unfused = _quantized_experts(
-                    checkpoint, index, fused, model.config.hidden_act, precision, device
-                )
-                setattr(layer.get_submodule(owner_name), attr, unfused)
+                act = model.config.hidden_act
+                _set_module(layer, name, _quantized_experts(checkpoint, index, fused, act, precision, device))
             else:
-                _fill_fused(fused, full, checkpoint, index, dtype_of)
+                _fill_fused(fused, f"{prefix}.{index}.{name}", checkpoint, index, dtype_of)
         # 3) its linears quantized; the full-precision copies go with the modules they replace
         if precision in QUANTIZED:
             _quantize_linears(layer, precision, device)
@@ -399,8 +390,7 @@ def _read_outside_layers(
     else:
         new_head = float_linear(weight, bias)
     del weight, bias
-    owner_name, _, attr = head_name.rpartition(".")
-    setattr(model.get_submodule(owner_name) if owner_name else model, attr, new_head)
+    _set_module(model, head_name, new_head)
     compute = _DTYPES.get(precision, torch.float32)
     model.set_input_embeddings(CastEmbedding(table, getattr(embedding, "padding_idx", None), compute))
 
@@ -422,10 +412,14 @@ def _linears(model: nn.Module):
 def _return_freed_memory() -> None:
     """Hands the pages of freed tensors back to the OS (glibc keeps freed heap memory for reuse
     otherwise, which a layer's scattered frees fragment), so resident memory follows what is held."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc: nothing to hand back this way
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to hand back this way
-        pass
+
+
+def _set_module(root: nn.Module, name: str, module: nn.Module) -> None:
+    """`root`'s submodule at the dotted `name` := `module`."""
+    owner_name, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(owner_name) if owner_name else root, attr, module)
 
 
 def _name_of(model: nn.Module, module: nn.Module | None) -> str:
@@ -465,12 +459,8 @@ def load_whole_shadow_model(path: str, precision: str, device: str = "cpu") -> P
         _quantize_linears(model, precision, target)
         head = model.get_output_embeddings()
         if precision in HEAD_QUANTIZED and type(head) is nn.Linear:
-            owner_name, _, attr = _name_of(model, head).rpartition(".")
-            setattr(
-                model.get_submodule(owner_name) if owner_name else model,
-                attr,
-                quantized_linear(head.weight, head.bias, precision, target),
-            )
+            new_head = quantized_linear(head.weight, head.bias, precision, target)
+            _set_module(model, _name_of(model, head), new_head)
     model = model.to(target)
     model.eval()
     return model
@@ -482,7 +472,7 @@ def router_modules(model: nn.Module, num_experts: int) -> list[tuple[int, nn.Mod
     one-output shared-expert gate is not one). `router_output` reads its forward's output as
     (logits [T, E], top_k_weights [T, k], top_k_index [T, k])."""
     found = [
-        (int(name.split(".layers.")[1].split(".")[0]), module)
+        (_layer_of(name), module)
         for name, module in model.named_modules()
         if name.endswith((".mlp.gate", ".mlp.router", ".feed_forward.router"))
         and getattr(module, "weight", None) is not None

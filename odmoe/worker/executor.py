@@ -26,6 +26,7 @@ checkpoint's weights.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections import OrderedDict
@@ -86,7 +87,7 @@ def request_problem(
         return f"{len(request.positions)} position lists for {n} experts"
     for i, (expert, segments, rows) in enumerate(
         zip(request.experts, request.segments, tensors, strict=True)
-    ):  # noqa: E501
+    ):
         if rows.dim() != 2 or rows.shape[1] != hidden_size:
             return f"rows of shape {list(rows.shape)}, expected [n, {hidden_size}]"
         if rows.dtype != dtype:
@@ -300,12 +301,9 @@ class SlotKeeper:
     def _account(self, slot: Slot, used: bool) -> None:
         """A slot's load leaves the just-in-time slots (evicted, or kept as cached): its timeline span
         and, for a hedge, whether it was used."""
-        try:
+        with contextlib.suppress(Exception):  # a failed load: the compute that needed it reported it
             slot.wait_filled()  # its bytes are known once its load is over
-        except Exception:
-            pass  # a failed load: the compute that needed it reported the error
         if self.tracer.enabled and slot.holds is not None and slot.load_started_us:
-            slot.wait_filled()
             layer, expert = slot.holds
             self.tracer.span(
                 "load",
@@ -499,7 +497,7 @@ class ExpertExecutor:
                 self.keeper.computing.discard((step.layer, request.experts[i]))
                 if last:
                     self.keeper.after_use(slots[i])
-        result = self._result(request, load_s, compute_s, nbytes, preloaded, waited, cached=saved)
+        result = self._result(request, (load_s, compute_s, nbytes, preloaded, waited, saved))
         for expert in request.experts:
             self.tracer.message("compute", "result", step, expert, sent=True)
         return to_frames(result, outputs)
@@ -509,13 +507,13 @@ class ExpertExecutor:
     ) -> tuple[torch.Tensor, float, float]:
         """Expert `request.experts[i]` on each request's segment of `rows` as its own call computes it
         (StackedSegments: in one call where that is proven bit-exact, else apart): output, compute s,
-        and how long the compute waited on the device for the load (CUDA)."""
-        step = request.step
+        and how long the compute waited on the device for the load (CUDA); the slot settled (the
+        load's duration by CUDA events), its span traced."""
+        step, segments = request.step, request.segments[i]
         start, start_us = time.perf_counter(), now_us()
         with torch.inference_mode():
             probe = self.slots.await_on_device(slot)  # CUDA: compute waits for the copy on the GPU
             grouped = tuple(request.grouped_shape) or None
-            segments = request.segments[i]
             positions = request.positions[i] if request.positions else None
             y = self.stacked.forward(
                 self._on_device(rows),
@@ -528,39 +526,22 @@ class ExpertExecutor:
                 positions or None,
             )
             y = y if self.on_host else y.cpu()
-        compute_s, device_wait_s = self._computed(
-            slot, probe, start, start_us, step, request.experts[i], waited,
-            rows=rows.shape[0], requests=len(segments), preloaded=preloaded,
-        )  # fmt: skip
-        return y, compute_s, device_wait_s
-
-    def _computed(
-        self,
-        slot: Slot,
-        probe,
-        start: float,
-        start_us: float,
-        step: Step,
-        expert: int,
-        waited: float,
-        **trace,
-    ) -> tuple[float, float]:
-        """After a compute begun at `start`: (its seconds, how long it waited on the device for the
-        load: CUDA), the slot settled (the load's duration by CUDA events), its span traced."""
         device_wait_s = self.slots.device_wait_s(slot, probe)
         self.slots.settle(slot)
         compute_s = time.perf_counter() - start - device_wait_s
         if self.tracer.enabled:
             self.tracer.span(
                 "compute",
-                f"compute L{step.layer} e{expert}",
+                f"compute L{step.layer} e{request.experts[i]}",
                 start_us,
                 start_us + compute_s * 1e6,
                 iteration=step.iteration,
                 waited_ms=(waited + device_wait_s) * 1e3,
-                **trace,
+                rows=rows.shape[0],
+                requests=len(segments),
+                preloaded=preloaded,
             )
-        return compute_s, device_wait_s
+        return y, compute_s, device_wait_s
 
     def _on_device(self, rows: torch.Tensor) -> torch.Tensor:
         # on the host, skip even a no-op .to(): each torch call costs a woken process tens of µs
@@ -572,32 +553,26 @@ class ExpertExecutor:
         return to_frames(self._result(request, error=error), [])
 
     def _result(
-        self,
-        request: ComputeExperts,
-        load_s=(),
-        compute_s=(),
-        nbytes=(),
-        preloaded=(),
-        waited=(),
-        error="",
-        cached=(),
+        self, request: ComputeExperts, columns: tuple | None = None, error: str = ""
     ) -> ExpertsResult:
-        n = 0 if error else len(request.experts)
+        """The answer: `columns` holds each expert's load_s, compute_s, bytes loaded, preloaded,
+        waited_s and cached bytes (None: an error answer, no experts)."""
+        load_s, compute_s, nbytes, preloaded, waited, cached = columns or ([], [], [], [], [], [])
         return ExpertsResult(
             step=request.step,
             worker=self.index,
             experts=list(request.experts),
-            load_s=list(load_s) or [0.0] * n,
-            compute_s=list(compute_s) or [0.0] * n,
-            bytes_loaded=list(nbytes) or [0] * n,
-            preloaded=list(preloaded) or [False] * n,
-            waited_s=list(waited) or [0.0] * n,
+            load_s=load_s,
+            compute_s=compute_s,
+            bytes_loaded=nbytes,
+            preloaded=preloaded,
+            waited_s=waited,
             peak_rss=_PEAK(),
             error=error,
             hedges=self.schedule.hedges_of(request.step.request),
             device_peak_bytes=device_peak_bytes(self.slots.device),
             handled_s=time.perf_counter() - self.received,
-            cached=list(cached) or [0] * n,
+            cached=cached,
             cache=self.keeper.cache_report(),
             part=request.part if request.per_part else 0,
         )
