@@ -44,7 +44,4 @@ class StopStrings:
 
 def _overlap(text: str, stop: str) -> int:
     """The length of the longest end of `text` that begins `stop` (a stop string maybe under way)."""
-    for n in range(min(len(text), len(stop) - 1), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
-    return 0
+    return next((n for n in range(min(len(text), len(stop) - 1), 0, -1) if text.endswith(stop[:n])), 0)

@@ -128,11 +128,9 @@ class StragglerWatch:
 
     def forget(self, worker: int) -> bool:
         """A worker lost or taken back: judged afresh (True when `slow` changed)."""
-        self.recent.pop(worker, None)
-        self._at.pop(worker, None)
-        self._hits.pop(worker, None)
-        self._time.pop(worker, None)
-        self._fine.pop(worker, None)
+        tables: tuple[dict, ...] = (self.recent, self._at, self._hits, self._time, self._fine)
+        for table in tables:
+            table.pop(worker, None)
         if worker in self.slow:
             self.slow = self.slow - {worker}
             self.changes += 1

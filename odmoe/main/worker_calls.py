@@ -260,17 +260,8 @@ class WorkerCalls:
             return None
         if not isinstance(result, ExpertsResult) or result.step != step or result.worker != worker:
             return None  # a Pong, or a late answer to an earlier, abandoned step
-        call = next(
-            (
-                c
-                for c in calls
-                if c.worker == worker
-                and c.experts == result.experts
-                and not c.done
-                and result.part not in c.answers
-            ),
-            None,
-        )
+        open_calls = (c for c in calls if c.worker == worker and c.experts == result.experts and not c.done)
+        call = next((c for c in open_calls if result.part not in c.answers), None)
         if call is None:
             return None  # re-sent elsewhere since, or a duplicate
         if result.error:

@@ -84,8 +84,7 @@ class StepChoices:
 
     def forget_before(self, tick: int) -> None:
         """Drop the choices of every step before `tick` (no request can run those again)."""
-        for key in [k for k in self._by_step if k[0] < tick]:
-            del self._by_step[key]
+        self._by_step = {k: chosen for k, chosen in self._by_step.items() if k[0] >= tick}
 
     def drop(self, request: str) -> None:
         for chosen in self._by_step.values():

@@ -55,11 +55,8 @@ class GroupLimit(NamedTuple):
 
 def group_ranks(scores: list[float], limit: GroupLimit) -> list[float]:
     size = len(scores) // limit.groups
-    ranks = []
-    for g in range(limit.groups):
-        best = sorted(scores[g * size : (g + 1) * size], reverse=True)
-        ranks.append(best[0] + best[1] if limit.by_top2 else best[0])
-    return ranks
+    best = [sorted(scores[g * size : (g + 1) * size], reverse=True) for g in range(limit.groups)]
+    return [b[0] + b[1] if limit.by_top2 else b[0] for b in best]
 
 
 def group_hedges(

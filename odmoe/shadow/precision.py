@@ -102,10 +102,7 @@ def choose_precision(estimates: dict[str, int], memory_bytes: int, device_type: 
     """auto's choice (module contract): `estimates` holds `shadow_weight_bytes` of each of the
     device's choices; `device_type` is "cpu" or "cuda"."""
     choices = AUTO_CHOICES["cuda" if device_type == "cuda" else "cpu"]
-    for precision in choices:
-        if estimates[precision] + PROCESS_BYTES <= memory_bytes:
-            return precision
-    return choices[-1]
+    return next((p for p in choices if estimates[p] + PROCESS_BYTES <= memory_bytes), choices[-1])
 
 
 def why_chosen(choice: str, estimates: dict[str, int], memory_bytes: int, device_type: str) -> str:
@@ -113,7 +110,7 @@ def why_chosen(choice: str, estimates: dict[str, int], memory_bytes: int, device
     choices = AUTO_CHOICES["cuda" if device_type == "cuda" else "cpu"]
     need = estimates[choice] + PROCESS_BYTES
     if need <= memory_bytes:
-        passed = [p for p in choices[: choices.index(choice)]]
+        passed = choices[: choices.index(choice)]
         missed = "".join(f"{p} needs {_gib(estimates[p] + PROCESS_BYTES)}, more than that; " for p in passed)
         return f"{missed}its weights + {_gib(PROCESS_BYTES)} for the process fit"
     return f"nothing fits (the smallest needs {_gib(need)}): the smallest is loaded"

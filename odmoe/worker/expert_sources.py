@@ -69,11 +69,7 @@ class QuantizedHostExpert:
         return self.stored_bytes
 
     def weights_now(self, pool: Executor | None = None) -> ExpertWeights:
-        gate_up_shape, down_shape = self.expert.shapes
-        gate_up, down = (
-            torch.empty(gate_up_shape, dtype=self.dtype),
-            torch.empty(down_shape, dtype=self.dtype),
-        )
+        gate_up, down = (torch.empty(shape, dtype=self.dtype) for shape in self.expert.shapes)
         self.expert.load_into(gate_up, down)
         return ExpertWeights(gate_up, down)
 
