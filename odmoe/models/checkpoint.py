@@ -272,11 +272,8 @@ class Checkpoint:
         gate_key = fam.expert_key(layer, expert, fam.gate_proj)
         if gate_key in self.weight_map:
             if (keys := self._plain_expert_keys(layer, expert)) is not None:  # one buffer, no cat
-                gate_up_shape, down_shape = self.expert_shapes()
                 dtype = self.tensor_info(keys[0]).dtype
-                w = ExpertWeights(
-                    torch.empty(gate_up_shape, dtype=dtype), torch.empty(down_shape, dtype=dtype)
-                )
+                w = ExpertWeights(*(torch.empty(shape, dtype=dtype) for shape in self.expert_shapes()))
                 self.expert_into(layer, expert, w.gate_up, w.down)
                 return w
             gate = self._dequantized(gate_key)
@@ -293,11 +290,8 @@ class Checkpoint:
             q.load_into(gate_up, down)
             return ExpertWeights(gate_up=gate_up, down=down)
         if fam.expert_layout == "gpt_oss":  # transposed, each with its bias as one more row (ExpertMLP)
-            rows = [
-                self._slice(k, expert)
-                for k in (gate_up_key, f"{gate_up_key}_bias", down_key, f"{down_key}_bias")
-            ]
-            gate_up, gate_up_bias, down, down_bias = rows
+            fused_keys = (gate_up_key, f"{gate_up_key}_bias", down_key, f"{down_key}_bias")
+            gate_up, gate_up_bias, down, down_bias = (self._slice(k, expert) for k in fused_keys)
             return ExpertWeights(
                 gate_up=torch.cat([gate_up, gate_up_bias[None]]), down=torch.cat([down, down_bias[None]])
             )

@@ -198,9 +198,10 @@ class GgufCheckpoint(Checkpoint):
             if index == 0:
                 self.metadata = fields
             declared = int(fields.get("split.count", 1))  # type: ignore[call-overload]
-            if declared != count or int(fields.get("split.no", 0)) != index:  # type: ignore[call-overload]
+            number = int(fields.get("split.no", 0))  # type: ignore[call-overload]
+            if declared != count or number != index:
                 raise CheckpointError(
-                    f"{file}: shard {int(fields.get('split.no', 0)) + 1} of {declared} by its metadata, "  # type: ignore[call-overload]
+                    f"{file}: shard {number + 1} of {declared} by its metadata, "
                     f"found as {index + 1} of {count}: the shards do not match"
                 )
             size = file.stat().st_size
@@ -239,9 +240,9 @@ class GgufCheckpoint(Checkpoint):
         )
 
     def _config(self):
-        from transformers import AutoConfig
+        import transformers
 
-        config = AutoConfig.from_pretrained(self.path.parent, gguf_file=self.files[0].name)
+        config = transformers.AutoConfig.from_pretrained(self.path.parent, gguf_file=self.files[0].name)
         for field, key in _WIDTHS:
             stored = self.metadata.get(f"{self.architecture}.{key}")
             if stored is None or not hasattr(config, field) or getattr(config, field) == int(stored):  # type: ignore[call-overload]
@@ -253,7 +254,7 @@ class GgufCheckpoint(Checkpoint):
                 field,
                 int(stored),  # type: ignore[call-overload]
                 key,
-                _transformers_version(),
+                transformers.__version__,
                 getattr(config, field),
             )
             setattr(config, field, int(stored))  # type: ignore[call-overload]
@@ -284,9 +285,7 @@ class GgufCheckpoint(Checkpoint):
 
     # -- reading -------------------------------------------------------------------------------------
 
-    def _raw(self, t: GgufTensor, start: int | None = None, nbytes: int | None = None) -> np.ndarray:
-        start = t.start if start is None else start
-        nbytes = t.nbytes if nbytes is None else nbytes
+    def _raw(self, t: GgufTensor, start: int, nbytes: int) -> np.ndarray:
         buffer = bytearray(nbytes)
         view, done = memoryview(buffer), 0
         while done < nbytes:
@@ -301,7 +300,7 @@ class GgufCheckpoint(Checkpoint):
         if key not in self.weight_map:
             raise CheckpointError(f"tensor {key} is not in {self.path}")
         t = self.tensors[self.weight_map[key]]
-        values = dequantize(torch.from_numpy(self._raw(t)), t.ggml_type, t.shape).numpy()
+        values = dequantize(torch.from_numpy(self._raw(t, t.start, t.nbytes)), t.ggml_type, t.shape).numpy()
         values = self._processor.process(weights=values, name=t.name).weights
         return torch.from_numpy(np.copy(values))
 
@@ -391,9 +390,3 @@ def _unreadable(file: Path, exc: Exception) -> str:
             "does not know (a newer llama.cpp's?); nothing here can dequantize it"
         )
     return f"{file}: not a readable GGUF file: truncated or corrupt ({exc})"
-
-
-def _transformers_version() -> str:
-    import transformers
-
-    return transformers.__version__
