@@ -393,8 +393,7 @@ def _water_fill(rooms: list[int], total: float) -> list[float]:
     """Shares summing to `total`: where the rooms hold them all, in proportion to the rooms (each
     within its room); where they hold fewer than `total`, max(room, L) (each keeps what it can, the
     rest spread evenly)."""
-    short = sum(rooms) < total
-    if not short and sum(rooms) > 0:
+    if sum(rooms) >= total and sum(rooms) > 0:
         return [total * r / sum(rooms) for r in rooms]
 
     def dealt(level: float) -> float:

@@ -308,9 +308,8 @@ def _chat_ids(tokenizer, messages: list[ChatMessage]) -> list[int]:
 def _requests(
     body: _Common, max_tokens: int, prompt: str = "", token_ids: tuple[int, ...] = ()
 ) -> list[GenerateRequest]:
-    """One request per choice. With `n` > 1 the choices share the prompt's prefill and choice i
-    samples with seed `seed + i` (a seed drawn for the request when none is given), so choice i
-    equals `generate()` with `torch.manual_seed(seed + i)`; greedy choices are all the same."""
+    """One request per choice: `n` > 1 choices share the prompt's prefill, choice i seeded `seed + i`
+    (the module's contract); greedy choices are all the same."""
     n, sampling = body.n or 1, body.sampling()
     rid = uuid.uuid4().hex[:12]
     if n > 1 and sampling.do_sample and sampling.seed is None:
@@ -367,11 +366,10 @@ async def _events(ticket, request: Request | None):
 async def _answer(
     backend, request: Request, body: _Common, reqs: list[GenerateRequest], chat: bool, ping_s: float
 ):
-    rid = reqs[0].prefill_group or reqs[0].request_id
-    created, rid = int(time.time()), ("chatcmpl-" if chat else "cmpl-") + rid
+    rid = ("chatcmpl-" if chat else "cmpl-") + (reqs[0].prefill_group or reqs[0].request_id)
     echo = getattr(body, "echo", False)
     texts, scored = TokenTexts(backend.tokenizer), body.top() is not None
-    shape = _Shape(rid, created, backend.model_name, chat, texts, scored, body.n or 1)
+    shape = _Shape(rid, int(time.time()), backend.model_name, chat, texts, scored, body.n or 1)
     echoed = [_echo_text(backend.tokenizer, r) if echo else "" for r in reqs]
     if echo and reqs[0].max_new_tokens == 0 and body.top() is None:  # the prompt back, nothing to compute
         prompts = [len(r.token_ids) or len(backend.tokenizer(r.prompt)["input_ids"]) for r in reqs]
