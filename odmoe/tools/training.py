@@ -31,6 +31,7 @@ other CPUs (AMD), which train other weights and print other text (`cpu_vendor()`
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -153,12 +154,10 @@ PROGRESS_EVERY_S = 5.0  # a user waits for the demo model: a progress line at le
 
 def cpu_vendor() -> str:
     """The x86 CPU's vendor string (GenuineIntel, AuthenticAMD), else the machine's architecture."""
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("vendor_id"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()
 
 

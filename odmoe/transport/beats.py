@@ -29,6 +29,7 @@ can only delay a detection to the heartbeat's timeout.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -72,16 +73,12 @@ class BeatEcho:
             except OSError:  # closed
                 return
             if len(data) == _BEAT.size and data.startswith(MAGIC):
-                try:
+                with contextlib.suppress(OSError):  # unreachable now: the next beat will tell
                     self.sock.sendto(data, peer)
-                except OSError:  # unreachable now: the next beat will tell
-                    pass
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(OSError):
             self.sock.shutdown(socket.SHUT_RDWR)  # wakes recvfrom
-        except OSError:
-            pass
         self.sock.close()
 
 
@@ -194,17 +191,13 @@ class BeatWatch:
         self._wake_w.close()
 
     def _wake(self) -> None:
-        try:
+        with contextlib.suppress(BlockingIOError):  # full: a wake-up is already waiting
             self._wake_w.send(b"!")
-        except BlockingIOError:  # full: a wake-up is already waiting
-            pass
 
     def _drain_wake(self) -> None:
-        try:
+        with contextlib.suppress(OSError):  # BlockingIOError: drained
             while self._wake_r.recv(64):
                 pass
-        except (BlockingIOError, OSError):
-            pass
 
     # -- the watch's thread -------------------------------------------------------------------
     def _run(self) -> None:
@@ -229,10 +222,8 @@ class BeatWatch:
             targets = [(slot, p.where) for slot, p in self._peers.items()]
         self._seq += 1
         for slot, where in targets:
-            try:
+            with contextlib.suppress(OSError):  # no route now (a black hole may answer so): silence counts
                 self.sock.sendto(_BEAT.pack(MAGIC, self.nonce, slot, self._seq), where)
-            except OSError:  # no route now (a black hole may answer so): silence counts
-                pass
 
     def _receive(self) -> None:
         now = time.monotonic()

@@ -38,6 +38,7 @@ what to do, raised before a node binds anything.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hmac
 import ipaddress
@@ -258,11 +259,9 @@ def _z85_key(text: bytes, label: bytes, path: Path) -> bytes:
         if sep and name.strip() == label.decode():
             key = value.strip().strip('"').encode()
             if len(key) == 40:
-                try:
+                with contextlib.suppress(ValueError, KeyError):
                     zmq.utils.z85.decode(key)
                     return key
-                except (ValueError, KeyError):
-                    pass
             raise SecurityError(f"{path}: {label.decode()} is not a 40-character Z85 CURVE key")
     raise SecurityError(
         f"{path} is not a ZeroMQ certificate (no {label.decode()} line): make it with `odmoe-keys`"
@@ -369,14 +368,11 @@ class AllowList:
     def _scan(self) -> tuple:
         found = []
         for folder in (self.keys.public, self.keys.revoked):
-            try:
-                with os.scandir(folder) as entries:
-                    for e in entries:
-                        if e.name.endswith(".key"):
-                            st = e.stat()
-                            found.append((folder.name, e.name, st.st_mtime_ns, st.st_size, st.st_ino))
-            except FileNotFoundError:
-                pass
+            with contextlib.suppress(FileNotFoundError), os.scandir(folder) as entries:
+                for e in entries:
+                    if e.name.endswith(".key"):
+                        st = e.stat()
+                        found.append((folder.name, e.name, st.st_mtime_ns, st.st_size, st.st_ino))
         return tuple(sorted(found))
 
     def _load(self) -> None:
