@@ -217,12 +217,11 @@ class Client:
                 yield from self._attempt(turn, request, received, options)
                 return
             except (grpc.RpcError, StreamBroken) as exc:
-                error = exc
                 code = exc.code() if isinstance(exc, grpc.RpcError) else grpc.StatusCode.UNAVAILABLE
                 if code not in FAILOVER_CODES:
                     raise
-            failures = 1 if len(received) > before else failures + 1
-            self._lost(turn, error, failures)
+                failures = 1 if len(received) > before else failures + 1
+                self._lost(turn, exc, failures)
 
     def _attempt(self, turn: Turn, request, received: list[int], options: dict):
         """One try on `turn`'s main: its replies up to the final one (tokens also into `received`);

@@ -598,13 +598,12 @@ def _refusal(handler, why: str):
     def refuse(_request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, f"{why}: this cluster admits only its own clients")
 
-    kinds = {
+    make = {
         (False, False): grpc.unary_unary_rpc_method_handler,
         (False, True): grpc.unary_stream_rpc_method_handler,
         (True, False): grpc.stream_unary_rpc_method_handler,
         (True, True): grpc.stream_stream_rpc_method_handler,
-    }
-    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    }[(handler.request_streaming, handler.response_streaming)]
     return make(refuse, handler.request_deserializer, handler.response_serializer)
 
 
