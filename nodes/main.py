@@ -390,8 +390,11 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
             log.warning("shadow %s is not reachable%s: requests run without it", shadow.address, why)
         pongs = self.experts.ping_all(cfg.worker.ready_timeout_s, cfg.cluster.min_workers)
         # the homes' fit is known once every worker has told its room (a cluster still growing: later)
-        if len(pongs) == self.experts.members.topology.workers and (problem := self._homes_problem(pongs)):
-            raise MemoryPlanError(problem)
+        topology = self.experts.members.topology
+        if len(pongs) == topology.workers:
+            self.homes_checked = True
+            if problem := _unfit(topology, pongs):
+                raise MemoryPlanError(problem)
         self.connect_s = time.perf_counter() - start
 
     def _check_grown_homes(self) -> None:
@@ -402,15 +405,10 @@ class MainNode(odmoe_pb2_grpc.InferenceServicer):
         members = self.experts.members
         if self.homes_checked or len(members.pongs) < members.topology.workers:
             return
-        if problem := self._homes_problem([members.pongs[w] for w in range(members.topology.workers)]):
+        self.homes_checked = True
+        if problem := _unfit(members.topology, [members.pongs[w] for w in range(members.topology.workers)]):
             self.homes_problem = problem
             log.error("the grown cluster's homes do not fit: %s", problem)
-
-    def _homes_problem(self, pongs: list) -> str:
-        """What stops the homes fitting the rooms every worker told (`unfit_homes`; "": they fit)."""
-        self.homes_checked = True
-        rooms, strict = [p.cache_room for p in pongs], [p.strict_share for p in pongs]
-        return unfit_homes(self.experts.members.topology, rooms, strict)
 
     def serve(self, ready_file: str | None = None) -> None:
         """Serve clients (gRPC, and HTTP with server.http) until SIGINT/SIGTERM; after start()."""
@@ -521,6 +519,12 @@ def http_door(node: MainNode, cfg: OdmoeConfig, secrets):
             f"main cannot serve HTTP on {host}:{port} ({exc}): set server.http_port "
             "(0: any free port) or server.http=false"
         ) from exc
+
+
+def _unfit(topology, pongs: list) -> str:
+    """What stops the homes fitting the rooms every worker told in its Pong (`unfit_homes`; "": they
+    fit)."""
+    return unfit_homes(topology, [p.cache_room for p in pongs], [p.strict_share for p in pongs])
 
 
 def _top(top) -> list:

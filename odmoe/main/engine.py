@@ -338,7 +338,8 @@ class MainEngine:
                 run.schedule.prefill_layers = 0
                 continue
             run.ctx.begin(run.iteration)
-            self._route(self.tasks.start(key, self._forward, run), runs, decode, prefill)
+            task = self.tasks.start(key, _forward, run, ForwardPass((run.ctx,), self.stream, self.tick))
+            self._route(task, runs, decode, prefill)
         while decode or prefill:
             if decode:
                 layer = min(rows.layer for rows in decode.values())  # MoE layers in order
@@ -413,11 +414,6 @@ class MainEngine:
         if run.schedule.admission.prefill_tick == self.tick:
             self.prefilled_in_pass += 1
             self._run_tasks(TickPlan(tasks=[run.request_id]), {run.request_id: (ticket, run)})
-
-    def _forward(self, run: RequestRun) -> torch.Tensor | None:
-        """A lockstep task's body: the run's forward pass, its experts calls its own."""
-        with forward_pass(ForwardPass((run.ctx,), self.stream, self.tick)):
-            return run.forward()
 
     def _route(self, outcome, runs, decode: dict, prefill: list) -> None:
         """Where a task stands after it ran: parked at a decode layer, before a prefill layer, or done."""
@@ -529,6 +525,13 @@ class MainEngine:
         if not self.running and not self.finishing and self.stream:
             self.experts.end_stream(self.stream)
             self.stream = ""
+
+
+def _forward(run: RequestRun, context: ForwardPass) -> torch.Tensor | None:
+    """A lockstep task's body: the run's forward pass, its experts calls its own (the task starts at
+    once, so `context` holds the stream and tick it starts in)."""
+    with forward_pass(context):
+        return run.forward()
 
 
 class _NoObserver:

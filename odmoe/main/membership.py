@@ -206,10 +206,6 @@ class Membership:
                 found.append(worker)
         return found
 
-    def _watch(self, worker: int) -> None:
-        if self.beats is not None:
-            self.beats.watch(f"worker{worker}", self.addresses[worker])
-
     def _rebuild_poller(self) -> zmq.Poller:
         self._poller, self._by_socket = zmq.Poller(), {}
         for worker, link in self.links.items():
@@ -254,7 +250,8 @@ class Membership:
                     if problem := self._verify(worker, pong):
                         raise WorkerUnavailable(problem)
                     self.pongs[worker] = pong
-                    self._watch(worker)
+                    if self.beats is not None:
+                        self.beats.watch(f"worker{worker}", self.addresses[worker])
         for worker in [w for w in self.links if w not in self.pongs]:  # not up yet: probed from now on
             link = self.links.pop(worker)
             link.close()
@@ -332,7 +329,8 @@ class Membership:
             del self.probes[probe.index]
             link.lost()  # drain the connect events of the probe
             self.links[probe.index], self.pongs[probe.index] = link, pong
-            self._watch(probe.index)
+            if self.beats is not None:
+                self.beats.watch(f"worker{probe.index}", self.addresses[probe.index])
             self._poller = None
             self.events.append(MembershipEvent(probe.index, "rejoined", now_us(), link.address))
             log.info("worker %d (%s) is back; live: %s", probe.index, link.address, sorted(self.links))
