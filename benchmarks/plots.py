@@ -4,6 +4,7 @@ written to JSON, so a figure can be redrawn from a results file alone."""
 from __future__ import annotations
 
 import math
+import statistics
 import textwrap
 from pathlib import Path
 
@@ -25,12 +26,22 @@ def _save(fig, out: Path, title: str | None = None, fontsize: int = 10, tight: b
     print(f"wrote {out}", flush=True)
 
 
-def _label_bars(ax, bars, labels: list[str | None]) -> None:
-    """Write each label (None: none) just above its bar."""
+def _label_bars(ax, bars, labels: list[str | None], fontsize: float | None = 7) -> None:
+    """Write each label (None: none) just above its bar (`fontsize` None: matplotlib's default)."""
     for bar, label in zip(bars, labels, strict=True):
         if label is not None:
             x = bar.get_x() + bar.get_width() / 2
-            ax.text(x, bar.get_height(), label, ha="center", va="bottom", fontsize=7)
+            ax.text(x, bar.get_height(), label, ha="center", va="bottom", fontsize=fontsize)
+
+
+def _named_bars(
+    ax, names: list[str], values: list[float], fmt: str, color: str, ylabel: str, **ticks
+) -> None:
+    """One bar per name, each labelled with its value in `fmt`; `ticks`: how the names are written."""
+    bars = ax.bar(range(len(names)), values, color=color)
+    _label_bars(ax, bars, [fmt.format(v) for v in values])
+    ax.set_xticks(range(len(names)), names, fontsize=8, **ticks)
+    ax.set_ylabel(ylabel)
 
 
 def ablation(rows: list[dict], out: Path, subtitle: str) -> None:
@@ -105,23 +116,10 @@ def recall_vs_token(
     baselines = [r for r in rows if "precision" not in r]
     for ax, precision in zip(axes.flat, precisions, strict=False):
         for r in baselines:
-            xs = [int(n) for n in r["per_token"]]
-            ax.plot(
-                xs,
-                _rolling(list(r["per_token"].values()), window),
-                "--",
-                color="0.55" if r["predictor"] == "frequency" else "0.3",
-                lw=1,
-                label=f"{r['predictor']} ({r['overall']:.3f})",
-            )
+            grey = "0.55" if r["predictor"] == "frequency" else "0.3"
+            _recall_curve(ax, r, window, r["predictor"], "--", color=grey, lw=1)
         for r in (r for r in rows if r.get("precision") == precision):
-            xs = [int(n) for n in r["per_token"]]
-            ax.plot(
-                xs,
-                _rolling(list(r["per_token"].values()), window),
-                lw=1.5,
-                label=f"{r['alignment']} ({r['overall']:.3f})",
-            )
+            _recall_curve(ax, r, window, r["alignment"], lw=1.5)
         ax.set_title(f"shadow {precision}", fontsize=10)
         ax.set_xlabel("output token index")
         ax.set_ylim(0, 1.02)
@@ -138,11 +136,16 @@ def recall_vs_token(
     _save(fig, out, title, 9, tight=True)
 
 
+def _recall_curve(ax, row: dict, window: int, name: str, *style, **kw) -> None:
+    """One row's recall per output token as a rolling mean, labelled with its overall recall."""
+    xs = [int(n) for n in row["per_token"]]
+    ys = _rolling(list(row["per_token"].values()), window)
+    ax.plot(xs, ys, *style, label=f"{name} ({row['overall']:.3f})", **kw)
+
+
 def grid(cells: list[dict], systems: dict, out: Path, subtitle: str) -> None:
     """Table 2 as bars: TTFT, decode and overall tokens/s per (input/output) cell and system, and
     each system's device memory stacked by node."""
-    import statistics
-
     fig, axes = plt.subplots(1, 4, figsize=(17, 4.2), gridspec_kw={"width_ratios": [3, 3, 3, 2]})
     names = list(systems)
     width = 0.8 / len(names)
@@ -178,10 +181,7 @@ def timeline(events: list[dict], window: tuple[float, float], out: Path, title: 
     """Fig. 2/5 as measured: one row per node lane, spans coloured by MoE layer; waits grey, the
     shadow's late departure a red band above its row, preloads that were never used hatched."""
     t0, t1 = window
-    lanes: list[str] = []
-    for e in events:
-        if e["lane_name"] not in lanes:
-            lanes.append(e["lane_name"])
+    lanes = dict.fromkeys(e["lane_name"] for e in events)  # each once, in order of appearance
     order = sorted(lanes, key=lambda n: (not n.startswith("main"), not n.startswith("shadow"), n))
     row = {name: i for i, name in enumerate(reversed(order))}
     fig, ax = plt.subplots(figsize=(14, 0.5 * len(order) + 1.6))
@@ -439,20 +439,16 @@ def dataplane(report: dict, out: Path, subtitle: str) -> None:
     fig, axes = plt.subplots(1, 2 if stages else 1, figsize=(15 if stages else 8, 5), squeeze=False)
     ax = axes[0][0]
     groups = ("plain", "CURVE")
+    spaced = f"raw, each after {report.get('spaced_gap_ms', 1):g} ms idle"
     bars = {
         "raw ZeroMQ round trip": [wire["raw_plain"]["median"], wire["raw_curve"]["median"]],
+        spaced: [wire[f"raw_{g}_spaced"]["median"] for g in ("plain", "curve")]
+        if "raw_plain_spaced" in wire
+        else None,
         "round trip through odmoe's codec": [wire["codec_plain"]["median"], wire["codec_curve"]["median"]],
         "decode layer: cluster - one process": [over["security_off"], over["security_on"]],
     }
-    if "raw_plain_spaced" in wire:
-        bars = {
-            "raw ZeroMQ round trip": bars["raw ZeroMQ round trip"],
-            f"raw, each after {report.get('spaced_gap_ms', 1):g} ms idle": [
-                wire["raw_plain_spaced"]["median"],
-                wire["raw_curve_spaced"]["median"],
-            ],
-            **{k: v for k, v in bars.items() if k != "raw ZeroMQ round trip"},
-        }
+    bars = {label: values for label, values in bars.items() if values is not None}  # spaced: where measured
     width = 0.8 / len(bars)
     for i, (label, values) in enumerate(bars.items()):
         xs = [g + (i - (len(bars) - 1) / 2) * width for g in range(len(groups))]
@@ -482,13 +478,8 @@ def placement(report: dict, out: Path, subtitle: str) -> None:
         values = report["ways"][way]["start_s_all"]
         ax.bar(i, report["ways"][way]["start_s"], 0.6, color=f"C{i}", alpha=0.7)
         ax.plot([i] * len(values), values, "o", color="k", markersize=4)
-        ax.text(
-            i,
-            report["ways"][way]["start_s"],
-            f"{report['ways'][way]['start_s']:.1f} s",
-            ha="center",
-            va="bottom",
-        )
+    medians = [report["ways"][way]["start_s"] for way in ways]
+    _label_bars(ax, ax.patches, [f"{s:.1f} s" for s in medians], fontsize=None)  # patches: the bars
     ax.set_xticks(range(len(ways)), [f"role={w}" for w in ways])
     ax.set_ylabel("seconds from the call to every node serving")
     ray_s = report["ray_cluster_start_s"]
@@ -504,16 +495,10 @@ def gpu(report: dict, out: Path, subtitle: str) -> None:
     systems = report["systems"]
     names = list(systems)
     fig, (speed, ttft, memory, bus) = plt.subplots(1, 4, figsize=(16, 4.2))
-    means = [sum(s["decode_tokens_per_s"]) / len(s["decode_tokens_per_s"]) for s in systems.values()]
-    bars = speed.bar(range(len(names)), means, color="C0")
-    _label_bars(speed, bars, [f"{m:.1f}" for m in means])
-    speed.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
-    speed.set_ylabel("decode tokens/s")
-    ttfts = [sum(s["ttft_s"]) / len(s["ttft_s"]) for s in systems.values()]
-    bars = ttft.bar(range(len(names)), ttfts, color="C1")
-    _label_bars(ttft, bars, [f"{t:.2f}" for t in ttfts])
-    ttft.set_xticks(range(len(names)), names, rotation=20, fontsize=8)
-    ttft.set_ylabel("TTFT (s)")
+    means = [statistics.mean(s["decode_tokens_per_s"]) for s in systems.values()]
+    _named_bars(speed, names, means, "{:.1f}", "C0", "decode tokens/s", rotation=20)
+    ttfts = [statistics.mean(s["ttft_s"]) for s in systems.values()]
+    _named_bars(ttft, names, ttfts, "{:.2f}", "C1", "TTFT (s)", rotation=20)
     bottom = [0.0] * len(names)
     nodes = sorted({node for s in systems.values() for node in s["device_peak_bytes"]})
     for i, node in enumerate(nodes):
@@ -530,10 +515,7 @@ def gpu(report: dict, out: Path, subtitle: str) -> None:
         "odmoe over\nrequests": odmoe.get("request_bytes_per_s"),
     }
     values = [(v or 0.0) / 1e9 for v in rates.values()]
-    bars = bus.bar(range(len(rates)), values, color="C2")
-    _label_bars(bus, bars, [f"{v:.1f}" for v in values])
-    bus.set_xticks(range(len(rates)), list(rates), fontsize=8)
-    bus.set_ylabel("host-to-device GB/s")
+    _named_bars(bus, list(rates), values, "{:.1f}", "C2", "host-to-device GB/s")
     _save(fig, out, f"{report.get('gpu') or report['device']}: {subtitle}", fontsize=9)
 
 
