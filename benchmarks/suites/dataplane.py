@@ -102,6 +102,7 @@ class MainWork:
 WIRE = (("raw", "plain"), ("raw", "curve"), ("codec", "plain"), ("codec", "curve"))
 SYSTEMS = ("reference", "security_on", "security_off")
 STAGES = ("prepare", "round_trip", "worker", "take", "combine")
+RAW_OF = {"security_on": "raw_curve", "security_off": "raw_plain"}  # the wire each cluster is set against
 
 
 def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
@@ -480,25 +481,19 @@ def _time_decode_experts(model) -> list[float]:
 def goal(report: dict) -> dict:
     """The issue's figure: layer overhead / raw round trip, security on against CURVE, off against plain."""
     wire, over = report["wire_us"], report["layers"]["overhead_us_per_layer"]
-    verdict = {
-        "security_on": over["security_on"] / wire["raw_curve"]["median"],
-        "security_off": over["security_off"] / wire["raw_plain"]["median"],
-        "target": 2.0,
-    }
+    raw = {s: wire[k]["median"] for s, k in RAW_OF.items()}
+    verdict = {**{s: over[s] / raw[s] for s in raw}, "target": 2.0}
     fanout = report.get("fanout_us")
     if fanout:  # the exchange with no software at all: how far below the goal the wire itself is
-        verdict["floor_security_off"] = fanout["floor_us_per_layer"] / wire["raw_plain"]["median"]
+        verdict["floor_security_off"] = fanout["floor_us_per_layer"] / raw["security_off"]
     computing = report.get("fanout_computing_us")
     if computing:  # the same with the echoes computing real experts: the wire and a woken compute
-        floor = computing["floor_us_per_layer"]
-        verdict["floor_computing_security_off"] = floor / wire["raw_plain"]["median"]
+        verdict["floor_computing_security_off"] = computing["floor_us_per_layer"] / raw["security_off"]
     call = report["layers"].get("call_overhead_us_per_layer")
     if call:  # the experts call alone (no per-token costs)
-        verdict["call_security_on"] = call["security_on"] / wire["raw_curve"]["median"]
-        verdict["call_security_off"] = call["security_off"] / wire["raw_plain"]["median"]
+        verdict.update({f"call_{s}": call[s] / raw[s] for s in raw})
     if "raw_plain_spaced" in wire:  # beside it, against the wire between processes that slept
-        verdict["security_on_vs_spaced"] = over["security_on"] / wire["raw_curve_spaced"]["median"]
-        verdict["security_off_vs_spaced"] = over["security_off"] / wire["raw_plain_spaced"]["median"]
+        verdict.update({f"{s}_vs_spaced": over[s] / wire[f"{k}_spaced"]["median"] for s, k in RAW_OF.items()})
     return verdict
 
 
@@ -536,7 +531,7 @@ def print_report(report: dict) -> None:
             f"{st['take']:6.1f} | combine {st['combine']:6.1f}"
         )
     for s in ("security_on", "security_off"):
-        raw = w["raw_curve" if s == "security_on" else "raw_plain"]["median"]
+        raw = w[RAW_OF[s]]["median"]
         print(
             f"{s:<13} overhead per decode layer {lay['overhead_us_per_layer'][s]:8.1f} µs "
             f"= {report['goal'][s]:.2f} x raw round trip ({raw:.1f} µs); main waited "
