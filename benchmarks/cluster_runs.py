@@ -154,14 +154,15 @@ def summarise(run: ClusterRun) -> dict:
         "reloads_per_token": statistics.mean(
             x["reloads"] / max(d, 1) for x, d in zip(s, decode_tokens, strict=True)
         ),
-        "lookahead_layers_mean": _mean_of(s, "lookahead_layers_mean"),
-        "late_departure_ms_mean": _scaled(_mean_of(s, "late_departure_s_mean"), 1e3),
+        "lookahead_layers_mean": mean_of(s, "lookahead_layers_mean"),
+        "late_departure_ms_mean": _scaled(mean_of(s, "late_departure_s_mean"), 1e3),
         "peak_rss_bytes": run.peak_rss_bytes,
         "shadow_weight_bytes": run.shadow_weight_bytes,
     }
 
 
-def _mean_of(stats: list[dict], key: str) -> float | None:
+def mean_of(stats: list[dict], key: str) -> float | None:
+    """The mean of `key` over the stats that have it (None where none has)."""
     values = [x[key] for x in stats if x.get(key) is not None]
     return statistics.mean(values) if values else None
 

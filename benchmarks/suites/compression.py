@@ -161,10 +161,9 @@ def _print_ratios(label: str, path: str, by_dtype: dict) -> None:
             table.row(
                 dtype, kind, r["raw_bytes"] / 2**20, *(r[k] for k in RATIOS), r["exponent_entropy_bits"]
             )
-    if _zipnn(torch.bfloat16) is None:
-        print("zipnn: not installed (pip install zipnn, the compression extra): its column is empty")
-    if _lz4() is None:
-        print("lz4: not installed (pip install lz4, the compression extra): its column is empty")
+    for name, coder in (("zipnn", _zipnn(torch.bfloat16)), ("lz4", _lz4())):
+        if coder is None:
+            print(f"{name}: not installed (pip install {name}, the compression extra): its column is empty")
 
 
 # -- 2. decompression speed ----------------------------------------------------------------------

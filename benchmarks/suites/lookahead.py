@@ -39,7 +39,7 @@ from odmoe.main.alignment import AlignmentSchedule
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe.shadow.hedging import shadow_hedges
 from odmoe_bench import plots
-from odmoe_bench.cluster_runs import cluster_words, cpu_per_token, pooled_recall, run_cluster
+from odmoe_bench.cluster_runs import cluster_words, cpu_per_token, mean_of, pooled_recall, run_cluster
 from odmoe_bench.config import BenchConfig
 from odmoe_bench.replay import load_reference, load_shadow, reference_trajectory, replay_shadow
 from odmoe_bench.results import ResultsDir
@@ -151,11 +151,6 @@ def _row(label: str, precision: str, run) -> dict:
     decode = [s["decode_tokens_per_s"] for s in stats]
     tokens = sum(max(s["new_tokens"] - 1, 0) for s in stats)
     shadowed = [s for s in stats if s.get("shadow")]
-
-    def mean(key):
-        values = [s[key] for s in shadowed if s.get(key) is not None]
-        return statistics.mean(values) if values else None
-
     hedging = [s.get("hedging") or {} for s in stats]
     return {
         "system": label,
@@ -167,8 +162,8 @@ def _row(label: str, precision: str, run) -> dict:
         "recall": pooled_recall(stats) if shadowed else None,
         "reloads_per_token": sum(s["reloads"] for s in stats) / tokens if tokens else None,
         "stall_ms_per_token": 1e3 * sum(s["stall_s"] for s in stats) / tokens if tokens else None,
-        "lookahead_layers": mean("lookahead_layers_mean"),
-        "lookahead_iterations": mean("lookahead_iterations_mean"),
+        "lookahead_layers": mean_of(shadowed, "lookahead_layers_mean"),
+        "lookahead_iterations": mean_of(shadowed, "lookahead_iterations_mean"),
         "rollbacks": sum(s.get("shadow_rollbacks") or 0 for s in stats),
         "hedge_loads": sum(h.get("hedge_loads", 0) for h in hedging),
         "hedge_bytes": sum(h.get("hedge_bytes", 0) for h in hedging),

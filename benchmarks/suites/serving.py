@@ -85,9 +85,8 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     for load in loads:
         load["differ"] = sum(tuple(r["tokens"]) != wanted[tuple(r["key"])] for r in load["requests"])
         load.update(_summary(load))
-    base = next((x["tokens_per_s"] for x in loads if x["name"] == "closed c=1"), None)
-    alone_ttft = next((x["ttft_p50_ms"] for x in loads if x["name"] == "closed c=1"), None)
-    alone_itl = next((x["itl_p50_ms"] for x in loads if x["name"] == "closed c=1"), None)
+    alone = next((x for x in loads if x["name"] == "closed c=1"), {})
+    base, alone_ttft, alone_itl = (alone.get(k) for k in ("tokens_per_s", "ttft_p50_ms", "itl_p50_ms"))
     for load in loads:
         load["throughput_x"] = load["tokens_per_s"] / base if base else None
         load["ttft_x"] = load["ttft_p50_ms"] / alone_ttft if alone_ttft and load["ttft_p50_ms"] else None
