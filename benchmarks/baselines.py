@@ -30,7 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from pathlib import Path
 
 import torch
@@ -226,7 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     model, device_bytes, lru = build(
         args.system, args.model, args.lru_experts, link, args.dtype, args.device, args.gpu_memory
     )
-    cells = json.loads(open(args.cells).read())
+    cells = json.loads(Path(args.cells).read_text())
     timed_generate(model, cells[0]["prompts"][0], args.warmup_tokens, args.device)  # as the clusters get
     results = []
     for cell in cells:
@@ -251,16 +251,12 @@ def main(argv: list[str] | None = None) -> None:
         "offloaded_modules": _offloaded(model) if args.system == "accelerate_offload" else None,
         "cells": results,
     }
-    with open(args.out, "w") as f:
-        json.dump(report, f)
+    Path(args.out).write_text(json.dumps(report))
 
 
 def _offloaded(model) -> dict:
     """accelerate's placement: how many top-level entries of `hf_device_map` went where."""
-    where: dict[str, int] = {}
-    for device in getattr(model, "hf_device_map", {}).values():
-        where[str(device)] = where.get(str(device), 0) + 1
-    return where
+    return dict(Counter(str(device) for device in getattr(model, "hf_device_map", {}).values()))
 
 
 if __name__ == "__main__":

@@ -192,15 +192,12 @@ def timeline(events: list[dict], window: tuple[float, float], out: Path, title: 
         layer = _layer_of(name)
         height = 0.76
         if name.startswith("wait"):
-            color, hatch = "0.85", None
+            color = "0.85"
         elif name == "late departure":  # drawn as a thin red band over the shadow's row
-            color, hatch, height = "red", None, 0.2
-        elif layer is None:
-            color, hatch = "0.5", None
+            color, height = "red", 0.2
         else:
-            color, hatch = f"C{layer % 10}", None
-        if name.startswith("load") and not e["args"].get("used", True):
-            hatch = "////"
+            color = "0.5" if layer is None else f"C{layer % 10}"
+        hatch = "////" if name.startswith("load") and not e["args"].get("used", True) else None
         start, dur = (e["ts"] - t0) / 1e3, e["dur"] / 1e3
         bottom = y + 0.38 if name == "late departure" else y - height / 2
         ax.broken_barh(
