@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from importlib import resources
+from itertools import takewhile
 
 # Every suite, in the order `suite=quick` runs them; each has benchmarks/conf/suite/<name>.yaml, whose
 # opening comment says what it measures (`suite_summaries`, `make suites`).
@@ -57,6 +58,7 @@ def gpu_system(name: str) -> tuple[str, int | None]:
 
 COMPRESSION_SYSTEMS = ("memory", "compressed", "disk", "lru_offloader")
 GRID_SYSTEMS = ("odmoe", "resident_workers", "single_process", "lru_offloader")
+DTYPES = ("bfloat16", "float16", "float32")  # the dtypes a suite may store or run a model at
 
 
 @dataclass
@@ -132,7 +134,7 @@ class TimelineSuite:
 class CompressionSuite:
     # Ratios of odmoe's store against zipnn, whole-tensor zstd / lz4 and the exponent's Shannon bound,
     # on every expert of the model at each dtype; then decompression GB/s per thread count.
-    dtypes: list[str] = field(default_factory=lambda: ["bfloat16", "float16", "float32"])
+    dtypes: list[str] = field(default_factory=lambda: list(DTYPES))
     threads: list[int] = field(default_factory=lambda: [1, 2])
     speed_repeats: int = 3  # decompress every expert this many times per thread count; the median counts
     random_init: bool = True  # also the ratios of random-init weights (the tiny model) beside the model's
@@ -536,7 +538,7 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError("grid.lru_experts must be at least 1")
     c = cfg.compression
     _among("compression.systems", c.systems, COMPRESSION_SYSTEMS)
-    _among("compression dtypes", [*c.dtypes, c.dtype], ("bfloat16", "float16", "float32"))
+    _among("compression dtypes", [*c.dtypes, c.dtype], DTYPES)
     if not c.threads or min(c.threads) < 1 or c.repeats < 1 or c.speed_repeats < 1:
         raise ValueError("compression.threads, repeats and speed_repeats must be at least 1")
     for case in cfg.faults.cases:
@@ -606,11 +608,7 @@ def validate(cfg: BenchConfig) -> None:
         raise ValueError(
             "gpu: layers, widths, repeats, workers, slots, lru_experts, prompt_tokens must be >= 1"
         )
-    if (
-        g.new_tokens < 2
-        or g.shadow_precision not in PRECISIONS
-        or g.dtype not in ("bfloat16", "float16", "float32")
-    ):
+    if g.new_tokens < 2 or g.shadow_precision not in PRECISIONS or g.dtype not in DTYPES:
         raise ValueError("gpu: new_tokens >= 2, a known shadow_precision and dtype bfloat16/float16/float32")
     groups = g.workers // max(g.group_size, 1)
     clustered = {"odmoe", "odmoe_cache", "odmoe_lru"} & kinds
@@ -636,12 +634,9 @@ def suite_summaries() -> dict[str, str]:
     folder = resources.files("odmoe_bench.conf") / "suite"
     out = {}
     for name in SUITES:
-        head = []
-        for line in (folder / f"{name}.yaml").read_text().splitlines()[1:]:  # [0]: `# @package _global_`
-            if not line.startswith("#"):
-                break
-            head.append(line.lstrip("#").strip())
-        out[name] = " ".join(head)
+        lines = (folder / f"{name}.yaml").read_text().splitlines()[1:]  # [0]: `# @package _global_`
+        head = takewhile(lambda line: line.startswith("#"), lines)
+        out[name] = " ".join(line.lstrip("#").strip() for line in head)
     return out
 
 
