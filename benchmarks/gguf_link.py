@@ -32,8 +32,9 @@ from odmoe_bench.wide_model import add_wide_model_args, wide_spec
 PROMPT = "def fibonacci(n):\n    "
 
 
-def reference(path: str, tokens: int, device: str = "cpu") -> list[int]:
-    """transformers' greedy tokens for the checkpoint on `device`, one thread as every node computes."""
+def reference(path: str, tokens: int, device: str = "cpu", prompt: str = PROMPT) -> list[int]:
+    """transformers' greedy tokens for `prompt` on the checkpoint on `device`, one thread as every node
+    computes."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -47,7 +48,7 @@ def reference(path: str, tokens: int, device: str = "cpu") -> list[int]:
     else:
         model = AutoModelForCausalLM.from_pretrained(path)
     model = model.to(device)
-    ids = load_tokenizer(path)(PROMPT, return_tensors="pt")["input_ids"].to(device)
+    ids = load_tokenizer(path)(prompt, return_tensors="pt")["input_ids"].to(device)
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens)
     return out[0, ids.shape[1] :].tolist()
@@ -74,10 +75,7 @@ def run(path: str, tokens: int, gbps: float, device: str = "cpu") -> dict:
     s = got.stats
     checkpoint = open_checkpoint(path)
     experts = [(layer, e) for layer in checkpoint.moe_layers for e in range(checkpoint.num_experts)]
-    if checkpoint.quantized_experts:
-        stored = sum(checkpoint.quantized_expert(*key).nbytes for key in experts)
-    else:
-        stored = sum(checkpoint.expert(*key).nbytes for key in experts)  # as stored: bf16
+    stored = stored_bytes(checkpoint, experts)
     return {
         "expert_bytes_stored_mean": stored / len(experts),
         # cacheless workers in one group of 2 each hold every expert of every layer (failover)
@@ -92,6 +90,12 @@ def run(path: str, tokens: int, gbps: float, device: str = "cpu") -> dict:
         "worker_resident_bytes": {name: m.resident for name, m in memory.items()},
         "tokens_equal_transformers": got.token_ids == reference(path, tokens, device),
     }
+
+
+def stored_bytes(checkpoint, keys: list[tuple[int, int]]) -> int:
+    """The bytes of the experts at `keys` as the checkpoint stores them (bf16 where not quantized)."""
+    expert = checkpoint.quantized_expert if checkpoint.quantized_experts else checkpoint.expert
+    return sum(expert(*key).nbytes for key in keys)
 
 
 def main(argv: list[str] | None = None) -> int:

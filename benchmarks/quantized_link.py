@@ -17,10 +17,11 @@ import time
 from pathlib import Path
 
 from odmoe import LocalCluster
-from odmoe.models.open_model import load_tokenizer, open_checkpoint
+from odmoe.models.open_model import open_checkpoint
 from odmoe.tools.fp8_checkpoint import quantize_fp8
 from odmoe.tools.model_factory import ModelSpec, make_model
 from odmoe.tools.mxfp4_checkpoint import quantize_mxfp4
+from odmoe_bench.gguf_link import reference, stored_bytes
 from odmoe_bench.results import write_report
 
 SPEC = ModelSpec(family="deepseek_v3", hidden=64, intermediate=32, experts=16, top_k=4, dtype="bfloat16")
@@ -28,34 +29,17 @@ GPT_OSS = ModelSpec(family="gpt_oss", dtype="bfloat16")
 PROMPT = "def fibonacci(n):"
 
 
-def reference(path: str, tokens: int) -> list[int]:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.set_num_threads(1)  # as every node of the local cluster computes
-    model = AutoModelForCausalLM.from_pretrained(path)
-    ids = load_tokenizer(path)(PROMPT, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=tokens)
-    return out[0, ids.shape[1] :].tolist()
-
-
 def run(path: str, tokens: int) -> dict:
     with LocalCluster(path, workers=2, group_size=2, overrides=["preset=paper"]) as cluster:
         got = cluster.client.generate(PROMPT, max_new_tokens=tokens)
     s = got.stats
     checkpoint = open_checkpoint(path)
-    key = (checkpoint.moe_layers[0], 0)
-    stored = (
-        checkpoint.quantized_expert(*key).nbytes
-        if checkpoint.quantized_experts
-        else checkpoint.expert(*key).nbytes  # as stored: bf16
-    )
     return {
-        "expert_bytes_stored": stored,
+        "expert_bytes_stored": stored_bytes(checkpoint, [(checkpoint.moe_layers[0], 0)]),
         "bytes_loaded_per_token": s["bytes_loaded"] / max(s["new_tokens"], 1),
         "bytes_per_load": s["bytes_loaded"] / max(s["experts_loaded"], 1),
         "experts_loaded": s["experts_loaded"],
-        "tokens_equal_transformers": got.token_ids == reference(path, tokens),
+        "tokens_equal_transformers": got.token_ids == reference(path, tokens, prompt=PROMPT),
     }
 
 
