@@ -34,6 +34,7 @@ import psutil
 from odmoe.launch.pull import choose_for
 from odmoe.launch.settings import compose
 from odmoe.models.checkpoint_index import build_index
+from odmoe.node_memory import process_memory
 from odmoe.tools.model_factory import make_wide_model
 from odmoe_bench.results import write_report
 from odmoe_bench.wide_model import add_wide_model_args, wide_spec
@@ -62,16 +63,8 @@ def _reference(model: Path, new_tokens: int) -> list[int]:
 
 
 def _peak_rss(root: psutil.Process) -> int:
-    """The largest VmHWM among a box's processes (its node is a child of the launcher)."""
-    peak = 0
-    for p in [root, *root.children(recursive=True)]:
-        try:
-            for line in Path(f"/proc/{p.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    peak = max(peak, int(line.split()[1]) * 1024)
-        except OSError:
-            continue
-    return peak
+    """The largest VmHWM among a box's processes (its node is a child of the launcher); 0 for one gone."""
+    return max(process_memory(p.pid).peak for p in [root, *root.children(recursive=True)])
 
 
 def _wait(what, timeout_s: float, why) -> float:
