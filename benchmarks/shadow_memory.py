@@ -31,20 +31,10 @@ import statistics
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 from odmoe.models.open_model import open_checkpoint
+from odmoe.node_memory import process_memory
 from odmoe_bench.results import write_report
-
-
-def _status() -> dict[str, int]:
-    out = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        parts = value.split()
-        if len(parts) == 2 and parts[1] == "kB":
-            out[name] = int(parts[0]) * 1024
-    return out
 
 
 def measure_memory(model_path: str, precision: str, whole: bool) -> dict:
@@ -72,27 +62,27 @@ def measure_memory(model_path: str, precision: str, whole: bool) -> dict:
     )
     del checkpoint, skeleton
     gc.collect()
-    base = _status()
+    base = process_memory()
     start = time.perf_counter()
     load = load_whole_shadow_model if whole else load_shadow_model
     model = load(model_path, chosen, "cpu")
     load_s = time.perf_counter() - start
     gc.collect()
-    loaded = _status()
+    loaded = process_memory()
     bf16 = shadow_weight_bytes(shapes, "bf16")
     row = {
         "precision": precision,
         "chosen": chosen,
         "loader": "whole" if whole else "layers",
         "load_s": round(load_s, 1),
-        "base_rss": base["VmRSS"],
-        "peak_rss": loaded["VmHWM"],
-        "steady_rss": loaded["VmRSS"],
-        "peak_over_steady": loaded["VmHWM"] - loaded["VmRSS"],
+        "base_rss": base.resident,
+        "peak_rss": loaded.peak,
+        "steady_rss": loaded.resident,
+        "peak_over_steady": loaded.peak - loaded.resident,
         "layer_bytes": layer_bytes,
         "weight_bytes": model_bytes(model),
         "estimated_bytes": shadow_weight_bytes(shapes, chosen),
-        "held_rss": loaded["VmRSS"] - base["VmRSS"],
+        "held_rss": loaded.resident - base.resident,
         "bf16_bytes": bf16,
         "threads": torch.get_num_threads(),
     }
