@@ -596,22 +596,31 @@ def serving(report: dict, out: Path, subtitle: str) -> None:
 
 
 def cache(report: dict, out: Path, subtitle: str) -> None:
-    """Decode tokens/s, hit rate and bytes loaded per token by cache budget, per system."""
+    """Decode tokens/s, hit rate, bytes loaded per token, and the shadow's recall in time with main's
+    stall by cache budget, per system."""
     rows = report["rows"]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4.2))
+    stall = axes[3].twinx()  # the shadow's part: what arrived in time, and what main waited for
     systems = [s for s in dict.fromkeys(r["system"] for r in rows) if s != "resident_workers"]
     resident = next((r for r in rows if r["system"] == "resident_workers"), None)
-    for system in systems:
+    for i, system in enumerate(systems):
         mine = sorted((r for r in rows if r["system"] == system), key=lambda r: r["budget"])
         b = [r["budget"] * 100 for r in mine]
-        axes[0].plot(b, [r["decode_tokens_per_s"] for r in mine], "o-", label=system)
-        axes[1].plot(b, [r["hit_rate"] or 0.0 for r in mine], "o-", label=system)
-        axes[2].plot(b, [r["bytes_per_token"] / 2**20 for r in mine], "o-", label=system)
+        style = {"color": f"C{i}", "label": system}
+        axes[0].plot(b, [r["decode_tokens_per_s"] for r in mine], "o-", **style)
+        axes[1].plot(b, [r["hit_rate"] or 0.0 for r in mine], "o-", **style)
+        axes[2].plot(b, [r["bytes_per_token"] / 2**20 for r in mine], "o-", **style)
+        if system.startswith("odmoe"):
+            # none where the caches held every expert and main skipped the shadow: a gap, not a 0
+            axes[3].plot(b, [r.get("timely_recall") or math.nan for r in mine], "o-", **style)
+            stall.plot(b, [r.get("stall_ms_per_token") or 0.0 for r in mine], "x:", color=f"C{i}")
     if resident:
         axes[0].axhline(resident["decode_tokens_per_s"], color="grey", ls=":", label="resident workers")
     axes[0].set(xlabel="cache budget, % of every expert's bytes", ylabel="decode tokens/s")
     axes[1].set(xlabel="cache budget, %", ylabel="experts computed from a cache", ylim=(0, 1.02))
     axes[2].set(xlabel="cache budget, %", ylabel="MiB loaded per generated token")
+    axes[3].set(xlabel="cache budget, %", ylabel="shadow's recall in time (o)", ylim=(0, 1.02))
+    stall.set(ylabel="main's stall, ms per token (x)")
     for ax in axes:
         ax.legend(fontsize=8)
     differ = sum(r["differ"] for r in rows)
