@@ -628,6 +628,49 @@ def cache(report: dict, out: Path, subtitle: str) -> None:
     _save(fig, out, title, 9)
 
 
+def security(report: dict, out: Path, subtitle: str) -> None:
+    """Suite security: each request's decode tokens/s and TTFT, each start's connect time, on and off."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    modes = list(report["rows"])
+    panels = (
+        (report["rows"], "decode_tokens_per_s", 1, "decode tokens/s, each request"),
+        (report["rows"], "ttft_s", 1e3, "time to first token, ms (client)"),
+        (report["starts"], "connect_s", 1e3, "main's connect, ms, each start"),
+    )
+    for ax, (runs, key, scale, label) in zip(axes, panels, strict=True):
+        ax.boxplot([[r[key] * scale for r in runs[m] if r.get(key)] for m in modes], widths=0.5)
+        ax.set_xticks(range(1, len(modes) + 1), [f"security {m}" for m in modes])
+        ax.set(ylabel=label)
+    title = f"security's cost; requests whose tokens differ: {report['tokens_differ']}\n{subtitle}"
+    _save(fig, out, title, 9, tight=True)
+
+
+def eval_harness(report: dict, out: Path, subtitle: str) -> None:
+    """Suite eval: each task's scores through the harness per runner, the runs' seconds, and prompt
+    scoring's tokens/s on the cluster and in one process."""
+    fig, (scores, seconds, scoring) = plt.subplots(1, 3, figsize=(15, 4.4))
+    runners = ("hf", "local-completions", "odmoe-completions")
+    names, values = [], {r: [] for r in runners}
+    for task, result in report["tasks"].items():
+        for metric, (hf, local) in result["scores"].items():
+            names.append(f"{task}\n{metric.split(',')[0]}")
+            ours = report["odmoe_completions"][task]["scores"][metric][1]
+            for runner, value in zip(runners, (hf, local, ours), strict=True):
+                values[runner].append(value)
+    for i, runner in enumerate(runners):
+        bars = scores.bar([x + (i - 1) * 0.27 for x in range(len(names))], values[runner], 0.27, label=runner)
+        _label_bars(scores, bars, [f"{v:.3f}" for v in values[runner]], 6)
+    scores.set_xticks(range(len(names)), names, fontsize=8)
+    scores.set(ylabel="score")
+    scores.legend(fontsize=8)
+    harness = report["harness_seconds"]
+    _named_bars(seconds, list(harness), list(harness.values()), "{:.0f}", "C0", "the harness's run, s")
+    rates = {k: v for k, v in report["scoring"].items() if isinstance(v, float)}
+    names = ["\n".join(textwrap.wrap(k, 14)) for k in rates]
+    _named_bars(scoring, names, list(rates.values()), "{:.0f}", "C2", "prompt scoring, prompt tokens/s")
+    _save(fig, out, f"lm-eval through odmoe; every score equal to hf's: {report['identical']}\n{subtitle}", 9)
+
+
 def memory(report: dict, out: Path, subtitle: str) -> None:
     """Steady and peak resident memory per role over the checkpoint's size (the defaults), and the
     disk path's decode tokens/s by the share of the experts the workers' memory holds."""

@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM
 
 import odmoe
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench import plots
 from odmoe_bench.cluster_runs import cluster_words
 from odmoe_bench.config import BenchConfig
 from odmoe_bench.results import ResultsDir
@@ -85,6 +86,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     }
     _print(report)
     out.write("eval", "eval", report)
+    plots.eval_harness(report, out.path("eval", "png"), f"model {Path(model_path).name}")
     return report
 
 

@@ -17,6 +17,7 @@ import time
 
 import odmoe
 from odmoe.models.open_model import load_tokenizer
+from odmoe_bench import plots
 from odmoe_bench.cluster_runs import cluster_words
 from odmoe_bench.config import BenchConfig
 from odmoe_bench.results import ResultsDir
@@ -77,6 +78,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     }
     _print(report)
     out.write("security", "security", report)
+    plots.security(report, out.path("security", "png"), out.describe(suite.new_tokens))
     return report
 
 
