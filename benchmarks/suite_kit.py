@@ -97,3 +97,8 @@ def percentile(values: list[float], q: float) -> float | None:
 def change_pct(new: float | None, base: float | None) -> float | None:
     """How much `new` is above `base`, in percent (negative: below); None where either is missing or 0."""
     return None if not new or not base else (new / base - 1) * 100
+
+
+def alternated(round_: int, names: tuple[str, ...]) -> tuple[str, ...]:
+    """`names` in order on even rounds, reversed on odd ones: neither side always runs first."""
+    return names if round_ % 2 == 0 else tuple(reversed(names))

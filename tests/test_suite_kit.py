@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from odmoe_bench.suite_kit import Table, change_pct, median, percentile
+from odmoe_bench.suite_kit import Table, alternated, change_pct, median, percentile
 
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
@@ -39,3 +39,7 @@ def test_the_statistics_skip_what_is_missing():
     assert percentile([5.0, 1.0, 3.0, 2.0, 4.0], 0.5) == 3.0 and percentile([1.0, 2.0], 0.99) == 2.0
     assert percentile([], 0.5) is None
     assert change_pct(110.0, 100.0) == pytest.approx(10.0) and change_pct(None, 1.0) is None
+
+
+def test_alternated_rounds_reverse_the_order_so_neither_side_always_runs_first():
+    assert [alternated(r, ("on", "off")) for r in range(3)] == [("on", "off"), ("off", "on"), ("on", "off")]

@@ -25,7 +25,7 @@ from odmoe.models.main_model import resolve_dtype
 from odmoe.models.open_model import load_tokenizer, open_checkpoint
 from odmoe_bench import plots
 from odmoe_bench.baselines import run_in_child
-from odmoe_bench.cluster_runs import cluster_words, run_cluster
+from odmoe_bench.cluster_runs import cluster_words, pooled_recall, run_cluster
 from odmoe_bench.config import BenchConfig
 from odmoe_bench.results import ResultsDir
 from odmoe_bench.suite_kit import Table, prompts
@@ -137,16 +137,10 @@ def _measure(cfg, model_path, system, per_worker, expert_bytes, prompts, new_tok
         "bytes_per_token": sum(x["bytes_loaded"] for x in s) / new,
         "decode_experts": decode_experts,
         "stall_ms_per_token": statistics.mean(x["stall_s"] * 1e3 / max(x["new_tokens"] - 1, 1) for x in s),
-        "timely_recall": _pooled(s, "timely_recall"),
+        "timely_recall": pooled_recall(s, "timely_recall"),
         "capacity_experts": sum(r // expert_bytes for r in rooms) // len(rooms),
         "token_ids": run.token_ids,
     }
-
-
-def _pooled(stats: list[dict], key: str) -> float | None:
-    rows = [x[key] for x in stats if x.get(key) and x[key].get("activated")]
-    total = sum(r["activated"] for r in rows)
-    return sum(r["overall"] * r["activated"] for r in rows) / total if total else None
 
 
 def _offloader(cfg, model_path, prompts, new_tokens, lru_experts) -> dict:

@@ -21,7 +21,7 @@ from odmoe.models.open_model import load_tokenizer
 from odmoe_bench.cluster_runs import cluster_words
 from odmoe_bench.config import BenchConfig
 from odmoe_bench.results import ResultsDir
-from odmoe_bench.suite_kit import Table, median, prompts
+from odmoe_bench.suite_kit import Table, alternated, median, prompts
 
 PATHS = ("grpc", "http_stream", "http_whole")
 TABLE = Table(
@@ -59,7 +59,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             for ids in requests:
                 for sampling in samplings:
                     texts = {}
-                    for path in _order(r):
+                    for path in alternated(r, PATHS):
                         row = PATH_FUNCS[path](
                             cluster.client if path == "grpc" else api, name, ids, suite.new_tokens, sampling
                         )
@@ -78,10 +78,6 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     _print(report)
     out.write("frontdoor", "frontdoor", report)
     return report
-
-
-def _order(r: int) -> tuple[str, ...]:
-    return PATHS if r % 2 == 0 else tuple(reversed(PATHS))
 
 
 def _grpc(client, _name, ids, new_tokens, sampling) -> dict:

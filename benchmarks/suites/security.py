@@ -21,7 +21,7 @@ from odmoe_bench import plots
 from odmoe_bench.cluster_runs import cluster_words
 from odmoe_bench.config import BenchConfig
 from odmoe_bench.results import ResultsDir
-from odmoe_bench.suite_kit import Table, change_pct, median, prompts
+from odmoe_bench.suite_kit import Table, alternated, change_pct, median, prompts
 
 MODES = ("on", "off")
 TABLE = Table(
@@ -41,7 +41,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     for rnd in range(suite.rounds):
         clusters = {}
         try:
-            for mode in _order(rnd):
+            for mode in alternated(rnd, MODES):
                 words = cluster_words(cfg, f"security.enabled={'true' if mode == 'on' else 'false'}")
                 began = time.perf_counter()
                 clusters[mode] = odmoe.LocalCluster(model_path, overrides=words).start()
@@ -51,7 +51,7 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
             for r in range(suite.repeats):
                 for ids in requests:
                     texts = {}
-                    for mode in _order(rnd + r):
+                    for mode in alternated(rnd + r, MODES):
                         row = _request(clusters[mode].client, ids, suite.new_tokens)
                         texts[mode] = row.pop("token_ids")
                         rows[mode].append(row)
@@ -80,10 +80,6 @@ def run(cfg: BenchConfig, model_path: str, out: ResultsDir) -> dict:
     out.write("security", "security", report)
     plots.security(report, out.path("security", "png"), out.describe(suite.new_tokens))
     return report
-
-
-def _order(r: int) -> tuple[str, ...]:
-    return MODES if r % 2 == 0 else tuple(reversed(MODES))
 
 
 def _request(client, ids, new_tokens: int) -> dict:
