@@ -674,7 +674,9 @@ def eval_harness(report: dict, out: Path, subtitle: str) -> None:
 def memory(report: dict, out: Path, subtitle: str) -> None:
     """Steady and peak resident memory per role over the checkpoint's size (the defaults), and the
     disk path's decode tokens/s by the share of the experts the workers' memory holds."""
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.4))
+    disk = report["disk_path"]
+    fig, axes = plt.subplots(1, 2 if disk else 1, figsize=(12 if disk else 6.5, 4.4), squeeze=False)
+    axes = axes[0]
     rows = [r for r in report["rows"] if r["system"] == "defaults"]
     sizes = [r["checkpoint_bytes"] / 2**30 for r in rows]
     for role, color in (("main", "C0"), ("shadow", "C1"), ("worker", "C2")):
@@ -689,7 +691,6 @@ def memory(report: dict, out: Path, subtitle: str) -> None:
         axes[0].plot(sizes, sizes, "--", color="grey", label="the checkpoint")
     axes[0].set(xlabel="checkpoint, GiB (bf16)", ylabel="resident memory, GiB (VmRSS / VmHWM)")
     axes[0].legend(fontsize=7)
-    disk = report["disk_path"]
     if disk:
         axes[1].plot(
             [d["fraction"] for d in disk], [d["decode_tokens_per_s"] for d in disk], "o-", label="decode"
@@ -698,7 +699,7 @@ def memory(report: dict, out: Path, subtitle: str) -> None:
         axes[1].invert_xaxis()
         axes[1].legend(fontsize=8)
     title = (
-        f"memory per node (defaults) and the disk path; tokens identical to one process: "
+        f"memory per node (defaults){' and the disk path' if disk else ''}; tokens identical to one process: "
         f"{report['identical']}\n{subtitle}"
     )
     _save(fig, out, title, 9)
