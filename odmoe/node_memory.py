@@ -124,13 +124,6 @@ def _read_limit(path: Path) -> int | None:
     return None if value >= UNLIMITED else value
 
 
-def _read_int(path: Path) -> int | None:
-    try:
-        return int(path.read_text().strip())
-    except (OSError, ValueError):
-        return None
-
-
 def _meminfo(path: Path) -> dict[str, int]:
     out = {}
     try:
