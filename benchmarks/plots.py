@@ -611,7 +611,7 @@ def cache(report: dict, out: Path, subtitle: str) -> None:
         axes[1].plot(b, [r["hit_rate"] or 0.0 for r in mine], "o-", **style)
         axes[2].plot(b, [r["bytes_per_token"] / 2**20 for r in mine], "o-", **style)
         if system.startswith("odmoe"):
-            # none where the caches held every expert and main skipped the shadow: a gap, not a 0
+            # 0 (or none) where the caches held every expert and main skipped the shadow: a gap there
             axes[3].plot(b, [r.get("timely_recall") or math.nan for r in mine], "o-", **style)
             stall.plot(b, [r.get("stall_ms_per_token") or 0.0 for r in mine], "x:", color=f"C{i}")
     if resident:
