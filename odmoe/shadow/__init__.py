@@ -2,7 +2,8 @@
 
 `predictor` is the shadow without its sockets: main's Begin / Align / End in, predictions and
 reports out through one callback; the process around it is `odmoe.nodes.shadow`. `shadow_model`
-builds the whole model at a lower precision (bf16/fp16, INT8, NF4, dynamic INT8) and steps it;
+builds the whole model at a lower precision (bf16/fp16, INT8, NF4, dynamic INT8; the layers are
+`quantized_linear`) and steps it;
 `router_tap` reads each MoE layer's router as it runs (the top-k, and near-ties as `hedging`
 hedges) — the same tap the lossy policies and benchmarks use — and `choices` makes one prediction
 per step from every request's choice. `shadow_batch` keeps one shadow sequence per running request;
