@@ -4,6 +4,7 @@
   `to_config`), with the README's own words (`--prompt` taken off the way odmoe-launch does);
 - `odmoe-keys` runs for real, into a temporary directory;
 - `odmoe-chat`'s options exist in its argument parser;
+- every installed command (pyproject's scripts) has a row in "Which install each command needs";
 - `pip install` lines name the constraints file and extras that exist;
 - `python -m pytest` is this run; `mkdocs` lines are CI's `mkdocs build --strict` (.ci/run).
 A command of any other program fails the test until a check for it is added.
@@ -119,3 +120,11 @@ def test_the_pip_lines_name_files_and_extras_that_exist():
             assert (REPO / words[words.index("-c") + 1]).exists()
         for spec in (w for w in words if w.startswith(".[")):
             assert set(spec[2:-1].split(",")) <= set(extras), spec
+
+
+def test_every_installed_command_is_in_the_readmes_install_table():
+    """A console script the README's "Which install each command needs" leaves out is a command a
+    reader cannot find (odmoe-chat and odmoe-profile were)."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    table = (REPO / "README.md").read_text().split("### Which install each command needs")[1].split("\n\n")[1]
+    assert [s for s in scripts if f"| `{s}" not in table] == []
