@@ -1,6 +1,7 @@
 """Main's HTTP door sends an answer as soon as it has it: every connection it accepts has
-TCP_NODELAY. asyncio sets that option only on a socket whose `proto` says TCP, and the sockets
-`accept` returns say 0, so the door's connections ran with Nagle's algorithm: over TLS a whole
+TCP_NODELAY. asyncio sets that option only on a socket whose `proto` says TCP; an accepted socket
+takes its listener's, and the listener HttpServer binds (socket.create_server, since 2026-11-28)
+says 0, so the door's connections ran with Nagle's algorithm: over TLS a whole
 (non-streamed) answer's body waited for the client's delayed ACK of its headers, 40 ms on most
 requests (suite frontdoor on 2026-11-29: http_whole 16 % slower than gRPC, streamed 3 %). A real
 uvicorn server with the cluster's TLS, a real connection, the option read off the accepted socket."""

@@ -614,8 +614,8 @@ class HttpServer:
         self.sock = socket.create_server(
             (host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET
         )
-        # Accepted connections inherit it (Linux). asyncio sets TCP_NODELAY only on sockets whose proto
-        # says TCP, which accepted ones do not: with Nagle on, a whole answer's body waited for the
+        # Accepted connections inherit it (Linux). asyncio sets TCP_NODELAY only where a socket's proto
+        # says TCP, and create_server's says 0: with Nagle on, a whole answer's body waited for the
         # client's delayed ACK of its headers, 40 ms behind them over TLS
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if ping_s:
