@@ -16,11 +16,12 @@ valid Unicode (a lone surrogate) is a ValueError naming it, before anything is s
 
 Failover (main's loss): give several main addresses, the active one first and standbys after
 (`Client(["10.0.0.1:50051", "10.0.0.2:50051"])`). A killed main breaks the stream at once; a
-frozen one is noticed when no reply came for `keepalive_s` and main then fails to answer a gRPC
-health check within `2 * keepalive_s` (gRPC's own keepalive took a minute here: its ping policy
-throttles pings on a stream). A busy main answers health checks from its gRPC threads, so slowness
-alone is not a loss. The client then resumes on the next main by sending the prompt
-plus the tokens it already received (`resume_ids`), and that main replays them and streams the
+frozen one within about `keepalive_s`: the channel's keepalive pings go unanswered for their
+timeout (`keepalive_s` too) and gRPC closes the connection (1.02 s with the default 1 s in suite
+faults). Failing that, no reply for `keepalive_s` and then no answer to a gRPC health check within
+`2 * keepalive_s` calls it lost (3.00 s). A busy main answers health checks from its gRPC
+threads, so slowness alone is not a loss. The client then resumes on the next main by sending the
+prompt plus the tokens it already received (`resume_ids`), and that main replays them and streams the
 rest. With greedy decoding, or sampling with its seed, the whole sequence equals the single-process
 reference. What a stream sees: a pause (detection, then the new main replaying the tokens it had,
 one decode step each: 0.7-1.7 s in tests/test_failover.py, four streams of a tiny model ~10
