@@ -13,20 +13,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_house_size import ROOT, sources
+
 # starts no process and trains nothing: the fast tier (-m fast) runs this file's default tests
 pytestmark = pytest.mark.pure
 
-ROOT = Path(__file__).resolve().parent.parent
 ROOMS = ("odmoe", "nodes", "launch", "benchmarks")
 
 
 def modules() -> list[Path]:
-    return [
-        path.relative_to(ROOT)
-        for room in ROOMS
-        for path in sorted((ROOT / room).rglob("*.py"))
-        if path.name != "__init__.py" and "rpc" not in path.relative_to(ROOT).parts and not path.is_symlink()
-    ]
+    return [path.relative_to(ROOT) for path in sources(ROOMS) if path.name != "__init__.py"]
 
 
 def unlisted(tree: str, paths: list[Path]) -> list[str]:
